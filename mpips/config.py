@@ -1,0 +1,151 @@
+"""Typed run configuration: one dataclass, mapped onto CLI flags and an optional TOML file.
+
+Precedence: defaults < ``--config FILE`` (TOML, keys are the flag names with ``_`` or ``-``)
+< flags given on the command line.  Unknown keys and impossible values are errors that say
+the fix.  The resolved config is stored in every checkpoint.
+"""
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+MODES = ("async", "sync", "geo", "ssp")
+OPTIMIZERS = ("adam", "adagrad", "sgd")
+FORMATS = ("auto", "tsv", "slot")
+
+
+def _f(default, help_text, **kw):
+    return field(default=default, metadata={"help": help_text, **kw})
+
+
+@dataclass
+class Config:
+    # --- data
+    train: str = _f("", "training data: file, folder, glob or comma list; empty = the embedded "
+                        "synthetic dataset (generated once into --cache-dir)")
+    test: str = _f("", "test data, same forms; empty with no --train = the synthetic held-out part")
+    data_format: str = _f("auto", "input format: auto (by first line), tsv (Criteo), slot (Paddle "
+                                  "slot text)", choices=FORMATS)
+    cache_dir: str = _f("~/.cache/mpips", "where the embedded synthetic dataset is kept")
+    synth_rows: int = _f(300_000, "rows of the embedded synthetic training set")
+    synth_test_rows: int = _f(60_000, "rows of the embedded synthetic test set")
+    strict: bool = _f(False, "stop at the first malformed line instead of counting and skipping it")
+    hash_bucket: int = _f(0, "0 = full 64-bit feature ids; N>0 = Paddle-style `hash %% N` buckets "
+                             "(Paddle uses 1000001)")
+    # --- cluster and mode
+    servers: int = _f(0, "number of server ranks (0 = half the ranks, at least 1)")
+    local: bool = _f(False, "train in one process without MPI messages (the yardstick)")
+    local_workers: int = _f(1, "local mode: read the data as W workers would and train on the "
+                               "concatenation of their batches (batch W x B), to reproduce sync mode")
+    mode: str = _f("async", "training mode", choices=MODES)
+    geo_steps: int = _f(100, "GEO-SGD: send deltas every K local steps")
+    staleness: int = _f(4, "ssp: a worker may run at most this many steps ahead of the slowest")
+    dense_every: int = _f(1, "async: pull fresh dense weights every N steps (gradients are pushed "
+                             "every step)")
+    # --- model and optimiser
+    embedding_dim: int = _f(10, "embedding size per sparse slot")
+    fc: str = _f("400,400,400", "hidden layer sizes, comma-separated")
+    optimizer: str = _f("adam", "server optimizer (sparse and dense)", choices=OPTIMIZERS)
+    lr: float = _f(1e-3, "learning rate")
+    init_range: float = _f(0.05, "new embedding rows start uniform in [-r, r] from (seed, id)")
+    batch_size: int = _f(512, "examples per worker step")
+    epochs: int = _f(1, "passes over the training data")
+    seed: int = _f(0, "seed of all initialisation")
+    # --- output and robustness
+    print_every: int = _f(100, "log a TRAIN line every N batches (first worker)")
+    metrics_out: str = _f("", "write JSON lines (one per epoch) to this file")
+    peer_timeout: float = _f(120.0, "seconds without an answer from a peer before failing")
+    prefetch: bool = _f(True, "parse data in a background thread")
+    max_steps: int = _f(0, "stop each epoch after N steps per worker (0 = whole epoch)")
+
+    @property
+    def hidden(self):
+        return tuple(int(x) for x in self.fc.split(",") if x.strip())
+
+    def validate(self):
+        """Raise ValueError with the fix for impossible values."""
+        positive = ("embedding_dim", "batch_size", "epochs", "geo_steps", "dense_every",
+                    "print_every", "local_workers")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
+        for name, choices in (("mode", MODES), ("optimizer", OPTIMIZERS), ("data_format", FORMATS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(choices)}; "
+                                 f"got {getattr(self, name)!r}")
+        try:
+            hidden = self.hidden
+        except ValueError:
+            raise ValueError(f"--fc must be comma-separated integers like 400,400,400; got {self.fc!r}")
+        if not hidden or min(hidden) < 1:
+            raise ValueError(f"--fc needs at least one positive layer size; got {self.fc!r}")
+        if self.lr <= 0 or self.peer_timeout <= 0:
+            raise ValueError("--lr and --peer-timeout must be positive")
+        if self.staleness < 0 or self.servers < 0 or self.hash_bucket < 0 or self.max_steps < 0:
+            raise ValueError("--staleness, --servers, --hash-bucket and --max-steps must be >= 0")
+        if self.train == "" and self.test != "":
+            raise ValueError("--test without --train: give --train too (or neither for the "
+                             "embedded synthetic dataset)")
+        return self
+
+    def to_json(self):
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+def build_parser(prog="python -m mpips.train"):
+    p = argparse.ArgumentParser(prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description="Parameter-server training of CTR-DNN over MPI.")
+    p.add_argument("--config", default="", help="TOML file whose keys mirror these flags")
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        kw = dict(default=f.default, help=f.metadata["help"])
+        if f.type is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = f.type
+            if "choices" in f.metadata:
+                kw["choices"] = f.metadata["choices"]
+        p.add_argument(flag, **kw)
+    return p
+
+
+def _from_toml(path):
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ValueError(f"--config {path}: no such file")
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--config {path}: not valid TOML ({e})")
+    names = {f.name: f for f in dataclasses.fields(Config)}
+    out = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in names:
+            raise ValueError(f"--config {path}: unknown key {key!r} (known: {', '.join(sorted(names))})")
+        typ = names[name].type
+        want = (int, float) if typ is float else typ
+        if not isinstance(value, want) or (typ is not bool and isinstance(value, bool)):
+            raise ValueError(f"--config {path}: key {key!r} must be {typ.__name__}; got {value!r}")
+        out[name] = float(value) if typ is float else value
+    return out
+
+
+def parse_args(argv=None, prog="python -m mpips.train"):
+    """Parse flags (and the TOML file they name) into a validated Config."""
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    given = {k for k, v in vars(args).items() if v != parser.get_default(k)}
+    values = {}
+    if args.config:
+        values.update(_from_toml(args.config))
+    for f in dataclasses.fields(Config):
+        if f.name in given or f.name not in values:
+            values[f.name] = getattr(args, f.name)
+    return Config(**values).validate()

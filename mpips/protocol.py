@@ -1,0 +1,110 @@
+"""Wire protocol between workers and servers: op codes and one-buffer message layout.
+
+A request is ONE contiguous uint8 buffer::
+
+    header  int64[HEADER_LEN]   (op, req_id, table, count, step, dim, flags, dense_len)
+    keys    int64[count]
+    values  float32[count * dim + dense_len]   (sparse rows, then the dense slice if any)
+
+Replies to a pull are bare float32 buffers: the sparse rows (tag ``TAG_REPLY_SPARSE``) and,
+when asked for, the server's dense slice (tag ``TAG_REPLY_DENSE``).  Replies from one
+server arrive in request order (MPI's non-overtaking rule), so a worker matches them by
+(source, tag) alone.  Nothing is pickled; a server checks every header before use
+(:func:`decode`) and rejects a malformed one with an error naming the sender.
+"""
+from enum import IntEnum
+
+import numpy as np
+
+HEADER_LEN = 8
+HEADER_BYTES = HEADER_LEN * 8
+
+TAG_REQUEST = 11        # worker -> server requests
+TAG_REPLY_SPARSE = 12   # server -> worker: sparse rows of a pull
+TAG_REPLY_DENSE = 13    # server -> worker: dense slice of a pull
+TAG_CONTROL = 14        # server -> worker: small int64 replies (stats, acks)
+
+# flags
+F_CREATE = 1    # pull: create missing rows (training); without it unknown ids read zeros
+F_DENSE = 2     # pull: also return the dense slice; push/add: a dense slice follows the rows
+
+
+class Op(IntEnum):
+    PULL = 1      # read rows for keys (and the dense slice with F_DENSE)
+    PUSH = 2      # gradients for keys (and dense); the server's optimizer applies them
+    ADD = 3       # GEO-SGD deltas: values += delta for keys (and dense)
+    FINISH = 4    # this worker sends no more requests for the current phase
+    STATS = 5     # ask for (rows, bytes, requests served); reply int64[4] on TAG_CONTROL
+    BARRIER = 6   # reply once every active worker has sent BARRIER (phase boundary)
+
+
+class ProtocolError(ValueError):
+    """A request that does not follow the layout above."""
+
+
+def message_nbytes(count, dim, dense_len):
+    """Total bytes of a request with `count` keys of width `dim` plus `dense_len` floats."""
+    return HEADER_BYTES + 8 * count + 4 * (count * dim + dense_len)
+
+
+def encode(buf, op, req_id, table, keys, values, step=0, flags=0, dense=None):
+    """Write a request into `buf` (uint8, large enough); return the used byte length.
+
+    keys: int64 (n,); values: float32 (n, dim) or None; dense: float32 (d,) or None.
+    """
+    n = len(keys)
+    dim = 0 if values is None else values.shape[1]
+    d = 0 if dense is None else len(dense)
+    nbytes = message_nbytes(n, dim, d)
+    hdr = buf[:HEADER_BYTES].view(np.int64)
+    hdr[:] = (int(op), req_id, table, n, step, dim, flags, d)
+    off = HEADER_BYTES
+    buf[off:off + 8 * n].view(np.int64)[:] = keys
+    off += 8 * n
+    if dim:
+        buf[off:off + 4 * n * dim].view(np.float32).reshape(n, dim)[:] = values
+        off += 4 * n * dim
+    if d:
+        buf[off:off + 4 * d].view(np.float32)[:] = dense
+    return nbytes
+
+
+class Request:
+    """Decoded views into a received buffer (no copies)."""
+    __slots__ = ("op", "req_id", "table", "count", "step", "dim", "flags",
+                 "keys", "values", "dense")
+
+    def __init__(self, hdr, keys, values, dense):
+        self.op, self.req_id, self.table, self.count, self.step, self.dim, self.flags, _ = (
+            int(x) for x in hdr)
+        self.op = Op(self.op)
+        self.keys, self.values, self.dense = keys, values, dense
+
+
+def decode(buf, nbytes, n_tables, source):
+    """Validate and decode a request of `nbytes` bytes from rank `source`.
+
+    Raises ProtocolError naming the sender for anything inconsistent: unknown op, negative
+    or absurd counts, sizes that disagree with the buffer length, unknown table.
+    """
+    if nbytes < HEADER_BYTES or nbytes % 4:
+        raise ProtocolError(f"request from rank {source}: {nbytes} bytes is not a valid message")
+    hdr = buf[:HEADER_BYTES].view(np.int64)
+    op, _, table, n, _, dim, _, d = (int(x) for x in hdr)
+    if op not in Op._value2member_map_:
+        raise ProtocolError(f"request from rank {source}: unknown op code {op}")
+    if not 0 <= table < n_tables:
+        raise ProtocolError(f"request from rank {source}: unknown table {table}")
+    if n < 0 or dim < 0 or d < 0 or n > nbytes or dim > 1 << 16 or d > nbytes:
+        raise ProtocolError(f"request from rank {source}: bad sizes count={n} dim={dim} dense={d}")
+    if message_nbytes(n, dim, d) != nbytes:
+        raise ProtocolError(
+            f"request from rank {source}: header says {message_nbytes(n, dim, d)} bytes, "
+            f"message has {nbytes}")
+    off = HEADER_BYTES
+    keys = buf[off:off + 8 * n].view(np.int64)
+    off += 8 * n
+    values = buf[off:off + 4 * n * dim].view(np.float32).reshape(n, dim) if dim else None
+    off += 4 * n * dim
+    dense = buf[off:off + 4 * d].view(np.float32) if d else None
+    return Request(hdr, keys, values, dense)

@@ -1,0 +1,200 @@
+"""The server's MPI event loop: receive, validate, dispatch to the tables, reply.
+
+All maths lives in the tables (usable without MPI); this module only decodes requests,
+applies the mode's ordering rules and sends replies.
+
+Ordering rules per mode (steps count from 0 within a phase; a phase ends with BARRIER):
+- async / geo: pushes and adds apply on arrival; pulls are answered at once.
+- sync (and ssp with staleness 0): pushes of step t are held until every active worker's
+  push of step t is in, then applied once from their average; a pull of step t is answered
+  only after steps 0..t-1 were applied.
+- ssp: pushes apply on arrival; a pull of step t waits until every active worker has pushed
+  at least t - staleness steps.
+An idle server sleeps with exponential back-off (IDLE_MIN..IDLE_MAX) instead of spinning,
+so that on an oversubscribed node the workers get the cores.
+"""
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from mpips.kernels.embedding import sum_duplicates
+from mpips.protocol import (F_CREATE, F_DENSE, TAG_CONTROL, TAG_REPLY_DENSE, TAG_REPLY_SPARSE,
+                            TAG_REQUEST, Op, decode)
+
+IDLE_MIN = 1e-5     # first back-off sleep (s) after the last message
+IDLE_MAX = 5e-4     # longest back-off sleep (s)
+
+
+class PeerTimeout(RuntimeError):
+    """A peer stopped answering within --peer-timeout."""
+
+
+class Server:
+    """Serves one shard: a sparse table and a slice of the dense parameters."""
+
+    def __init__(self, comm, worker_ranks, sparse, dense, mode="async", staleness=0,
+                 timeout=120.0):
+        self.comm, self.sparse, self.dense = comm, sparse, dense
+        self.workers = list(worker_ranks)
+        self.mode = "sync" if (mode == "ssp" and staleness == 0) else mode
+        self.staleness, self.timeout = staleness, timeout
+        self.recv_buf = np.empty(1 << 20, dtype=np.uint8)
+        self.sends = []                 # (request, buffer) until complete
+        self.finished = set()
+        self.stats = {"requests": 0, "busy_s": 0.0, "bytes_in": 0, "bytes_out": 0}
+        self._new_phase()
+
+    def _new_phase(self):
+        self.active = set(self.workers)     # workers that have not reached the barrier
+        self.at_barrier = []
+        self.version = 0                    # sync: steps applied in this phase
+        self.pending = {}                   # sync: step -> {worker: (keys, grads, dense)}
+        self.clock = {w: 0 for w in self.workers}   # ssp: pushes received per worker
+        self.deferred = []                  # pulls waiting for their step
+
+    # ---- main loop
+    def run(self):
+        """Serve until every worker sent FINISH."""
+        delay, last = IDLE_MIN, time.monotonic()
+        status = MPI.Status()
+        while len(self.finished) < len(self.workers):
+            msg = self.comm.Improbe(MPI.ANY_SOURCE, TAG_REQUEST, status)
+            if msg is None:
+                self._progress_sends()
+                if time.monotonic() - last > self.timeout:
+                    raise PeerTimeout(self._timeout_text())
+                time.sleep(delay)
+                delay = min(delay * 2, IDLE_MAX)
+                continue
+            t0 = time.perf_counter()
+            nbytes, source = status.Get_count(MPI.BYTE), status.Get_source()
+            if nbytes > len(self.recv_buf):
+                self.recv_buf = np.empty(max(nbytes, 2 * len(self.recv_buf)), dtype=np.uint8)
+            msg.Recv([self.recv_buf, nbytes, MPI.BYTE])
+            self.handle(decode(self.recv_buf, nbytes, 1, source), source)
+            self.stats["requests"] += 1
+            self.stats["bytes_in"] += nbytes
+            self.stats["busy_s"] += time.perf_counter() - t0
+            delay, last = IDLE_MIN, time.monotonic()
+        self._drain_sends()
+
+    def _timeout_text(self):
+        waiting = sorted(set(self.workers) - self.finished)
+        return (f"no request from any worker for {self.timeout:.0f} s; still expecting worker "
+                f"rank(s) {waiting} (mode {self.mode}, step {self.version}); a worker died or hangs")
+
+    # ---- dispatch
+    def handle(self, req, source):
+        if req.op == Op.PULL:
+            if self._pull_ready(req.step):
+                self._answer_pull(req, source)
+            else:
+                self.deferred.append((self._copy(req), source))
+        elif req.op == Op.PUSH:
+            self._push(req, source)
+        elif req.op == Op.ADD:
+            if req.count:
+                self.sparse.add(req.keys, req.values)
+            if req.dense is not None:
+                self.dense.add(req.dense)
+        elif req.op == Op.BARRIER:
+            self.active.discard(source)
+            self.at_barrier.append(source)
+            self._after_progress()
+        elif req.op == Op.FINISH:
+            self.finished.add(source)
+        elif req.op == Op.STATS:
+            out = np.array([len(self.sparse), self.sparse.nbytes + self.dense.nbytes,
+                            self.stats["requests"], int(self.stats["busy_s"] * 1e6)], np.int64)
+            self._send(out, source, TAG_CONTROL)
+
+    @staticmethod
+    def _copy(req):
+        req.keys = req.keys.copy()
+        req.values = None if req.values is None else req.values.copy()
+        req.dense = None if req.dense is None else req.dense.copy()
+        return req
+
+    def _pull_ready(self, step):
+        if self.mode == "sync":
+            return step <= self.version
+        if self.mode == "ssp":
+            slowest = min((self.clock[w] for w in self.active), default=step)
+            return step - self.staleness <= slowest
+        return True
+
+    def _answer_pull(self, req, source):
+        out = np.empty((req.count, self.sparse.dim), dtype=np.float32)
+        if req.count:
+            self.sparse.pull(req.keys, out, create=bool(req.flags & F_CREATE))
+        self._send(out, source, TAG_REPLY_SPARSE)
+        if req.flags & F_DENSE:
+            d = np.empty(self.dense.size, dtype=np.float32)
+            self.dense.pull(d)
+            self._send(d, source, TAG_REPLY_DENSE)
+
+    def _push(self, req, source):
+        if self.mode != "sync":
+            if req.count:
+                self.sparse.push(req.keys, req.values)
+            if req.dense is not None:
+                self.dense.push(req.dense)
+            self.clock[source] += 1
+            if self.mode == "ssp":
+                self._after_progress()
+            return
+        self.pending.setdefault(req.step, {})[source] = self._copy(req)
+        self._after_progress()
+
+    def _after_progress(self):
+        """Apply complete sync steps, answer pulls that became ready, release a barrier."""
+        while self.mode == "sync" and self.version in self.pending \
+                and self.active <= set(self.pending[self.version]):
+            self._apply_sync(self.pending.pop(self.version))
+            self.version += 1
+        if self.deferred:
+            still = []
+            for req, source in self.deferred:
+                if self._pull_ready(req.step):
+                    self._answer_pull(req, source)
+                else:
+                    still.append((req, source))
+            self.deferred = still
+        if len(self.at_barrier) == len(self.workers) and not self.pending:
+            for w in self.at_barrier:
+                self._send(np.array([self.version], np.int64), w, TAG_CONTROL)
+            self._new_phase()
+
+    def _apply_sync(self, pushes):
+        """One update from the average of the workers' gradients of this step."""
+        reqs = [pushes[w] for w in sorted(pushes)]
+        scale = 1.0 / len(reqs)
+        keyed = [r for r in reqs if r.count]
+        if keyed:
+            keys = np.concatenate([r.keys for r in keyed])
+            grads = np.concatenate([r.values for r in keyed])
+            ukeys, ugrads = sum_duplicates(keys, grads)
+            self.sparse.push(ukeys, ugrads, scale)
+        dense = [r.dense for r in reqs if r.dense is not None]
+        if dense:
+            self.dense.push(np.sum(dense, axis=0, dtype=np.float32), scale)
+
+    # ---- sends
+    def _send(self, arr, dest, tag):
+        self.sends.append((self.comm.Isend(arr, dest, tag), arr))
+        self.stats["bytes_out"] += arr.nbytes
+        self._progress_sends()
+
+    def _progress_sends(self):
+        if self.sends:
+            self.sends = [(r, a) for r, a in self.sends if not r.Test()]
+
+    def _drain_sends(self):
+        t0 = time.monotonic()
+        while self.sends:
+            self._progress_sends()
+            if self.sends:
+                if time.monotonic() - t0 > self.timeout:
+                    raise PeerTimeout("replies not taken by workers within the peer timeout")
+                time.sleep(IDLE_MIN)

@@ -1,0 +1,143 @@
+"""The worker's training and evaluation loops, the same for local and distributed runs.
+
+`ps` is a PSClient (MPI) or a LocalPS (one process); the loop does not know which.
+
+Step ordering (step t uses batch t):
+- async (distributed): the pull of batch t+1 is sent before batch t is computed, so the
+  next rows arrive while this batch computes (parameters one step stale per worker);
+- sync / ssp / local: the pull of batch t+1 is sent after the push of batch t; the servers
+  decide when to answer it (sync: after step t was applied by all workers).
+Dense weights are pulled every step, or every --dense-every steps in async mode.
+"""
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mpips.kernels.embedding import gather_rows, scatter_add_rows
+from mpips.metrics import BinaryMetrics
+
+
+@dataclass
+class EpochStats:
+    examples: int = 0
+    steps: int = 0
+    loss_sum: float = 0.0          # sum over examples of the loss
+    seconds: float = 0.0
+    compute_s: float = 0.0
+    metrics: BinaryMetrics = field(default_factory=BinaryMetrics)
+
+
+class _Prepared:
+    """A batch with its key plan and a buffer for its pulled rows."""
+    __slots__ = ("batch", "plan", "rows")
+
+    def __init__(self, batch, plan, dim):
+        self.batch, self.plan = batch, plan
+        self.rows = np.empty((len(plan.keys), dim), dtype=np.float32)   # (u, dim)
+
+
+class Trainer:
+    """Runs epochs of CTR-DNN training against a parameter store `ps`."""
+
+    def __init__(self, cfg, model, ps, plan_fn, log=None, overlap=False):
+        self.cfg, self.model, self.ps = cfg, model, ps
+        self.plan_fn = plan_fn                    # ids -> KeyPlan for ps's servers
+        self.log = log                            # callable(str) on the logging worker, else None
+        self.overlap = overlap                    # async: pull t+1 before computing t
+        self.dim = cfg.embedding_dim
+        P = model.n_params
+        self.params = [np.zeros(P, np.float32), np.zeros(P, np.float32)]  # double buffer
+        self.grad_dense = np.zeros(P, np.float32)
+        self.compute_s = 0.0
+
+    def _prepare(self, batch):
+        return None if batch is None else _Prepared(batch, self.plan_fn(batch.sparse), self.dim)
+
+    def _pull(self, prep, step, dense_buf, create=True):
+        return self.ps.pull(prep.plan, prep.rows, dense_buf, step=step, create=create)
+
+    def _step_math(self, prep, params):
+        """Forward/backward of one batch; returns (loss, probs, row grads (u, dim))."""
+        b = prep.batch
+        n = len(b.label)
+        emb = np.empty((n * b.sparse.shape[1], self.dim), np.float32)    # (B*slots, dim)
+        gather_rows(prep.rows, prep.plan.inverse, emb)
+        emb = emb.reshape(n, -1)                                            # (B, slots*dim)
+        grad_emb = np.empty_like(emb)
+        loss, probs = self.model.forward_backward(params, emb, b.dense, b.label,
+                                                  self.grad_dense, grad_emb)
+        grads = np.zeros_like(prep.rows)                                    # (u, dim)
+        scatter_add_rows(grad_emb.reshape(-1, self.dim), prep.plan.inverse, grads)
+        return loss, probs, grads
+
+    def train_epoch(self, batches, epoch, max_steps=0):
+        """Train over an iterable of Batch; return this worker's EpochStats."""
+        st = EpochStats()
+        it = iter(batches)
+        t_start = time.perf_counter()
+        cur = self._prepare(next(it, None))
+        if cur is None:
+            return st
+        which = 0                     # params buffer holding the freshest dense weights
+        h = self._pull(cur, 0, self.params[which])
+        push = None
+        step = 0
+        while cur is not None:
+            last = max_steps and step + 1 >= max_steps
+            nxt = None if last else self._prepare(next(it, None))
+            dense_next = (step + 1) % self.cfg.dense_every == 0 or not self.overlap
+            nbuf = 1 - which if dense_next else None
+            h.wait()
+            if self.overlap and nxt is not None:
+                h = self._pull(nxt, step + 1, None if nbuf is None else self.params[nbuf])
+            t0 = time.perf_counter()
+            loss, probs, grads = self._step_math(cur, self.params[which])
+            self.compute_s += time.perf_counter() - t0
+            if push is not None:
+                push.wait()
+            push = self.ps.push(cur.plan, grads, self.grad_dense, step=step)
+            if not self.overlap and nxt is not None:
+                h = self._pull(nxt, step + 1, self.params[nbuf])
+            n = len(cur.batch.label)
+            st.examples += n
+            st.loss_sum += loss * n
+            st.metrics.update(probs, cur.batch.label)
+            step += 1
+            if self.log and step % self.cfg.print_every == 0:
+                self.log(f"TRAIN --> pass: {epoch} batch: {step} loss: {st.loss_sum / st.examples:.6f}"
+                         f" auc: {st.metrics.auc():.6f}")
+            if nbuf is not None and nxt is not None:
+                which = nbuf
+            cur = nxt
+        if push is not None:
+            push.wait()
+        st.steps = step
+        st.seconds = time.perf_counter() - t_start
+        return st
+
+    def evaluate(self, batches, max_steps=0):
+        """Predict over an iterable of Batch with the current parameters (no rows created)."""
+        m = BinaryMetrics()
+        params = self.params[0]
+        it = iter(batches)
+        cur = self._prepare(next(it, None))
+        if cur is None:
+            return m
+        h = self._pull(cur, 0, params, create=False)
+        step = 0
+        while cur is not None:
+            step += 1
+            nxt = None if max_steps and step >= max_steps else self._prepare(next(it, None))
+            h.wait()
+            if nxt is not None:
+                h = self._pull(nxt, 0, None, create=False)
+            b = cur.batch
+            n = len(b.label)
+            emb = np.empty((n * b.sparse.shape[1], self.dim), np.float32)
+            gather_rows(cur.rows, cur.plan.inverse, emb)
+            probs = np.empty(n, np.float32)
+            self.model.predict(params, emb.reshape(n, -1), b.dense, probs)
+            m.update(probs, b.label)
+            cur = nxt
+        return m

@@ -1,0 +1,67 @@
+"""End to end: `python -m mpips.train` locally and under mpiexec -n 4 on tiny data."""
+import json
+
+import pytest
+
+from tests.conftest import run_cmd
+
+FIELDS = ("epoch", "train_examples", "train_seconds", "examples_per_sec", "train_loss",
+          "test_auc", "test_logloss")
+
+
+def read_metrics(path):
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def common(tiny_data, tmp_path, *extra):
+    train, test = tiny_data
+    return ["-m", "mpips.train", "--train", train, "--test", test, "--batch-size", "256",
+            "--fc", "64,32", "--print-every", "10", "--lr", "0.003",
+            "--metrics-out", str(tmp_path / "m.jsonl")] + list(extra)
+
+
+def check_run(proc, tmp_path, n_train):
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = read_metrics(tmp_path / "m.jsonl")
+    assert len(recs) == 1
+    rec = recs[0]
+    for f in FIELDS:
+        assert f in rec, f
+    assert rec["train_examples"] == n_train
+    assert rec["test_examples"] == 4000
+    assert rec["test_auc"] > 0.6, rec
+    assert 0 < rec["test_logloss"] < 0.69
+    assert "TRAIN --> pass: 0 batch: 10 loss:" in proc.stdout
+    return rec
+
+
+def test_local_run(tiny_data, tmp_path):
+    proc = run_cmd(common(tiny_data, tmp_path, "--local"), timeout=300)
+    check_run(proc, tmp_path, 16000)
+
+
+def test_async_2x2(tiny_data, tmp_path):
+    proc = run_cmd(common(tiny_data, tmp_path), n=4, timeout=300)
+    rec = check_run(proc, tmp_path, 16000)
+    assert rec["workers"] == 2 and rec["servers"] == 2
+    assert "worker 0" in proc.stdout and "server 1" in proc.stdout   # role map
+    assert proc.stdout.count("PROFILE --> ") == 5
+
+
+def test_missing_path_fails_fast(tmp_path):
+    proc = run_cmd(["-m", "mpips.train", "--train", str(tmp_path / "nope")], n=4, timeout=120)
+    assert proc.returncode != 0
+    assert "nope" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--servers", "4"], "--servers 4 needs at least 5 ranks"),
+    (["--fc", "a,b"], "--fc must be"),
+])
+def test_bad_config_one_clear_line(args, msg):
+    proc = run_cmd(["-m", "mpips.train"] + args, n=4, timeout=120)
+    assert proc.returncode != 0
+    assert msg in proc.stderr
+    assert "Traceback" not in proc.stderr
