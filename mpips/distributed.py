@@ -62,15 +62,18 @@ def work(cfg, cluster, model, bounds):
     from mpips.metrics import BinaryMetrics
     from mpips.protocol import Op
     from mpips.worker.client import PSClient, plan_keys
-    from mpips.worker.trainer import Trainer
+    from mpips.worker.trainer import GeoTrainer, Trainer
     wi, W, S = cluster.index, cluster.n_workers, cluster.n_servers
     train_files, test_files = resolve_data(cfg, False)
     mine = split_files(train_files, W, wi)
     client = PSClient(cluster.comm, cluster.server_ranks, cfg.embedding_dim, bounds,
                       cfg.peer_timeout)
     logger = log_line if wi == 0 else None
-    trainer = Trainer(cfg, model, client, lambda ids: plan_keys(ids, S), log=logger,
-                      overlap=(cfg.mode == "async"))
+    if cfg.mode == "geo":
+        trainer = GeoTrainer(cfg, model, client, lambda ids: plan_keys(ids, S), log=logger)
+    else:
+        trainer = Trainer(cfg, model, client, lambda ids: plan_keys(ids, S), log=logger,
+                          overlap=(cfg.mode == "async"))
     wcomm = cluster.role_comm
     for epoch in range(cfg.epochs):
         wait_collective(wcomm.Ibarrier())

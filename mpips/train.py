@@ -98,13 +98,14 @@ def run_local(cfg):
     from mpips.data.files import split_files
     from mpips.worker.client import plan_keys
     from mpips.worker.local import LocalPS
-    from mpips.worker.trainer import Trainer
+    from mpips.worker.trainer import GeoTrainer, Trainer
     train_files, test_files = resolve_data(cfg, True)
     model = make_model(cfg)
     ps = LocalPS(*make_tables(cfg, model))
     W = cfg.local_workers
     shards = [split_files(train_files, W, i) for i in range(W)]
-    trainer = Trainer(cfg, model, ps, lambda ids: plan_keys(ids, 1), log=log_line)
+    cls = GeoTrainer if cfg.mode == "geo" else Trainer
+    trainer = cls(cfg, model, ps, lambda ids: plan_keys(ids, 1), log=log_line)
     log_line(f"mpips local: {len(train_files)} train files as {W} worker shard(s), "
              f"batch {W} x {cfg.batch_size}, {model.n_params} dense parameters")
     records = []

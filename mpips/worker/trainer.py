@@ -141,3 +141,91 @@ class Trainer:
             m.update(probs, b.label)
             cur = nxt
         return m
+
+
+class GeoTrainer(Trainer):
+    """GEO-SGD (Paddle's a_sync k_steps): local SGD, deltas sent every K steps.
+
+    The worker trains a local copy of the rows it touches (SGD, as Paddle requires for
+    GEO) and of the dense weights.  Every K steps (and at the end of an epoch) it sends,
+    for the ids touched since the last sync, `local - base` (base = the values at the
+    last sync, or the (seed, id) initial value for a new id); servers add these deltas;
+    the worker then pulls the fresh values and makes them its new local and base copies.
+    """
+
+    def __init__(self, cfg, model, ps, plan_fn, log=None):
+        super().__init__(cfg, model, ps, plan_fn, log, overlap=False)
+        from mpips.server.optim import OptimizerConfig
+        from mpips.server.sparse_table import SparseTable
+        sgd = OptimizerConfig(name="sgd", lr=cfg.lr)
+        self.local = SparseTable(cfg.embedding_dim, sgd, cfg.seed, cfg.init_range)
+        self.base = SparseTable(cfg.embedding_dim, sgd, cfg.seed, cfg.init_range)
+        self.dense_base = None
+        self.touched = []
+        self.syncs = 0
+
+    def _sync(self, step):
+        """Send deltas of touched ids and dense, then rebase on the servers' values."""
+        if self.dense_base is None:                       # first call: fetch dense weights
+            plan = self.plan_fn(np.empty(0, np.int64))
+            self.ps.pull(plan, np.empty((0, self.dim), np.float32), self.params[0]).wait()
+            self.dense_base = self.params[0].copy()
+            return
+        keys = np.concatenate(self.touched) if self.touched else np.empty(0, np.int64)
+        self.touched = []
+        plan = self.plan_fn(keys)
+        cur = np.empty((len(plan.keys), self.dim), np.float32)   # (u, dim)
+        old = np.empty_like(cur)
+        self.local.pull(plan.keys, cur, create=False)
+        self.base.pull(plan.keys, old, create=False)
+        from mpips.protocol import Op
+        h = self.ps.push(plan, cur - old, self.params[0] - self.dense_base, step=step, op=Op.ADD)
+        fresh = np.empty_like(cur)
+        h2 = self.ps.pull(plan, fresh, self.params[0], step=step, create=True)
+        h.wait()
+        h2.wait()
+        self.local.import_rows({"keys": plan.keys, "values": fresh})
+        self.base.import_rows({"keys": plan.keys, "values": fresh})
+        self.dense_base[:] = self.params[0]
+        self.syncs += 1
+
+    def train_epoch(self, batches, epoch, max_steps=0):
+        if self.dense_base is None:
+            self._sync(0)
+        st = EpochStats()
+        t_start = time.perf_counter()
+        params, lr, K = self.params[0], np.float32(self.cfg.lr), self.cfg.geo_steps
+        step = 0
+        for batch in batches:
+            prep = self._prepare(batch)
+            self.local.pull(prep.plan.keys, prep.rows, create=True)
+            self.base.pull(prep.plan.keys, np.empty_like(prep.rows), create=True)
+            t0 = time.perf_counter()
+            loss, probs, grads = self._step_math(prep, params)
+            self.local.push(prep.plan.keys, grads)                  # local SGD
+            params -= lr * self.grad_dense
+            self.compute_s += time.perf_counter() - t0
+            self.touched.append(prep.plan.keys)
+            n = len(batch.label)
+            st.examples += n
+            st.loss_sum += loss * n
+            st.metrics.update(probs, batch.label)
+            step += 1
+            if step % K == 0:
+                self._sync(step)
+            if self.log and step % self.cfg.print_every == 0:
+                self.log(f"TRAIN --> pass: {epoch} batch: {step} loss: {st.loss_sum / st.examples:.6f}"
+                         f" auc: {st.metrics.auc():.6f}")
+            if max_steps and step >= max_steps:
+                break
+        if step % K:
+            self._sync(step)
+        st.steps = step
+        st.seconds = time.perf_counter() - t_start
+        return st
+
+    def evaluate(self, batches, max_steps=0):
+        m = super().evaluate(batches, max_steps)
+        if self.dense_base is not None:      # evaluate pulled the servers' dense weights
+            self.dense_base[:] = self.params[0]
+        return m
