@@ -1,0 +1,137 @@
+"""Numba optimizer kernels that update a subset of rows of 2-D parameter arrays.
+
+Sparse tables pass the rows named in a push; a dense table is one row of width n and
+passes ``rows = [0]``. Gradients are multiplied by ``scale`` first (e.g. 1 / n_workers).
+Arithmetic is done in float64 and stored in float32. Rows listed twice are updated
+twice (callers pass unique rows).
+
+Formulas (g = grad * scale), matching PaddlePaddle's operators:
+
+* SGD:      ``w -= lr * g``
+* Adagrad:  ``a += g**2 ; w -= lr * g / (sqrt(a) + eps)``  (Paddle ``adagrad`` op)
+* Adam (lazy, Paddle ``adam`` op with ``lazy_mode=True``): per-row beta powers
+  ``b1p, b2p`` hold ``beta1**t, beta2**t`` for the row's t-th update (they start at
+  ``beta1, beta2``, not 1)::
+
+      m = beta1 * m + (1 - beta1) * g
+      v = beta2 * v + (1 - beta2) * g * g
+      lr_t = lr * sqrt(1 - b2p) / (1 - b1p)
+      w -= lr_t * m / (sqrt(v) + eps * sqrt(1 - b2p))
+      b1p *= beta1 ; b2p *= beta2
+
+  which equals textbook Adam ``w -= lr * m_hat / (sqrt(v_hat) + eps)``. Only rows in
+  the push move; each row's bias correction follows its own update count.
+"""
+import numpy as np
+from numba import njit
+
+# Layout of the ``hyper`` array taken by :func:`adam_rows`.
+H_LR, H_BETA1, H_BETA2, H_EPS, H_SCALE = 0, 1, 2, 3, 4
+N_HYPER = 5
+
+
+@njit(cache=True, nogil=True)
+def sgd_rows(values, rows, grads, lr, scale):
+    """Plain SGD on selected rows.
+
+    Parameters
+    ----------
+    values : float32 (R, dim)    in/out
+    rows : int64 (n,)            row index of each gradient row
+    grads : float32 (n, dim)
+    lr, scale : float
+
+    Returns
+    -------
+    None
+    """
+    step = lr * scale
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        for j in range(values.shape[1]):
+            values[r, j] = values[r, j] - step * grads[i, j]
+
+
+@njit(cache=True, nogil=True)
+def adagrad_rows(values, accum, rows, grads, lr, eps, scale):
+    """Adagrad on selected rows: ``a += g^2 ; w -= lr * g / (sqrt(a) + eps)``.
+
+    Parameters
+    ----------
+    values : float32 (R, dim)    in/out
+    accum : float32 (R, dim)     in/out, squared-gradient accumulator
+    rows : int64 (n,)
+    grads : float32 (n, dim)
+    lr, eps, scale : float
+
+    Returns
+    -------
+    None
+    """
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        for j in range(values.shape[1]):
+            g = grads[i, j] * scale
+            a = accum[r, j] + g * g
+            accum[r, j] = a
+            values[r, j] = values[r, j] - lr * g / (np.sqrt(a) + eps)
+
+
+@njit(cache=True, nogil=True)
+def adam_rows(values, m, v, b1pow, b2pow, rows, grads, hyper):
+    """Lazy Adam on selected rows with per-row bias correction (see module doc).
+
+    Parameters
+    ----------
+    values : float32 (R, dim)    in/out
+    m, v : float32 (R, dim)      in/out, first and second moments
+    b1pow, b2pow : float32 (R,)  in/out, beta1**t and beta2**t of each row's next step
+    rows : int64 (n,)
+    grads : float32 (n, dim)
+    hyper : float64 (5,)         lr, beta1, beta2, eps, scale (H_* indices)
+
+    Returns
+    -------
+    None
+    """
+    lr = hyper[H_LR]
+    beta1 = hyper[H_BETA1]
+    beta2 = hyper[H_BETA2]
+    eps = hyper[H_EPS]
+    scale = hyper[H_SCALE]
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        b1p = np.float64(b1pow[r])
+        b2p = np.float64(b2pow[r])
+        c2 = np.sqrt(1.0 - b2p)
+        lr_t = lr * c2 / (1.0 - b1p)
+        eps_t = eps * c2
+        for j in range(values.shape[1]):
+            g = grads[i, j] * scale
+            mj = beta1 * m[r, j] + (1.0 - beta1) * g
+            vj = beta2 * v[r, j] + (1.0 - beta2) * g * g
+            m[r, j] = mj
+            v[r, j] = vj
+            values[r, j] = values[r, j] - lr_t * mj / (np.sqrt(vj) + eps_t)
+        b1pow[r] = b1p * beta1
+        b2pow[r] = b2p * beta2
+
+
+@njit(cache=True, nogil=True)
+def add_rows(values, rows, deltas):
+    """``values[rows[i]] += deltas[i]`` (GEO-SGD delta merge).
+
+    Parameters
+    ----------
+    values : float32 (R, dim)    in/out
+    rows : int64 (n,)
+    deltas : float32 (n, dim)
+
+    Returns
+    -------
+    None
+    """
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        for j in range(values.shape[1]):
+            values[r, j] += deltas[i, j]

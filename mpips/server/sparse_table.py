@@ -1,0 +1,322 @@
+"""Sparse parameter table of one server: int64 id -> embedding row + optimizer state.
+
+Storage is a set of numpy columns indexed by row (see ``row_fields()``):
+
+* ``keys`` int64 (R,), ``values`` float32 (R, dim)
+* optimizer state: Adagrad ``accum`` (R, dim); Adam ``m``, ``v`` (R, dim) and
+  ``beta1_pow``, ``beta2_pow`` (R,) for lazy Adam's per-row bias correction
+* metadata: ``unseen`` uint16 (shrink calls since last seen), ``seen_count`` uint32
+  (``pull(create=True)`` sightings, saturating), ``dirty`` uint8 (changed since
+  ``clear_dirty``), ``seen_flag`` uint8 (seen since the last ``shrink``)
+
+plus an open-addressing slot array (``mpips.kernels.hashmap``). Live rows are
+``0 .. len-1``; new ids are appended. Row arrays grow by ``ROW_GROWTH``, the slot array
+doubles to keep its load at most ``LOAD_FACTOR``. ``shrink`` compacts the rows, so row
+indices are only stable between shrinks.
+
+A new row is initialised from ``(seed, id)`` alone (``init_rows``), so the table's
+content never depends on arrival order or on which server holds an id.
+
+Which calls create rows and set flags:
+
+========================  ===========  =========  ==========  =====
+call                      creates row  seen_flag  seen_count  dirty
+========================  ===========  =========  ==========  =====
+pull(create=False)        no           no         no          no
+pull(create=True)         yes          yes        +1          new rows only
+push / add (create=True)  yes          yes        no          yes
+import_rows               yes          as given   as given    as given (default 1)
+========================  ===========  =========  ==========  =====
+
+Admission filters sit in front: they call ``pull(create=False)`` and
+``push(..., create=False)`` (gradients of ids without a row are dropped) until an id is
+admitted. The table is not thread-safe; one server thread owns it.
+"""
+import numpy as np
+
+from mpips.kernels.hashmap import (age_rows, init_rows, insert_missing, lookup_rows,
+                                   read_rows, rebuild_slots, touch_rows)
+from mpips.kernels.optim import add_rows
+from mpips.server.optim import OptimizerConfig, apply_rows
+
+LOAD_FACTOR = 0.6      # max live rows / slots
+ROW_GROWTH = 1.25      # row capacity growth: keeps Adam dim-10 state <= 1.5x payload
+SHRINK_SLACK = 0.25    # spare row capacity kept after a shrink compaction
+MIN_CAPACITY = 16
+SCRATCH_MAX = 1 << 16   # calls with more keys (bulk loads) allocate instead
+META_FIELDS = (('unseen', np.uint16), ('seen_count', np.uint32), ('dirty', np.uint8),
+               ('seen_flag', np.uint8))
+
+
+def _slots_for(n_rows):
+    """Smallest power-of-two slot count holding ``n_rows`` at <= LOAD_FACTOR."""
+    need = max(int(np.ceil(n_rows / LOAD_FACTOR)), MIN_CAPACITY)
+    return 1 << (need - 1).bit_length()
+
+
+def _as_keys(keys):
+    keys = np.asarray(keys)
+    if keys.ndim != 1 or not np.issubdtype(keys.dtype, np.integer):
+        raise TypeError(f'keys must be a 1-D integer array; got {keys.dtype} {keys.shape}')
+    if keys.dtype == np.uint64:
+        keys = keys.view(np.int64)
+    return np.ascontiguousarray(keys, dtype=np.int64)
+
+
+class SparseTable:
+    """Hash table of embedding rows with a server-side optimizer.
+
+    Parameters
+    ----------
+    dim : int                 row width (embedding size)
+    opt : OptimizerConfig     optimizer applied by ``push``
+    seed : int                row-init seed, 0 <= seed < 2**63
+    init_range : float        new rows are uniform in [-init_range, init_range)
+    capacity : int            initial row capacity (grows as needed)
+    """
+
+    def __init__(self, dim, opt, seed, init_range=0.01, capacity=1024):
+        if int(dim) < 1:
+            raise ValueError(f'dim must be >= 1; got {dim}')
+        if not isinstance(opt, OptimizerConfig):
+            raise TypeError(f'opt must be an OptimizerConfig; got {type(opt).__name__}')
+        if not 0 <= int(seed) < 2**63:
+            raise ValueError(f'seed must be in [0, 2**63); got {seed}')
+        if not init_range >= 0:
+            raise ValueError(f'init_range must be >= 0; got {init_range}')
+        self.dim = int(dim)
+        self.opt = opt
+        self.seed = int(seed)
+        self.init_range = float(init_range)
+        self._hyper = opt.hyper()
+        # name -> (dtype, per_element, fill value of a fresh row; None = init_rows)
+        self._spec = {'keys': (np.int64, False, 0), 'values': (np.float32, True, None)}
+        for name, per_element in opt.state_arrays():
+            self._spec[name] = (np.float32, per_element, opt.initial_state(name))
+        for name, dtype in META_FIELDS:
+            self._spec[name] = (dtype, False, 0)
+        self._n = 0
+        self._cols = self._alloc(max(int(capacity), MIN_CAPACITY))
+        self._slots = np.full(_slots_for(self.capacity), -1, np.int32)
+        self._rows_buf = np.empty(1024, np.int64)
+        self._evicted = []
+
+    # ----------------------------------------------------------------- storage
+    def _alloc(self, cap):
+        return {name: np.empty((cap, self.dim) if per_el else (cap,), dtype)
+                for name, (dtype, per_el, _) in self._spec.items()}
+
+    def _resize(self, cap, rows=None):
+        """Move live rows (or ``rows``, in order) into fresh arrays of ``cap`` rows."""
+        new = self._alloc(cap)
+        for name, col in self._cols.items():
+            if rows is None:
+                new[name][:self._n] = col[:self._n]
+            else:
+                np.take(col, rows, axis=0, out=new[name][:len(rows)])
+        self._cols = new
+
+    def _ensure_room(self, n_new):
+        need = self._n + n_new
+        if need > self.capacity:
+            self._resize(max(need, int(self.capacity * ROW_GROWTH) + 1))
+        if need > LOAD_FACTOR * self._slots.shape[0]:
+            self._slots = np.empty(_slots_for(need), np.int32)
+            rebuild_slots(self._cols['keys'], self._n, self._slots)
+
+    def _init_new(self, lo, hi):
+        """Initialise freshly appended rows ``lo .. hi-1``; they start dirty."""
+        c = self._cols
+        init_rows(c['keys'][lo:hi], self.seed, self.init_range, c['values'][lo:hi])
+        for name, (_, _, fill) in self._spec.items():
+            if fill is not None and name != 'keys':
+                c[name][lo:hi] = fill
+        c['dirty'][lo:hi] = 1
+
+    def _rows_for(self, keys, create):
+        """Row of each key (-1: none) in a scratch buffer; creates rows if asked."""
+        n = keys.shape[0]
+        if n > self._rows_buf.shape[0] and n <= SCRATCH_MAX:
+            self._rows_buf = np.empty(max(n, 2 * self._rows_buf.shape[0]), np.int64)
+        rows = self._rows_buf[:n] if n <= SCRATCH_MAX else np.empty(n, np.int64)
+        found = lookup_rows(self._slots, self._cols['keys'], keys, rows)
+        if create and found < n:
+            self._ensure_room(n - found)
+            lo = self._n
+            self._n = insert_missing(self._slots, self._cols['keys'], lo, keys, rows)
+            self._init_new(lo, self._n)
+        return rows
+
+    def _check_rows_arg(self, arr, n, name, writable=False):
+        if writable:
+            ok = (isinstance(arr, np.ndarray) and arr.dtype == np.float32
+                  and arr.flags.c_contiguous and arr.flags.writeable)
+            if not ok or arr.shape != (n, self.dim):
+                raise ValueError(f'{name} must be a writable C-contiguous float32 array of '
+                                 f'shape ({n}, {self.dim})')
+            return arr
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if arr.shape != (n, self.dim):
+            raise ValueError(f'{name} must have shape ({n}, {self.dim}); got {arr.shape}')
+        return arr
+
+    # --------------------------------------------------------------- hot path
+    def pull(self, keys, out, create=False):
+        """Read rows of ``keys`` into ``out`` float32 (n, dim).
+
+        create=False: ids without a row read zeros and no row is made (inference,
+        admission). create=True: missing rows are made; every key counts as seen.
+        """
+        keys = _as_keys(keys)
+        self._check_rows_arg(out, keys.shape[0], 'out', writable=True)
+        rows = self._rows_for(keys, create)
+        if create:
+            c = self._cols
+            touch_rows(rows, c['seen_flag'], c['seen_count'], c['dirty'], True, False)
+        read_rows(self._cols['values'], rows, out)
+
+    def push(self, keys, grads, scale=1.0, create=True):
+        """Apply the optimizer to the rows of unique ``keys`` with ``grads * scale``.
+
+        Ids without a row get one first (create=True) or are dropped (create=False).
+        """
+        keys = _as_keys(keys)
+        grads = self._check_rows_arg(grads, keys.shape[0], 'grads')
+        rows, grads = self._live(keys, grads, create)
+        c = self._cols
+        state = {name: c[name] for name, _ in self.opt.state_arrays()}
+        apply_rows(self.opt, self._hyper, c['values'], state, rows, grads, float(scale))
+        touch_rows(rows, c['seen_flag'], c['seen_count'], c['dirty'], False, True)
+
+    def add(self, keys, deltas, create=True):
+        """``values[keys] += deltas`` (GEO-SGD); unique keys, rows made as in push."""
+        keys = _as_keys(keys)
+        deltas = self._check_rows_arg(deltas, keys.shape[0], 'deltas')
+        rows, deltas = self._live(keys, deltas, create)
+        c = self._cols
+        add_rows(c['values'], rows, deltas)
+        touch_rows(rows, c['seen_flag'], c['seen_count'], c['dirty'], False, True)
+
+    def _live(self, keys, data, create):
+        rows = self._rows_for(keys, create)
+        if not create:
+            have = rows >= 0
+            if not have.all():
+                return rows[have], data[have]
+        return rows, data
+
+    # ------------------------------------------------------------------- info
+    def __len__(self):
+        return self._n
+
+    @property
+    def capacity(self):
+        """Rows the arrays hold before growing."""
+        return self._cols['keys'].shape[0]
+
+    @property
+    def n_slots(self):
+        return self._slots.shape[0]
+
+    @property
+    def nbytes(self):
+        """Bytes of all arrays owned by the table (row columns, slots, scratch)."""
+        return (sum(col.nbytes for col in self._cols.values()) + self._slots.nbytes
+                + self._rows_buf.nbytes)
+
+    def row_fields(self):
+        """Names of the per-row arrays ``export_rows`` returns, ``keys`` first."""
+        return list(self._spec)
+
+    def rows_of(self, keys):
+        """Row index of each key, -1 where the id has no row (int64 (n,), a copy)."""
+        return self._rows_for(_as_keys(keys), False).copy()
+
+    # ------------------------------------------------------ checkpoint support
+    def export_rows(self, rows=None):
+        """Copy of all fields of ``rows`` (row indices; None = all live rows)."""
+        if rows is None:
+            return {name: col[:self._n].copy() for name, col in self._cols.items()}
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.ndim != 1 or (rows.size and (rows.min() < 0 or rows.max() >= self._n)):
+            raise IndexError(f'rows must be a 1-D array of row indices in [0, {self._n})')
+        return {name: col[rows] for name, col in self._cols.items()}
+
+    def import_rows(self, data):
+        """Insert or overwrite rows exactly from a dict like ``export_rows`` returns.
+
+        ``keys`` and ``values`` are required; a missing optimizer state array gives
+        fresh state, missing ``dirty`` gives 1, other missing metadata 0. After loading
+        a checkpoint call ``clear_dirty()`` if the table should count as saved.
+        """
+        unknown = set(data) - set(self._spec)
+        if unknown or 'keys' not in data or 'values' not in data:
+            raise ValueError(f'import_rows needs keys and values and accepts only '
+                             f'{self.row_fields()}; got {sorted(data)}')
+        keys = _as_keys(data['keys'])
+        n = keys.shape[0]
+        if np.unique(keys).shape[0] != n:
+            raise ValueError('import_rows: keys must be unique')
+        cols = {}
+        for name, (dtype, per_el, fill) in self._spec.items():
+            shape = (n, self.dim) if per_el else (n,)
+            if name in data:
+                arr = np.asarray(data[name])
+                if arr.shape != shape:
+                    raise ValueError(f'import_rows: {name} must have shape {shape}; '
+                                     f'got {arr.shape}')
+                cols[name] = arr
+            elif name != 'values':
+                cols[name] = 1 if name == 'dirty' else fill
+        rows = self._rows_for(keys, True).copy()
+        for name, val in cols.items():
+            if name != 'keys':
+                self._cols[name][rows] = val
+
+    def dirty_rows(self):
+        """Row indices changed since ``clear_dirty`` (int64, ascending)."""
+        return np.flatnonzero(self._cols['dirty'][:self._n])
+
+    def dirty_keys(self):
+        """Ids of rows changed since ``clear_dirty`` (int64, in row order)."""
+        return self._cols['keys'][self.dirty_rows()]
+
+    def clear_dirty(self):
+        self._cols['dirty'][:self._n] = 0
+
+    def evicted_keys(self):
+        """Sorted unique ids removed by ``shrink`` since ``clear_evicted``.
+
+        An id evicted and later re-created is listed too: apply evictions first,
+        then the changed rows.
+        """
+        if not self._evicted:
+            return np.empty(0, np.int64)
+        return np.unique(np.concatenate(self._evicted))
+
+    def clear_evicted(self):
+        self._evicted = []
+
+    # ------------------------------------------------------------------ shrink
+    def shrink(self, threshold):
+        """Age rows by one shrink call and remove those unseen for > ``threshold``.
+
+        A row seen since the previous call has its ``unseen`` reset to 0, every other
+        row gets ``unseen += 1``; rows with ``unseen > threshold`` are removed and the
+        arrays rebuilt compactly (memory is given back). Returns the number removed.
+        """
+        if int(threshold) != threshold or threshold < 0:
+            raise ValueError(f'shrink threshold must be an integer >= 0; got {threshold}')
+        n = self._n
+        keep = np.empty(n, np.bool_)
+        c = self._cols
+        kept = age_rows(c['unseen'], c['seen_flag'], n, int(threshold), keep)
+        if kept == n:
+            return 0
+        self._evicted.append(c['keys'][:n][~keep])
+        self._resize(max(kept + int(kept * SHRINK_SLACK), MIN_CAPACITY),
+                     rows=np.flatnonzero(keep))
+        self._n = kept
+        self._slots = np.empty(_slots_for(self.capacity), np.int32)
+        rebuild_slots(self._cols['keys'], kept, self._slots)
+        return n - kept
