@@ -62,6 +62,8 @@ class Config:
     metrics_out: str = _f("", "write JSON lines (one per epoch) to this file")
     peer_timeout: float = _f(120.0, "seconds without an answer from a peer before failing")
     prefetch: bool = _f(True, "parse data in a background thread")
+    idle_sleep: float = _f(5e-4, "longest sleep (s) of an idle server between polls; 0 = "
+                                 "busy-poll (only to measure what sleeping saves)")
     max_steps: int = _f(0, "stop each epoch after N steps per worker (0 = whole epoch)")
 
     @property
@@ -85,6 +87,8 @@ class Config:
             raise ValueError(f"--fc must be comma-separated integers like 400,400,400; got {self.fc!r}")
         if not hidden or min(hidden) < 1:
             raise ValueError(f"--fc needs at least one positive layer size; got {self.fc!r}")
+        if self.idle_sleep < 0:
+            raise ValueError("--idle-sleep must be >= 0")
         if self.lr <= 0 or self.peer_timeout <= 0:
             raise ValueError("--lr and --peer-timeout must be positive")
         if self.staleness < 0 or self.servers < 0 or self.hash_bucket < 0 or self.max_steps < 0:

@@ -50,7 +50,7 @@ def serve(cfg, cluster, model, bounds):
     i = cluster.index
     sparse, dense = make_tables(cfg, model, bounds[i], bounds[i + 1])
     server = Server(cluster.comm, cluster.worker_ranks, sparse, dense, cfg.mode, cfg.staleness,
-                    cfg.peer_timeout)
+                    cfg.peer_timeout, cfg.idle_sleep)
     server.run()
     st = server.stats
     return [1, 0, 0, st["busy_s"], st["requests"], st["bytes_in"] / 1e6, peak_rss_mb(),

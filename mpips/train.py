@@ -121,6 +121,8 @@ def run_local(cfg):
         log_line(summary_line(rec))
         write_metrics(cfg.metrics_out, rec)
         records.append(rec)
+    log_line(f"PROFILE --> local compute_s={trainer.compute_s:.2f} rows={len(ps.sparse)} "
+             f"peak_rss_mb={peak_rss_mb():.0f}")
     return records
 
 

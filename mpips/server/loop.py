@@ -34,11 +34,11 @@ class Server:
     """Serves one shard: a sparse table and a slice of the dense parameters."""
 
     def __init__(self, comm, worker_ranks, sparse, dense, mode="async", staleness=0,
-                 timeout=120.0):
+                 timeout=120.0, idle_max=IDLE_MAX):
         self.comm, self.sparse, self.dense = comm, sparse, dense
         self.workers = list(worker_ranks)
         self.mode = "sync" if (mode == "ssp" and staleness == 0) else mode
-        self.staleness, self.timeout = staleness, timeout
+        self.staleness, self.timeout, self.idle_max = staleness, timeout, idle_max
         self.recv_buf = np.empty(1 << 20, dtype=np.uint8)
         self.sends = []                 # (request, buffer) until complete
         self.finished = set()
@@ -64,8 +64,9 @@ class Server:
                 self._progress_sends()
                 if time.monotonic() - last > self.timeout:
                     raise PeerTimeout(self._timeout_text())
-                time.sleep(delay)
-                delay = min(delay * 2, IDLE_MAX)
+                if self.idle_max > 0:
+                    time.sleep(delay)
+                    delay = min(delay * 2, self.idle_max)
                 continue
             t0 = time.perf_counter()
             nbytes, source = status.Get_count(MPI.BYTE), status.Get_source()

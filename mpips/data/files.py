@@ -1,0 +1,82 @@
+"""Input file lists: resolve a path spec, split files over workers.
+
+A spec is a file, a directory (all regular files in it, sorted, ignoring names that
+start with '.' or '_' such as ``_SUCCESS``), or a glob pattern; several specs may be
+given as a list or comma-separated.  The result keeps the order of the specs, each
+spec's matches sorted, duplicates removed.
+"""
+import glob
+import os
+
+
+def _split_spec(spec) -> list[str]:
+    items = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
+    out: list[str] = []
+    for item in items:
+        out.extend(p.strip() for p in os.fspath(item).split(",") if p.strip())
+    return out
+
+
+def _visible(name: str) -> bool:
+    return not (name.startswith(".") or name.startswith("_"))
+
+
+def _resolve_one(part: str) -> list[str]:
+    if os.path.isdir(part):
+        names = sorted(n for n in os.listdir(part) if _visible(n))
+        return [p for p in (os.path.join(part, n) for n in names) if os.path.isfile(p)]
+    if os.path.isfile(part):
+        return [part]
+    if glob.has_magic(part):
+        hits = sorted(glob.glob(part))
+        return [p for p in hits if os.path.isfile(p) and _visible(os.path.basename(p))]
+    return []
+
+
+def resolve_paths(spec) -> list[str]:
+    """Expand ``spec`` (str, path, or list of them; comma-separated allowed) to files.
+
+    Raises
+    ------
+    FileNotFoundError
+        If the spec is empty, or any part of it matches no regular file.
+    """
+    parts = _split_spec(spec)
+    if not parts:
+        raise FileNotFoundError(f"no input files: empty path spec {spec!r}")
+    files: list[str] = []
+    seen: set[str] = set()
+    for part in parts:
+        hits = _resolve_one(part)
+        if not hits:
+            what = "directory has no data files" if os.path.isdir(part) else \
+                "no such file, directory or glob match"
+            raise FileNotFoundError(f"input path {part!r} (from spec {spec!r}): {what}")
+        for h in hits:
+            key = os.path.abspath(h)
+            if key not in seen:
+                seen.add(key)
+                files.append(h)
+    return files
+
+
+def split_files(files: list[str], n_workers: int, index: int) -> list[str]:
+    """Worker ``index``'s contiguous block of ``files`` (Paddle's get_file_shard).
+
+    Block sizes differ by at most one; the first ``len(files) % n_workers`` workers get
+    the larger blocks.  Every file goes to exactly one worker.
+    """
+    if n_workers < 1:
+        raise ValueError(f"n_workers must be >= 1; got {n_workers}")
+    if not 0 <= index < n_workers:
+        raise ValueError(f"worker index {index} out of range for {n_workers} workers")
+    n = len(files)
+    if n < n_workers:
+        raise ValueError(
+            f"{n} input file(s) for {n_workers} workers: every worker needs at least one "
+            f"file (split the data into >= {n_workers} files, e.g. with "
+            f"`split -n l/{n_workers}`, or run fewer workers)")
+    base, extra = divmod(n, n_workers)
+    start = index * base + min(index, extra)
+    stop = start + base + (1 if index < extra else 0)
+    return list(files[start:stop])

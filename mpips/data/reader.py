@@ -1,0 +1,312 @@
+"""Stream batches from Criteo TSV or Paddle slot files, with optional prefetch thread.
+
+Files are read in chunks of ``chunk_bytes`` that end on a newline (never a whole file
+in memory), parsed by ``mpips.data.criteo`` (numba, releases the GIL) or
+``mpips.data.slot``, and cut into batches of exactly ``batch_size`` rows that span file
+boundaries, as if the files were one stream.  Bad lines are skipped, counted in
+``reader.stats`` and reported through ``warn`` as ``file:line: ...`` (1-based lines; the
+first ``max_warnings`` of each file individually, then one summary line per file);
+``strict=True`` raises ``ValueError`` with that message instead.
+"""
+import queue
+import sys
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mpips.data import criteo, slot
+from mpips.data.files import resolve_paths
+
+CHUNK_BYTES = 4 << 20  # read size; a chunk is cut at its last newline
+MAX_LINE_BYTES = 1 << 20  # a longer "line" is garbage: reported and skipped
+PREFETCH_DEPTH = 4  # batches queued ahead by the prefetch thread
+PUT_POLL_SECONDS = 0.1  # producer re-checks for close() this often when the queue is full
+GET_POLL_SECONDS = 1.0  # consumer re-checks that the producer is alive this often
+EXAMPLES_KEPT = 5  # bad-line examples kept per file in stats
+
+
+@dataclass
+class Batch:
+    """One mini-batch."""
+
+    dense: np.ndarray  # (n, 13) float32, normalised
+    sparse: np.ndarray  # (n, 26) int64 feature ids
+    label: np.ndarray  # (n,) float32, 0/1 (0 without a label column)
+
+    def __len__(self) -> int:
+        return int(self.label.shape[0])
+
+
+@dataclass
+class FileStats:
+    rows: int = 0  # rows yielded from this file
+    lines: int = 0  # lines read (incl. blank and bad)
+    bad: int = 0  # bad lines skipped
+    examples: list = field(default_factory=list)  # first few "file:line: reason"
+
+
+@dataclass
+class ReaderStats:
+    """Counts for the current (or last finished) pass over the files."""
+
+    rows: int = 0
+    bad_lines: int = 0
+    files: dict = field(default_factory=dict)  # path -> FileStats
+
+
+def _stderr_warn(msg: str) -> None:
+    print(f"mpips.data: {msg}", file=sys.stderr, flush=True)
+
+
+def detect_format(path: str) -> str:
+    """'slot' if the first non-blank line starts with 'click:', else 'tsv'."""
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(1 << 16)
+            if not block:
+                return "tsv"
+            stripped = block.lstrip(b"\r\n\t ")
+            if stripped:
+                if len(stripped) < 6:  # 'click:' may straddle two reads
+                    stripped += f.read(6)
+                return "slot" if stripped.startswith(b"click:") else "tsv"
+
+
+def iter_chunks(path: str, chunk_bytes: int = CHUNK_BYTES, max_line: int | None = None):
+    """Yield ``(data, first_line, too_long)`` for ``path``.
+
+    ``data`` holds whole lines (ends with LF except possibly at EOF); ``first_line`` is
+    the 0-based number of its first line.  ``too_long`` lists 0-based numbers of lines
+    longer than ``max_line`` that were dropped before ``data``.
+    """
+    max_line = MAX_LINE_BYTES if max_line is None else max_line
+    line = 0
+    rest = b""
+    too_long: list[int] = []
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk_bytes)
+            if not block:
+                break
+            data = rest + block if rest else block
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:
+                rest = data
+                if len(rest) > max_line:  # no newline in sight: skip to the next one
+                    too_long.append(line)
+                    rest = _skip_to_newline(f, chunk_bytes)
+                    line += 1
+                continue
+            yield data[:cut], line, too_long
+            too_long = []
+            line += data.count(b"\n", 0, cut)
+            rest = data[cut:]
+    if rest or too_long:
+        yield rest, line, too_long
+
+
+def _skip_to_newline(f, chunk_bytes: int) -> bytes:
+    """Consume ``f`` up to and including the next LF; return what follows it."""
+    while True:
+        block = f.read(chunk_bytes)
+        if not block:
+            return b""
+        i = block.find(b"\n")
+        if i >= 0:
+            return block[i + 1:]
+
+
+class _Batcher:
+    """Cuts parsed pieces into batches of exactly ``size`` rows."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.pieces: list = []  # [(dense, sparse, label)]
+        self.count = 0
+
+    def add(self, dense, sparse, label):
+        if label.shape[0]:
+            self.pieces.append((dense, sparse, label))
+            self.count += label.shape[0]
+        while self.count >= self.size:
+            yield self._take(self.size)
+
+    def flush(self):
+        if self.count:
+            yield self._take(self.count)
+
+    def _take(self, n: int) -> Batch:
+        d, s, l = self.pieces[0]
+        if d.shape[0] >= n:  # within one piece: views, no copy
+            out = Batch(d[:n], s[:n], l[:n])
+            rest = (d[n:], s[n:], l[n:])
+            self.pieces[0:1] = [rest] if rest[2].shape[0] else []
+        else:
+            taken, k = [], 0
+            while k < n:
+                d, s, l = self.pieces.pop(0)
+                m = min(n - k, d.shape[0])
+                taken.append((d[:m], s[:m], l[:m]))
+                if m < d.shape[0]:
+                    self.pieces.insert(0, (d[m:], s[m:], l[m:]))
+                k += m
+            out = Batch(*(np.concatenate(col) for col in zip(*taken)))
+        self.count -= n
+        return out
+
+
+class DataReader:
+    """Iterable of ``Batch`` over ``files`` (a path spec or list; see ``resolve_paths``).
+
+    Each ``iter()`` is one pass over all files in order; ``stats`` describes that pass.
+    With ``prefetch=True`` a background thread parses ahead (queue of ``PREFETCH_DEPTH``
+    batches); its exceptions are raised in the consumer; ``close()`` (also called when
+    the iteration ends or the generator is dropped) stops it.
+    """
+
+    def __init__(self, files, batch_size: int, *, fmt: str = "auto", strict: bool = False,
+                 hash_bucket: int = 0, cont_min=None, cont_diff=None, has_label: bool = True,
+                 prefetch: bool = True, drop_last: bool = False, warn=None,
+                 chunk_bytes: int = CHUNK_BYTES, max_warnings: int = 10):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1; got {batch_size}")
+        if fmt not in ("auto", "tsv", "slot"):
+            raise ValueError(f"fmt must be 'auto', 'tsv' or 'slot'; got {fmt!r}")
+        if hash_bucket < 0:
+            raise ValueError(f"hash_bucket must be >= 0 (0 = full int64 ids); got {hash_bucket}")
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1; got {chunk_bytes}")
+        self.files = resolve_paths(files)
+        self.batch_size = int(batch_size)
+        self.fmt, self.strict, self.hash_bucket = fmt, strict, int(hash_bucket)
+        self.norm = criteo.make_norm(cont_min, cont_diff)
+        self.has_label, self.prefetch, self.drop_last = has_label, prefetch, drop_last
+        self.warn = warn or _stderr_warn
+        self.chunk_bytes, self.max_warnings = int(chunk_bytes), int(max_warnings)
+        self.stats = ReaderStats()
+        self._stop = threading.Event()
+        self._thread = None
+        self._queue = None
+
+    # ---- parsing (runs in the prefetch thread when prefetch=True) ----
+    def _parse(self, fmt: str, data: bytes) -> criteo.ParseResult:
+        if fmt == "slot":
+            return slot.parse_slot_bytes(data, hash_bucket=self.hash_bucket)
+        return criteo.parse_tsv_bytes(data, has_label=self.has_label,
+                                      hash_bucket=self.hash_bucket, norm=self.norm)
+
+    def _report(self, path: str, fst: FileStats, records) -> None:
+        """Count and report bad lines ``records``: iterable of (line0, reason, detail)."""
+        for line0, reason, detail in records:
+            msg = (f"{path}:{line0 + 1}: malformed line skipped: "
+                   f"{criteo.describe_bad(reason, detail, self.has_label)}")
+            if self.strict:
+                raise ValueError(msg + " (strict mode; run without --strict to skip such lines)")
+            if len(fst.examples) < EXAMPLES_KEPT:
+                fst.examples.append(msg)
+            if fst.bad < self.max_warnings:
+                self.warn(msg)
+            fst.bad += 1
+
+    def _iter_file(self, path: str):
+        """Yield ParseResults of one file, updating stats and reporting bad lines."""
+        fst = self.stats.files.setdefault(path, FileStats())
+        fmt = detect_format(path) if self.fmt == "auto" else self.fmt
+        for data, first, too_long in iter_chunks(path, self.chunk_bytes):
+            self._report(path, fst, ((ln, criteo.BAD_LINE_TOO_LONG, MAX_LINE_BYTES)
+                                     for ln in too_long))
+            res = self._parse(fmt, data)
+            self._report(path, fst, ((first + int(b[0]), int(b[1]), int(b[2]))
+                                     for b in res.bad))
+            unlisted = res.n_bad - res.bad.shape[0]  # beyond the kernel's record capacity
+            fst.bad += unlisted
+            fst.lines = first + res.n_lines
+            fst.rows += res.n_rows
+            self.stats.rows += res.n_rows
+            self.stats.bad_lines += len(too_long) + res.n_bad
+            yield res
+        if fst.bad > self.max_warnings:
+            self.warn(f"{path}: {fst.bad - self.max_warnings} more malformed lines not shown "
+                      f"({fst.bad} in this file)")
+
+    def _iter_batches(self):
+        self.stats = ReaderStats()
+        batcher = _Batcher(self.batch_size)
+        for path in self.files:
+            for res in self._iter_file(path):
+                yield from batcher.add(res.dense, res.sparse, res.label)
+        if not self.drop_last:
+            yield from batcher.flush()
+
+    # ---- prefetch thread ----
+    def _produce(self, q: queue.Queue, stop: threading.Event) -> None:
+        try:
+            for item in self._iter_batches():
+                if not self._put(q, stop, item):
+                    return
+            self._put(q, stop, ("end", None))
+        except BaseException as exc:  # handed to the consumer, re-raised there
+            self._put(q, stop, ("error", exc))
+
+    @staticmethod
+    def _put(q: queue.Queue, stop: threading.Event, item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=PUT_POLL_SECONDS)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _consume(self, q: queue.Queue, thread: threading.Thread):
+        while True:
+            try:
+                item = q.get(timeout=GET_POLL_SECONDS)
+            except queue.Empty:
+                if not thread.is_alive() and q.empty():
+                    raise RuntimeError("data prefetch thread stopped without finishing")
+                continue
+            if isinstance(item, Batch):
+                yield item
+            elif item[0] == "end":
+                return
+            else:
+                raise item[1]
+
+    def __iter__(self):
+        if not self.prefetch:
+            yield from self._iter_batches()
+            return
+        self.close()
+        stop = threading.Event()
+        q: queue.Queue = queue.Queue(maxsize=PREFETCH_DEPTH)
+        thread = threading.Thread(target=self._produce, args=(q, stop),
+                                  name="mpips-prefetch", daemon=True)
+        self._stop, self._queue, self._thread = stop, q, thread
+        thread.start()
+        try:
+            yield from self._consume(q, thread)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the prefetch thread (if any) and drop queued batches."""
+        thread, q = self._thread, self._queue
+        if thread is None:
+            return
+        self._stop.set()
+        while thread.is_alive():
+            try:
+                while True:
+                    q.get_nowait()
+            except queue.Empty:
+                pass
+            thread.join(timeout=PUT_POLL_SECONDS)
+        self._thread = self._queue = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

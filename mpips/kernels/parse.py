@@ -1,0 +1,289 @@
+"""Numba kernels for parsing Criteo TSV bytes and hashing categorical features.
+
+Feature hash (the contract other modules and stored models rely on; do not change):
+
+    h = FNV1A_OFFSET                                    # 0xcbf29ce484222325
+    h = (h ^ slot) * FNV1A_PRIME        (mod 2**64)     # slot 0..25 (C1..C26), as one byte
+    for b in raw_bytes:
+        h = (h ^ b) * FNV1A_PRIME       (mod 2**64)     # FNV-1a 64 over the field bytes
+    h = splitmix64_finalise(h)                          # avalanche: z ^= z>>30; z *= ...
+    id = h reinterpreted as int64          if hash_bucket == 0   (full int64 range)
+    id = h % hash_bucket  (h unsigned)     if hash_bucket > 0    (Paddle-style bucketing)
+
+An empty field hashes like any other value (raw_bytes == b"").  The pure-Python
+reference is ``mpips.data.criteo.hash_feature``.
+
+Bad-line records written by ``parse_criteo_tsv`` are rows ``(line, reason, detail)``
+with ``line`` 0-based relative to the start of the buffer and ``reason`` one of the
+``BAD_*`` codes below.
+"""
+import numpy as np
+from numba import njit
+
+FNV1A_OFFSET = np.uint64(0xCBF29CE484222325)
+FNV1A_PRIME = np.uint64(0x100000001B3)
+SM_MUL1 = np.uint64(0xBF58476D1CE4E5B9)
+SM_MUL2 = np.uint64(0x94D049BB133111EB)
+
+N_DENSE = 13  # integer features I1..I13
+N_SPARSE = 26  # categorical features C1..C26
+
+BAD_FIELDS = 1  # wrong number of tab-separated fields; detail = fields found
+BAD_INT = 2  # integer field not [+-]?[0-9]+; detail = column (1..13 for I1..I13)
+BAD_LABEL = 3  # label field not exactly "0" or "1"; detail = 0
+BAD_CAPACITY = 4  # output arrays full (caller sized them wrong); detail = 0
+# codes 5.. are used by the Python-side readers (too-long line, slot-format errors)
+
+OPT_HAS_LABEL = 0  # opts[0]: 1 if column 0 is the label
+OPT_BUCKET = 1  # opts[1]: hash_bucket (0 = full int64 range)
+
+CNT_ROWS = 0  # counts[0]: rows written
+CNT_LINES = 1  # counts[1]: lines seen (incl. blank and bad ones)
+CNT_BAD = 2  # counts[2]: bad lines (all of them, even beyond bad's capacity)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def splitmix64_finalise(z):
+    """Splitmix64 output mix of a uint64 (bijective avalanche)."""
+    z = (z ^ (z >> np.uint64(30))) * SM_MUL1
+    z = (z ^ (z >> np.uint64(27))) * SM_MUL2
+    return z ^ (z >> np.uint64(31))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def hash_bytes(buf, start, end, slot):
+    """Hash ``buf[start:end]`` for ``slot``: FNV-1a 64 seeded by slot + splitmix64.
+
+    Parameters
+    ----------
+    buf : (nbytes,) uint8
+    start, end : int, byte range (end exclusive)
+    slot : int, 0..255
+
+    Returns
+    -------
+    uint64 hash
+    """
+    h = (FNV1A_OFFSET ^ np.uint64(slot & 0xFF)) * FNV1A_PRIME
+    for i in range(start, end):
+        h = (h ^ np.uint64(buf[i])) * FNV1A_PRIME
+    return splitmix64_finalise(h)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def hash_to_id(h, bucket):
+    """Map a uint64 hash to an int64 id: full range, or ``h % bucket`` if bucket > 0."""
+    if bucket > 0:
+        return np.int64(h % np.uint64(bucket))
+    return np.int64(h)  # two's-complement reinterpretation
+
+
+@njit(cache=True, nogil=True, inline="always")
+def parse_int_field(buf, start, end):
+    """Parse ``[+-]?[0-9]+`` in ``buf[start:end]``.
+
+    Returns
+    -------
+    (status, value) : status 0 ok, 1 empty field, 2 malformed; value float64
+    """
+    if start == end:
+        return 1, 0.0
+    i = start
+    neg = False
+    if buf[i] == 45 or buf[i] == 43:  # '-' or '+'
+        neg = buf[i] == 45
+        i += 1
+    if i == end:
+        return 2, 0.0
+    v = 0.0
+    while i < end:
+        c = buf[i]
+        if c < 48 or c > 57:
+            return 2, 0.0
+        v = v * 10.0 + (c - 48)
+        i += 1
+    return 0, -v if neg else v
+
+
+@njit(cache=True, nogil=True)
+def _skip_line(buf, pos):
+    """Index just past the LF ending the line that starts at ``pos`` (or len(buf))."""
+    n = buf.shape[0]
+    while pos < n and buf[pos] != 10:
+        pos += 1
+    return pos + 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _is_blank(buf, pos):
+    n = buf.shape[0]
+    if buf[pos] == 10:
+        return True
+    return buf[pos] == 13 and (pos + 1 == n or buf[pos + 1] == 10)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _field_end(buf, s):
+    """Index of the TAB/LF ending the field that starts at ``s`` (or len(buf))."""
+    n = buf.shape[0]
+    while s < n and buf[s] != 9 and buf[s] != 10:
+        s += 1
+    return s
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _scan_hash(buf, s, slot):
+    """Scan the field at ``s`` and FNV-1a hash it at once: (end, unfinalised hash).
+
+    A CR just before an LF is excluded from the hash (CRLF line ending).
+    """
+    n = buf.shape[0]
+    h = (FNV1A_OFFSET ^ np.uint64(slot & 0xFF)) * FNV1A_PRIME
+    e = s
+    while e < n:
+        c = buf[e]
+        if c == 9 or c == 10:
+            break
+        h = (h ^ np.uint64(c)) * FNV1A_PRIME
+        e += 1
+    if e > s and buf[e - 1] == 13 and (e == n or buf[e] == 10):  # rare: redo without CR
+        h = (FNV1A_OFFSET ^ np.uint64(slot & 0xFF)) * FNV1A_PRIME
+        for i in range(s, e - 1):
+            h = (h ^ np.uint64(buf[i])) * FNV1A_PRIME
+    return e, h
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _parse_field(buf, s, f, opts, norm, dense_row, sparse_row):
+    """Scan and parse logical field ``f`` (0 label, 1..13 ints, 14..39 cats) at ``s``.
+
+    Returns (end, reason, value): end = index of the terminating TAB/LF (or len(buf)),
+    reason 0 when fine, value = the label (f == 0) or the bad column (BAD_INT).
+    """
+    if f > N_DENSE:
+        slot = f - 1 - N_DENSE
+        e, h = _scan_hash(buf, s, slot)
+        sparse_row[slot] = hash_to_id(splitmix64_finalise(h), opts[OPT_BUCKET])
+        return e, 0, 0
+    e = _field_end(buf, s)
+    fe = e - 1 if (e > s and buf[e - 1] == 13 and (e == buf.shape[0] or buf[e] == 10)) else e
+    if f == 0:
+        if fe - s != 1 or (buf[s] != 48 and buf[s] != 49):
+            return e, BAD_LABEL, 0
+        return e, 0, buf[s] - 48
+    st, v = parse_int_field(buf, s, fe)
+    if st == 2:
+        return e, BAD_INT, f
+    dense_row[f - 1] = 0.0 if st == 1 else (v - norm[0, f - 1]) / norm[1, f - 1]
+    return e, 0, 0
+
+
+@njit(cache=True, nogil=True)
+def _parse_line(buf, pos, opts, norm, dense_row, sparse_row, label_cell):
+    """Parse the non-blank line starting at ``pos`` into one row, in a single scan.
+
+    Returns (next_pos, reason, detail); reason 0 means the row is valid.  A bad row
+    may be partly written; the caller reuses the slot.
+    """
+    n = buf.shape[0]
+    f = 0 if opts[OPT_HAS_LABEL] != 0 else 1  # logical field index
+    last = N_DENSE + N_SPARSE
+    label_cell[0] = 0.0
+    reason = 0
+    detail = 0
+    s = pos
+    while True:
+        if reason == 0 and f <= last:
+            e, reason, detail = _parse_field(buf, s, f, opts, norm, dense_row, sparse_row)
+            if f == 0 and reason == 0:
+                label_cell[0] = detail
+                detail = 0
+        else:
+            e = _field_end(buf, s)
+        f += 1
+        if e >= n or buf[e] == 10:
+            break
+        s = e + 1
+    if f != last + 1:  # field count wins over any other complaint
+        return e + 1, BAD_FIELDS, f - (0 if opts[OPT_HAS_LABEL] != 0 else 1)
+    return e + 1, reason, detail
+
+
+@njit(cache=True, nogil=True)
+def parse_criteo_tsv(buf, opts, norm, dense, sparse, label, bad, counts):
+    """Parse Criteo TSV bytes (``label \\t I1..I13 \\t C1..C26`` per line).
+
+    Lines end with LF (an optional CR before it is dropped); a final line without LF
+    is parsed too.  Blank lines are skipped (counted in lines, not bad).  A line with
+    the wrong field count, a non-integer I-field or a label other than 0/1 is bad:
+    it produces no row and is recorded in ``bad`` (first ``bad.shape[0]`` of them).
+
+    Parameters
+    ----------
+    buf : (nbytes,) uint8, whole lines
+    opts : (2,) int64, [has_label (0/1), hash_bucket (0 = full int64 ids)]
+    norm : (2, 13) float64, [cont_min, cont_diff]; dense = (x - min) / diff, empty -> 0
+    dense : (cap, 13) float32, out
+    sparse : (cap, 26) int64, out
+    label : (cap,) float32, out (0.0 when there is no label column)
+    bad : (bcap, 3) int64, out rows (line 0-based, reason code, detail)
+    counts : (3,) int64, out [rows, lines, bad]
+
+    Returns
+    -------
+    int, rows written.  ``cap`` >= number of LF + 1 always suffices.
+    """
+    n = buf.shape[0]
+    cap = dense.shape[0]
+    pos = 0
+    line = 0
+    r = 0
+    nb = 0
+    while pos < n:
+        if _is_blank(buf, pos):
+            pos = _skip_line(buf, pos)
+            line += 1
+            continue
+        if r < cap:
+            pos, reason, detail = _parse_line(buf, pos, opts, norm, dense[r], sparse[r],
+                                              label[r:r + 1])
+        else:
+            pos, reason, detail = _skip_line(buf, pos), BAD_CAPACITY, 0
+        if reason == 0:
+            r += 1
+        else:
+            if nb < bad.shape[0]:
+                bad[nb, 0] = line
+                bad[nb, 1] = reason
+                bad[nb, 2] = detail
+            nb += 1
+        line += 1
+    counts[CNT_ROWS] = r
+    counts[CNT_LINES] = line
+    counts[CNT_BAD] = nb
+    return r
+
+
+@njit(cache=True, nogil=True)
+def splitmix64_mix_ids(values, slots, bucket, out):
+    """Slot-format ids: mix already-hashed integer values with their slot.
+
+    ``id = splitmix64_finalise(value + (slot + 1) * 0x9E3779B97F4A7C15)`` as int64,
+    or ``value % bucket`` (Paddle's raw id) when bucket > 0.
+
+    Parameters
+    ----------
+    values : (n, k) uint64
+    slots : (k,) int64, slot index 0.. per column
+    bucket : int
+    out : (n, k) int64, out
+    """
+    golden = np.uint64(0x9E3779B97F4A7C15)
+    for i in range(values.shape[0]):
+        for j in range(values.shape[1]):
+            v = np.uint64(values[i, j])
+            if bucket > 0:
+                out[i, j] = np.int64(v % np.uint64(bucket))
+            else:
+                z = v + np.uint64(slots[j] + 1) * golden
+                out[i, j] = np.int64(splitmix64_finalise(z))
