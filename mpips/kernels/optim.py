@@ -94,27 +94,27 @@ def adam_rows(values, m, v, b1pow, b2pow, rows, grads, hyper):
     -------
     None
     """
-    lr = hyper[H_LR]
-    beta1 = hyper[H_BETA1]
-    beta2 = hyper[H_BETA2]
-    eps = hyper[H_EPS]
-    scale = hyper[H_SCALE]
+    beta1 = np.float32(hyper[H_BETA1])    # element maths in float32: half the time of
+    beta2 = np.float32(hyper[H_BETA2])    # float64 on the 200k-wide dense row
+    scale = np.float32(hyper[H_SCALE])
+    one = np.float32(1.0)
     for i in range(rows.shape[0]):
         r = rows[i]
         b1p = np.float64(b1pow[r])
         b2p = np.float64(b2pow[r])
         c2 = np.sqrt(1.0 - b2p)
-        lr_t = lr * c2 / (1.0 - b1p)
-        eps_t = eps * c2
-        for j in range(values.shape[1]):
-            g = grads[i, j] * scale
-            mj = beta1 * m[r, j] + (1.0 - beta1) * g
-            vj = beta2 * v[r, j] + (1.0 - beta2) * g * g
-            m[r, j] = mj
-            v[r, j] = vj
-            values[r, j] = values[r, j] - lr_t * mj / (np.sqrt(vj) + eps_t)
-        b1pow[r] = b1p * beta1
-        b2pow[r] = b2p * beta2
+        lr_t = np.float32(hyper[H_LR] * c2 / (1.0 - b1p))
+        eps_t = np.float32(hyper[H_EPS] * c2)
+        w, mr, vr, g = values[r], m[r], v[r], grads[i]
+        for j in range(w.shape[0]):
+            gj = g[j] * scale
+            mj = beta1 * mr[j] + (one - beta1) * gj
+            vj = beta2 * vr[j] + (one - beta2) * gj * gj
+            mr[j] = mj
+            vr[j] = vj
+            w[j] = w[j] - lr_t * mj / (np.sqrt(vj) + eps_t)
+        b1pow[r] = b1p * hyper[H_BETA1]
+        b2pow[r] = b2p * hyper[H_BETA2]
 
 
 @njit(cache=True, nogil=True)

@@ -51,6 +51,15 @@ def splitmix64_finalise(z):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def fnv1a_slot(buf, start, end, slot):
+    """FNV-1a 64 of ``bytes([slot]) + buf[start:end]`` (uint64, not yet finalised)."""
+    h = (FNV1A_OFFSET ^ np.uint64(slot & 0xFF)) * FNV1A_PRIME
+    for i in range(start, end):
+        h = (h ^ np.uint64(buf[i])) * FNV1A_PRIME
+    return h
+
+
+@njit(cache=True, nogil=True)
 def hash_bytes(buf, start, end, slot):
     """Hash ``buf[start:end]`` for ``slot``: FNV-1a 64 seeded by slot + splitmix64.
 
@@ -62,12 +71,9 @@ def hash_bytes(buf, start, end, slot):
 
     Returns
     -------
-    uint64 hash
+    uint64 hash (``hash_to_id`` turns it into the feature id)
     """
-    h = (FNV1A_OFFSET ^ np.uint64(slot & 0xFF)) * FNV1A_PRIME
-    for i in range(start, end):
-        h = (h ^ np.uint64(buf[i])) * FNV1A_PRIME
-    return splitmix64_finalise(h)
+    return splitmix64_finalise(fnv1a_slot(buf, start, end, slot))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -147,9 +153,7 @@ def _scan_hash(buf, s, slot):
         h = (h ^ np.uint64(c)) * FNV1A_PRIME
         e += 1
     if e > s and buf[e - 1] == 13 and (e == n or buf[e] == 10):  # rare: redo without CR
-        h = (FNV1A_OFFSET ^ np.uint64(slot & 0xFF)) * FNV1A_PRIME
-        for i in range(s, e - 1):
-            h = (h ^ np.uint64(buf[i])) * FNV1A_PRIME
+        h = fnv1a_slot(buf, s, e - 1, slot)
     return e, h
 
 
