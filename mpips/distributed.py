@@ -1,4 +1,5 @@
 """Distributed run: split roles, serve or train, gather a per-rank profile at the end."""
+import os
 import time
 
 import numpy as np
@@ -75,6 +76,9 @@ def work(cfg, cluster, model, bounds):
         trainer = Trainer(cfg, model, client, lambda ids: plan_keys(ids, S), log=logger,
                           overlap=(cfg.mode == "async"))
     wcomm = cluster.role_comm
+    slow = os.environ.get("MPIPS_DEBUG_SLOW_WORKER", "")   # "I:SECONDS": a test aid
+    if slow and int(slow.split(":")[0]) == wi:
+        trainer.step_delay = float(slow.split(":")[1])
     for epoch in range(cfg.epochs):
         wait_collective(wcomm.Ibarrier())
         t0 = time.perf_counter()
@@ -85,7 +89,8 @@ def work(cfg, cluster, model, bounds):
             reader.close()
         client.barrier()                      # every worker's pushes are applied
         span = time.perf_counter() - t0
-        sums = allreduce_sum(wcomm, np.array([st.examples, st.loss_sum, span], np.float64))
+        sums = allreduce_sum(wcomm, np.array([st.examples, st.loss_sum, client.bytes_sent,
+                                              client.messages], np.float64))
         span = allreduce_max(wcomm, span)
         train_m = BinaryMetrics.from_state(allreduce_sum(wcomm, st.metrics.state()))
         test_m = None
@@ -97,10 +102,15 @@ def work(cfg, cluster, model, bounds):
                 reader.close()
             test_m = BinaryMetrics.from_state(allreduce_sum(wcomm, local.state()))
         if wi == 0:
+            srv = client.stats()
             rec = epoch_record(cfg, epoch, sums[0], span, sums[1], train_m, test_m,
                                {"workers": W, "servers": S,
-                                "bytes_sent_per_example": round(client.bytes_sent * W /
-                                                                max(sums[0], 1), 1)})
+                                "bytes_sent_per_example": round(sums[2] / max(sums[0], 1), 1),
+                                "messages_sent": int(sums[3]),
+                                "server_rows": int(srv[:, 0].sum()),
+                                "server_bytes": int(srv[:, 1].sum())})
+            if cfg.mode == "ssp":
+                rec["ssp_max_lead"] = int(srv[:, 4].max())
             log_line(summary_line(rec))
             write_metrics(cfg.metrics_out, rec)
     client.control(Op.FINISH)

@@ -57,6 +57,10 @@ class DenseTable:
         """``values += delta`` (GEO-SGD); delta (n,)."""
         self._values += self._check(delta, 'delta')
 
+    def assign(self, values):
+        """``values[:] = values`` keeping the optimizer state (GEO rebase)."""
+        self._values[0] = self._check(values, 'values')[0]
+
     @property
     def nbytes(self):
         return self._values.nbytes + sum(a.nbytes for a in self._state.values())

@@ -43,6 +43,7 @@ class Server:
         self.sends = []                 # (request, buffer) until complete
         self.finished = set()
         self.stats = {"requests": 0, "busy_s": 0.0, "bytes_in": 0, "bytes_out": 0}
+        self.max_lead = 0       # ssp: largest (pull step - slowest worker's pushes) answered
         self._new_phase()
 
     def _new_phase(self):
@@ -107,7 +108,8 @@ class Server:
             self.finished.add(source)
         elif req.op == Op.STATS:
             out = np.array([len(self.sparse), self.sparse.nbytes + self.dense.nbytes,
-                            self.stats["requests"], int(self.stats["busy_s"] * 1e6)], np.int64)
+                            self.stats["requests"], int(self.stats["busy_s"] * 1e6),
+                            self.max_lead, 0], np.int64)
             self._send(out, source, TAG_CONTROL)
 
     @staticmethod
@@ -126,6 +128,9 @@ class Server:
         return True
 
     def _answer_pull(self, req, source):
+        if self.mode == "ssp" and self.active:
+            slowest = min(self.clock[w] for w in self.active)
+            self.max_lead = max(self.max_lead, req.step - slowest)
         out = np.empty((req.count, self.sparse.dim), dtype=np.float32)
         if req.count:
             self.sparse.pull(req.keys, out, create=bool(req.flags & F_CREATE))

@@ -197,6 +197,13 @@ class SparseTable:
         add_rows(c['values'], rows, deltas)
         touch_rows(rows, c['seen_flag'], c['seen_count'], c['dirty'], False, True)
 
+    def assign(self, keys, values):
+        """``values[keys] = values`` keeping optimizer state; missing rows are made (GEO rebase)."""
+        keys = _as_keys(keys)
+        values = self._check_rows_arg(values, keys.shape[0], 'values')
+        rows = self._rows_for(keys, True)
+        self._cols['values'][rows] = values
+
     def _live(self, keys, data, create):
         rows = self._rows_for(keys, create)
         if not create:

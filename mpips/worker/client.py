@@ -13,7 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpips.kernels.embedding import unique_inverse
-from mpips.protocol import (F_CREATE, F_DENSE, TAG_CONTROL, TAG_REPLY_DENSE, TAG_REPLY_SPARSE,
+from mpips.protocol import (F_CREATE, F_DENSE, STATS_LEN, TAG_CONTROL, TAG_REPLY_DENSE, TAG_REPLY_SPARSE,
                             TAG_REQUEST, Op, encode, message_nbytes)
 from mpips.server.loop import PeerTimeout
 from mpips.sharding import owners
@@ -150,8 +150,8 @@ class PSClient:
         Handle(self, reqs + [r for r, _ in sent], self.servers, [b for _, b in sent]).wait()
 
     def stats(self):
-        """(rows, bytes, requests, busy_us) per server, int64 (S, 4)."""
-        out = np.zeros((self.n_servers, 4), np.int64)
+        """Per server int64 (S, STATS_LEN): rows, bytes, requests, busy_us, ssp max lead, 0."""
+        out = np.zeros((self.n_servers, STATS_LEN), np.int64)
         reqs = [self.comm.Irecv(out[s], srv, TAG_CONTROL) for s, srv in enumerate(self.servers)]
         empty = np.empty(0, np.int64)
         sent = [self._request(s, Op.STATS, empty, None, 0, 0, None) for s in range(self.n_servers)]

@@ -50,6 +50,7 @@ class Trainer:
         self.params = [np.zeros(P, np.float32), np.zeros(P, np.float32)]  # double buffer
         self.grad_dense = np.zeros(P, np.float32)
         self.compute_s = 0.0
+        self.step_delay = 0.0      # seconds slept per step: slows one worker in tests
 
     def _prepare(self, batch):
         return None if batch is None else _Prepared(batch, self.plan_fn(batch.sparse), self.dim)
@@ -97,6 +98,8 @@ class Trainer:
             if push is not None:
                 push.wait()
             push = self.ps.push(cur.plan, grads, self.grad_dense, step=step)
+            if self.step_delay:
+                time.sleep(self.step_delay)
             if not self.overlap and nxt is not None:
                 h = self._pull(nxt, step + 1, self.params[nbuf])
             n = len(cur.batch.label)
@@ -144,33 +147,40 @@ class Trainer:
 
 
 class GeoTrainer(Trainer):
-    """GEO-SGD (Paddle's a_sync k_steps): local SGD, deltas sent every K steps.
+    """GEO-SGD (Paddle's a_sync k_steps): local training, deltas sent every K steps.
 
-    The worker trains a local copy of the rows it touches (SGD, as Paddle requires for
-    GEO) and of the dense weights.  Every K steps (and at the end of an epoch) it sends,
-    for the ids touched since the last sync, `local - base` (base = the values at the
-    last sync, or the (seed, id) initial value for a new id); servers add these deltas;
-    the worker then pulls the fresh values and makes them its new local and base copies.
+    The worker trains a local copy of the rows it touches and of the dense weights with
+    the configured optimizer (Paddle requires SGD for GEO; `--optimizer sgd` is exactly
+    Paddle's GEO-SGD, adam/adagrad keep their state locally on the worker).  Every K steps
+    (and at the end of an epoch) it sends, for the ids touched since the last sync,
+    `local - base` (base = the values at the last sync, or the (seed, id) initial value for
+    a new id); servers add these deltas; the worker pulls the fresh values and makes them
+    its new local and base values (local optimizer state is kept).
     """
 
     def __init__(self, cfg, model, ps, plan_fn, log=None):
         super().__init__(cfg, model, ps, plan_fn, log, overlap=False)
         from mpips.server.optim import OptimizerConfig
         from mpips.server.sparse_table import SparseTable
-        sgd = OptimizerConfig(name="sgd", lr=cfg.lr)
-        self.local = SparseTable(cfg.embedding_dim, sgd, cfg.seed, cfg.init_range)
-        self.base = SparseTable(cfg.embedding_dim, sgd, cfg.seed, cfg.init_range)
-        self.dense_base = None
+        self.opt = OptimizerConfig(name=cfg.optimizer, lr=cfg.lr)
+        self.local = SparseTable(cfg.embedding_dim, self.opt, cfg.seed, cfg.init_range)
+        self.base = SparseTable(cfg.embedding_dim, OptimizerConfig(name="sgd"), cfg.seed,
+                                cfg.init_range)
+        self.dense_local = None     # DenseTable with the local optimizer state
+        self.dense_base = None      # (P,) dense values at the last sync
         self.touched = []
         self.syncs = 0
 
+    def _first_pull(self):
+        from mpips.server.dense_table import DenseTable
+        plan = self.plan_fn(np.empty(0, np.int64))
+        self.ps.pull(plan, np.empty((0, self.dim), np.float32), self.params[0]).wait()
+        self.dense_base = self.params[0].copy()
+        self.dense_local = DenseTable(self.params[0], self.opt)
+
     def _sync(self, step):
         """Send deltas of touched ids and dense, then rebase on the servers' values."""
-        if self.dense_base is None:                       # first call: fetch dense weights
-            plan = self.plan_fn(np.empty(0, np.int64))
-            self.ps.pull(plan, np.empty((0, self.dim), np.float32), self.params[0]).wait()
-            self.dense_base = self.params[0].copy()
-            return
+        from mpips.protocol import Op
         keys = np.concatenate(self.touched) if self.touched else np.empty(0, np.int64)
         self.touched = []
         plan = self.plan_fn(keys)
@@ -178,23 +188,24 @@ class GeoTrainer(Trainer):
         old = np.empty_like(cur)
         self.local.pull(plan.keys, cur, create=False)
         self.base.pull(plan.keys, old, create=False)
-        from mpips.protocol import Op
-        h = self.ps.push(plan, cur - old, self.params[0] - self.dense_base, step=step, op=Op.ADD)
+        params = self.params[0]
+        h = self.ps.push(plan, cur - old, params - self.dense_base, step=step, op=Op.ADD)
         fresh = np.empty_like(cur)
-        h2 = self.ps.pull(plan, fresh, self.params[0], step=step, create=True)
+        h2 = self.ps.pull(plan, fresh, params, step=step, create=True)
         h.wait()
         h2.wait()
-        self.local.import_rows({"keys": plan.keys, "values": fresh})
-        self.base.import_rows({"keys": plan.keys, "values": fresh})
-        self.dense_base[:] = self.params[0]
+        self.local.assign(plan.keys, fresh)
+        self.base.assign(plan.keys, fresh)
+        self.dense_local.assign(params)
+        self.dense_base[:] = params
         self.syncs += 1
 
     def train_epoch(self, batches, epoch, max_steps=0):
-        if self.dense_base is None:
-            self._sync(0)
+        if self.dense_local is None:
+            self._first_pull()
         st = EpochStats()
         t_start = time.perf_counter()
-        params, lr, K = self.params[0], np.float32(self.cfg.lr), self.cfg.geo_steps
+        params, K = self.params[0], self.cfg.geo_steps
         step = 0
         for batch in batches:
             prep = self._prepare(batch)
@@ -202,8 +213,9 @@ class GeoTrainer(Trainer):
             self.base.pull(prep.plan.keys, np.empty_like(prep.rows), create=True)
             t0 = time.perf_counter()
             loss, probs, grads = self._step_math(prep, params)
-            self.local.push(prep.plan.keys, grads)                  # local SGD
-            params -= lr * self.grad_dense
+            self.local.push(prep.plan.keys, grads)                  # local optimizer step
+            self.dense_local.push(self.grad_dense)
+            self.dense_local.pull(params)
             self.compute_s += time.perf_counter() - t0
             self.touched.append(prep.plan.keys)
             n = len(batch.label)
@@ -226,6 +238,7 @@ class GeoTrainer(Trainer):
 
     def evaluate(self, batches, max_steps=0):
         m = super().evaluate(batches, max_steps)
-        if self.dense_base is not None:      # evaluate pulled the servers' dense weights
+        if self.dense_local is not None:      # evaluate pulled the servers' dense weights
             self.dense_base[:] = self.params[0]
+            self.dense_local.assign(self.params[0])
         return m
