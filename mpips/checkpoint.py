@@ -55,6 +55,8 @@ VERSION = 1
 MODES = ("full", "base", "delta")      # Paddle save_persistables mode 0, 1, 2
 MANIFEST = "MANIFEST.json"
 CHUNK_ROWS = 1 << 18                   # rows per HDF5 write/read (bounds the extra memory)
+IMPORT_ROWS = 1 << 16                  # rows per import_rows call: its np.unique is ~4x
+                                       # faster per row on cache-sized pieces (numpy 2.4)
 SKIPPED_FIELDS = ("dirty",)            # save tracking, meaningless inside a checkpoint
 _DIR_RE = re.compile(r"^ckpt-(\d{6,})-(full|base|delta)$")
 
@@ -630,8 +632,8 @@ def load_shard_into(path, sparse, dense, server_id, n_servers, dense_bounds):
         staged = _apply(staged, evicted, rows)
     d, m = elements[-1]
     state = _dense_slice(d, m, schema, dense, bounds[server_id], bounds[server_id + 1])
-    if len(staged["keys"]):
-        sparse.import_rows(staged)
+    for lo in range(0, len(staged["keys"]), IMPORT_ROWS):
+        sparse.import_rows({f: a[lo:lo + IMPORT_ROWS] for f, a in staged.items()})
     dense.import_state(state)
     sparse.clear_dirty()
     sparse.clear_evicted()

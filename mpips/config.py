@@ -18,6 +18,7 @@ else:  # pragma: no cover
 MODES = ("async", "sync", "geo", "ssp")
 OPTIMIZERS = ("adam", "adagrad", "sgd")
 FORMATS = ("auto", "tsv", "slot")
+SAVE_MODES = ("full", "base", "delta")
 
 
 def _f(default, help_text, **kw):
@@ -57,6 +58,14 @@ class Config:
     batch_size: int = _f(512, "examples per worker step")
     epochs: int = _f(1, "passes over the training data")
     seed: int = _f(0, "seed of all initialisation")
+    # --- checkpoints
+    save_dir: str = _f("", "checkpoint root: a checkpoint is saved there after every "
+                           "--save-every epochs (HDF5 shards + MANIFEST.json)")
+    save_every: int = _f(1, "save every N epochs (the last epoch is always saved)")
+    save_mode: str = _f("full", "what a save holds: full, base (and start tracking changes) or "
+                                "delta (rows changed since the last base/delta)",
+                        choices=SAVE_MODES)
+    resume: str = _f("", "continue from this checkpoint, or the latest valid one in this root")
     # --- output and robustness
     print_every: int = _f(100, "log a TRAIN line every N batches (first worker)")
     metrics_out: str = _f("", "write JSON lines (one per epoch) to this file")
@@ -72,12 +81,12 @@ class Config:
 
     def validate(self):
         """Raise ValueError with the fix for impossible values."""
-        positive = ("embedding_dim", "batch_size", "epochs", "geo_steps", "dense_every",
+        positive = ("save_every", "embedding_dim", "batch_size", "epochs", "geo_steps", "dense_every",
                     "print_every", "local_workers")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
-        for name, choices in (("mode", MODES), ("optimizer", OPTIMIZERS), ("data_format", FORMATS)):
+        for name, choices in (("save_mode", SAVE_MODES), ("mode", MODES), ("optimizer", OPTIMIZERS), ("data_format", FORMATS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(choices)}; "
                                  f"got {getattr(self, name)!r}")

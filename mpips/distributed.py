@@ -1,4 +1,5 @@
 """Distributed run: split roles, serve or train, gather a per-rank profile at the end."""
+import json
 import os
 import time
 
@@ -47,11 +48,22 @@ def run_distributed(cfg, comm):
 
 
 def serve(cfg, cluster, model, bounds):
+    from mpips import checkpoint as ck
+    from mpips.config import SAVE_MODES
     from mpips.server.loop import Server
-    i = cluster.index
+    i, S = cluster.index, cluster.n_servers
     sparse, dense = make_tables(cfg, model, bounds[i], bounds[i + 1])
+    if cfg.resume:
+        ck.load_shard_into(ck.resolve(cfg.resume), sparse, dense, i, S, bounds)
     server = Server(cluster.comm, cluster.worker_ranks, sparse, dense, cfg.mode, cfg.staleness,
                     cfg.peer_timeout, cfg.idle_sleep)
+    if cfg.save_dir:
+        def on_save(seq, mode_index):
+            mode = SAVE_MODES[mode_index]
+            path = os.path.join(cfg.save_dir, f"ckpt-{seq:06d}-{mode}")
+            info = ck.save_shard(path, i, S, sparse, dense, int(bounds[i]), mode)
+            return json.dumps(info).encode()
+        server.on_save = on_save
     server.run()
     st = server.stats
     return [1, 0, 0, st["busy_s"], st["requests"], st["bytes_in"] / 1e6, peak_rss_mb(),
@@ -79,7 +91,7 @@ def work(cfg, cluster, model, bounds):
     slow = os.environ.get("MPIPS_DEBUG_SLOW_WORKER", "")   # "I:SECONDS": a test aid
     if slow and int(slow.split(":")[0]) == wi:
         trainer.step_delay = float(slow.split(":")[1])
-    for epoch in range(cfg.epochs):
+    for epoch in range(first_epoch(cfg), cfg.epochs):
         wait_collective(wcomm.Ibarrier())
         t0 = time.perf_counter()
         reader = make_reader(cfg, mine, cfg.batch_size, log_line)
@@ -89,6 +101,8 @@ def work(cfg, cluster, model, bounds):
             reader.close()
         client.barrier()                      # every worker's pushes are applied
         span = time.perf_counter() - t0
+        if wi == 0 and should_save(cfg, epoch):
+            save_distributed(cfg, client, {"epoch": epoch, "steps": st.steps})
         sums = allreduce_sum(wcomm, np.array([st.examples, st.loss_sum, client.bytes_sent,
                                               client.messages], np.float64))
         span = allreduce_max(wcomm, span)
@@ -138,3 +152,26 @@ def report_profile(comm, root, prof):
         role = "server" if t[0] else "worker"
         log_line(f"PROFILE --> {r} {role} {t[1]:.2f} {t[2]:.2f} {t[3]:.2f} {int(t[4])} "
                  f"{t[5]:.1f} {t[6]:.0f} {int(t[7])}")
+
+
+def first_epoch(cfg):
+    """The epoch to start from: after the one recorded in the --resume checkpoint."""
+    if not cfg.resume:
+        return 0
+    from mpips import checkpoint as ck
+    return int(ck.read_manifest(ck.resolve(cfg.resume))["meta"].get("epoch", -1)) + 1
+
+
+def should_save(cfg, epoch):
+    return bool(cfg.save_dir) and ((epoch + 1) % cfg.save_every == 0 or epoch + 1 == cfg.epochs)
+
+
+def save_distributed(cfg, client, meta):
+    """First worker, after a barrier: every server writes its shard, then the manifest."""
+    from mpips import checkpoint as ck
+    from mpips.config import SAVE_MODES
+    path = ck.new_checkpoint_dir(cfg.save_dir, cfg.save_mode)
+    seq = int(os.path.basename(path).split("-")[1])
+    infos = [json.loads(b) for b in client.save(seq, SAVE_MODES.index(cfg.save_mode))]
+    ck.write_manifest(path, {"shards": infos, "config": cfg.to_json(), "meta": meta})
+    log_line(f"SAVE --> {path} ({cfg.save_mode}, {sum(x['rows'] for x in infos)} rows)")

@@ -37,6 +37,8 @@ class Op(IntEnum):
     FINISH = 4    # this worker sends no more requests for the current phase
     STATS = 5     # reply int64[STATS_LEN] on TAG_CONTROL: rows, bytes, requests, busy_us, max_lead, 0
     BARRIER = 6   # reply once every active worker has sent BARRIER (phase boundary)
+    SAVE = 7      # write this server's checkpoint shard: step = seq, flags = mode index;
+                  # reply: the shard's manifest entry as UTF-8 JSON on TAG_CONTROL
 
 
 class ProtocolError(ValueError):

@@ -108,10 +108,18 @@ def run_local(cfg):
     trainer = cls(cfg, model, ps, lambda ids: plan_keys(ids, 1), log=log_line)
     log_line(f"mpips local: {len(train_files)} train files as {W} worker shard(s), "
              f"batch {W} x {cfg.batch_size}, {model.n_params} dense parameters")
+    from mpips import checkpoint as ck
+    from mpips.distributed import first_epoch, should_save
+    if cfg.resume:
+        ck.load_local(cfg.resume, ps.sparse, ps.dense)
     records = []
-    for epoch in range(cfg.epochs):
+    for epoch in range(first_epoch(cfg), cfg.epochs):
         readers = [make_reader(cfg, s, cfg.batch_size, log_line) for s in shards]
         st = trainer.train_epoch(_concat_batches(readers), epoch, cfg.max_steps)
+        if should_save(cfg, epoch):
+            path = ck.save_local(cfg.save_dir, ps.sparse, ps.dense, cfg.save_mode, cfg.to_json(),
+                                 {"epoch": epoch, "steps": st.steps})
+            log_line(f"SAVE --> {path} ({cfg.save_mode}, {len(ps.sparse)} rows)")
         test_m = None
         if test_files:
             test_m = trainer.evaluate(make_reader(cfg, test_files, cfg.batch_size, log_line))
@@ -146,11 +154,19 @@ def _concat_batches(readers):
             r.close()
 
 
+def precheck(cfg):
+    """Checks that need files: the --resume checkpoint exists and fits this config."""
+    if cfg.resume:
+        from mpips import checkpoint as ck
+        ck.check_compatible(ck.read_manifest(ck.resolve(cfg.resume)), cfg)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if "--local" in argv:       # no MPI at all
         try:
             cfg = parse_args(argv)
+            precheck(cfg)
         except ValueError as e:
             print(f"mpips: error: {e}", file=sys.stderr)
             return 2
@@ -164,6 +180,7 @@ def main(argv=None):
         if comm.size > 1:
             from mpips.cluster import check_servers, default_servers
             check_servers(cfg.servers or default_servers(comm.size), comm.size)
+        precheck(cfg)
     except ValueError as e:
         if comm.rank == 0:
             print(f"mpips: error: {e}", file=sys.stderr)

@@ -43,6 +43,7 @@ class Server:
         self.sends = []                 # (request, buffer) until complete
         self.finished = set()
         self.stats = {"requests": 0, "busy_s": 0.0, "bytes_in": 0, "bytes_out": 0}
+        self.on_save = None     # callable(seq, mode_index) -> JSON bytes (checkpoint shard)
         self.max_lead = 0       # ssp: largest (pull step - slowest worker's pushes) answered
         self._new_phase()
 
@@ -106,6 +107,11 @@ class Server:
             self._after_progress()
         elif req.op == Op.FINISH:
             self.finished.add(source)
+        elif req.op == Op.SAVE:
+            if self.on_save is None:
+                raise ValueError(f"SAVE from rank {source} but this run has no --save-dir")
+            text = self.on_save(req.step, req.flags)
+            self._send(np.frombuffer(text, dtype=np.uint8).copy(), source, TAG_CONTROL)
         elif req.op == Op.STATS:
             out = np.array([len(self.sparse), self.sparse.nbytes + self.dense.nbytes,
                             self.stats["requests"], int(self.stats["busy_s"] * 1e6),

@@ -157,3 +157,26 @@ class PSClient:
         sent = [self._request(s, Op.STATS, empty, None, 0, 0, None) for s in range(self.n_servers)]
         Handle(self, reqs + [r for r, _ in sent], self.servers, [b for _, b in sent]).wait()
         return out
+
+    def save(self, seq, mode_index):
+        """Ask every server to write its shard of checkpoint `seq`; return their JSON replies.
+
+        Call after barrier() so that the shards are one consistent snapshot.
+        """
+        empty = np.empty(0, np.int64)
+        sent = [self._request(s, Op.SAVE, empty, None, seq, mode_index, None)
+                for s in range(self.n_servers)]
+        Handle(self, [r for r, _ in sent], self.servers, [b for _, b in sent]).wait()
+        out = []
+        for srv in self.servers:
+            status = MPI.Status()
+            t0 = time.monotonic()
+            while not self.comm.Iprobe(srv, TAG_CONTROL, status):
+                if time.monotonic() - t0 > self.timeout:
+                    raise PeerTimeout(f"server rank {srv} did not confirm its checkpoint shard "
+                                      f"within {self.timeout:.0f} s")
+                time.sleep(WAIT_MAX)
+            buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+            self.comm.Recv(buf, srv, TAG_CONTROL)
+            out.append(bytes(buf))
+        return out
