@@ -78,15 +78,8 @@ def _check_mode(mode):
         raise ValueError(f"checkpoint mode must be one of {', '.join(MODES)}; got {mode!r}")
 
 
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path):
+def _fsync(path):
+    """fsync a file or a directory (the latter makes a rename in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -124,7 +117,7 @@ def new_checkpoint_dir(root, mode):
             os.mkdir(path)
         except FileExistsError:
             continue
-        _fsync_dir(root)
+        _fsync(root)
         return path
 
 
@@ -313,7 +306,7 @@ def write_manifest(ckpt_dir, info):
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, os.path.join(ckpt_dir, MANIFEST))
-    _fsync_dir(ckpt_dir)
+    _fsync(ckpt_dir)
     return manifest
 
 
@@ -341,10 +334,6 @@ def _chain(path):
 
 
 # ----------------------------------------------------------------------- save
-def _new_dataset(group, name, shape, dtype):
-    return group.create_dataset(name, shape=shape, dtype=dtype)
-
-
 def _write_whole(group, name, arr, datasets):
     arr = np.ascontiguousarray(arr)
     group.create_dataset(name, data=arr)
@@ -390,7 +379,7 @@ def save_shard(ckpt_dir, server_id, n_servers, sparse, dense, dense_lo, mode):
     evicted = sparse.evicted_keys() if mode == "delta" else np.empty(0, np.int64)
     opt = dataclasses.asdict(sparse.opt)
     datasets = {}
-    with h5py.File(tmp, "w") as f:
+    with h5py.File(tmp, "w", locking=False) as f:
         f.attrs.update(format=FORMAT, version=VERSION, mode=mode, server_id=server_id,
                        n_servers=n_servers, embedding_dim=sparse.dim, optimizer=opt["name"],
                        rows=n, evicted=len(evicted), dense_lo=int(dense_lo),
@@ -401,9 +390,9 @@ def save_shard(ckpt_dir, server_id, n_servers, sparse, dense, dense_lo, mode):
         dgrp = f.create_group("dense")
         for key, arr in dense.export_state().items():
             _write_whole(dgrp, key, arr, datasets)
-    _fsync_file(tmp)
+    _fsync(tmp)
     os.replace(tmp, final)
-    _fsync_dir(ckpt_dir)
+    _fsync(ckpt_dir)
     if mode in ("base", "delta"):
         sparse.clear_dirty()
         sparse.clear_evicted()
@@ -455,7 +444,7 @@ class _Shard:
                                   f"{entry['bytes']} (truncated or overwritten)")
         self._check_entry(schema, size)
         with _h5_errors(self.path):
-            self.file = h5py.File(self.path, "r")
+            self.file = h5py.File(self.path, "r", locking=False)
             try:
                 for name in schema:
                     self._check_dataset(name)

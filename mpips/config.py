@@ -54,6 +54,8 @@ class Config:
     fc: str = _f("400,400,400", "hidden layer sizes, comma-separated")
     optimizer: str = _f("adam", "server optimizer (sparse and dense)", choices=OPTIMIZERS)
     lr: float = _f(1e-3, "learning rate")
+    adagrad_init: float = _f(0.0, "adagrad: initial accumulator (Paddle's default 0; > 0 makes "
+                                  "the first steps smooth in the gradient)")
     init_range: float = _f(0.05, "new embedding rows start uniform in [-r, r] from (seed, id)")
     batch_size: int = _f(512, "examples per worker step")
     epochs: int = _f(1, "passes over the training data")

@@ -47,7 +47,7 @@ def make_tables(cfg, model, lo=0, hi=None):
     from mpips.server.dense_table import DenseTable
     from mpips.server.optim import OptimizerConfig
     from mpips.server.sparse_table import SparseTable
-    opt = OptimizerConfig(name=cfg.optimizer, lr=cfg.lr)
+    opt = OptimizerConfig(name=cfg.optimizer, lr=cfg.lr, initial_accumulator=cfg.adagrad_init)
     sparse = SparseTable(cfg.embedding_dim, opt, seed=cfg.seed, init_range=cfg.init_range)
     dense = DenseTable(model.init_params(cfg.seed)[lo:hi].copy(), opt)
     return sparse, dense

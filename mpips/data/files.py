@@ -4,9 +4,17 @@ A spec is a file, a directory (all regular files in it, sorted, ignoring names t
 start with '.' or '_' such as ``_SUCCESS``), or a glob pattern; several specs may be
 given as a list or comma-separated.  The result keeps the order of the specs, each
 spec's matches sorted, duplicates removed.
+
+Binary shards (``mpips.data.shards``) count as files: a split directory (one with an
+mpips ``manifest.json``, e.g. ``OUT/train``) expands to its part directories in manifest
+order, and a part directory (or a glob such as ``OUT/train/part-000*``) stands for
+itself, so ``split_files`` hands whole parts to workers.  A prep root (``OUT``) is an
+error that names the split directories to use instead.
 """
 import glob
 import os
+
+from mpips.data import shards
 
 
 def _split_spec(spec) -> list[str]:
@@ -21,15 +29,28 @@ def _visible(name: str) -> bool:
     return not (name.startswith(".") or name.startswith("_"))
 
 
+def _is_input(path: str) -> bool:
+    return os.path.isfile(path) or shards.is_part_dir(path)
+
+
 def _resolve_one(part: str) -> list[str]:
     if os.path.isdir(part):
+        if shards.is_split_dir(part):
+            return shards.list_parts(part)
+        if shards.is_part_dir(part):
+            return [part]
+        if shards.is_prep_root(part):
+            subs = sorted(n for n in os.listdir(part) if shards.is_split_dir(os.path.join(part, n)))
+            raise FileNotFoundError(
+                f"input path {part!r} is a data_prep output root; give one of its split "
+                f"directories instead: {', '.join(os.path.join(part, n) for n in subs)}")
         names = sorted(n for n in os.listdir(part) if _visible(n))
         return [p for p in (os.path.join(part, n) for n in names) if os.path.isfile(p)]
     if os.path.isfile(part):
         return [part]
     if glob.has_magic(part):
         hits = sorted(glob.glob(part))
-        return [p for p in hits if os.path.isfile(p) and _visible(os.path.basename(p))]
+        return [p for p in hits if _is_input(p) and _visible(os.path.basename(p))]
     return []
 
 

@@ -1,4 +1,4 @@
-"""Stream batches from Criteo TSV or Paddle slot files, with optional prefetch thread.
+"""Stream batches from Criteo TSV, Paddle slot files or binary shards, with prefetch.
 
 Files are read in chunks of ``chunk_bytes`` that end on a newline (never a whole file
 in memory), parsed by ``mpips.data.criteo`` (numba, releases the GIL) or
@@ -7,7 +7,15 @@ boundaries, as if the files were one stream.  Bad lines are skipped, counted in
 ``reader.stats`` and reported through ``warn`` as ``file:line: ...`` (1-based lines; the
 first ``max_warnings`` of each file individually, then one summary line per file);
 ``strict=True`` raises ``ValueError`` with that message instead.
+
+Binary shard parts (directories from ``resolve_paths`` of a ``data_prep.criteo`` output,
+see ``mpips.data.shards``) are read memory-mapped in pieces of ``shards.PIECE_ROWS`` rows
+and batched in the same stream, so text files and parts can even be mixed.  Their dense
+values are normalised at read time with the reader's ``cont_min``/``cont_diff`` when
+given, else with the statistics in the shard manifest; their ``hash_bucket`` must equal
+the reader's.
 """
+import os
 import queue
 import sys
 import threading
@@ -15,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpips.data import criteo, slot
+from mpips.data import criteo, shards, slot
 from mpips.data.files import resolve_paths
 
 CHUNK_BYTES = 4 << 20  # read size; a chunk is cut at its last newline
@@ -181,6 +189,7 @@ class DataReader:
         self.batch_size = int(batch_size)
         self.fmt, self.strict, self.hash_bucket = fmt, strict, int(hash_bucket)
         self.norm = criteo.make_norm(cont_min, cont_diff)
+        self.explicit_norm = cont_min is not None or cont_diff is not None
         self.has_label, self.prefetch, self.drop_last = has_label, prefetch, drop_last
         self.warn = warn or _stderr_warn
         self.chunk_bytes, self.max_warnings = int(chunk_bytes), int(max_warnings)
@@ -209,14 +218,19 @@ class DataReader:
                 self.warn(msg)
             fst.bad += 1
 
-    def _iter_file(self, path: str):
-        """Yield ParseResults of one file, updating stats and reporting bad lines."""
+    def iter_parsed(self, path: str, parse=None):
+        """Yield ``(ParseResult, nbytes)`` per chunk of text file ``path``.
+
+        Updates ``stats`` and reports bad lines as the batches do.  ``parse(fmt, data)``
+        replaces the default parser (``data_prep.criteo`` uses it for raw values).
+        """
         fst = self.stats.files.setdefault(path, FileStats())
         fmt = detect_format(path) if self.fmt == "auto" else self.fmt
+        parse = parse or self._parse
         for data, first, too_long in iter_chunks(path, self.chunk_bytes):
             self._report(path, fst, ((ln, criteo.BAD_LINE_TOO_LONG, MAX_LINE_BYTES)
                                      for ln in too_long))
-            res = self._parse(fmt, data)
+            res = parse(fmt, data)
             self._report(path, fst, ((first + int(b[0]), int(b[1]), int(b[2]))
                                      for b in res.bad))
             unlisted = res.n_bad - res.bad.shape[0]  # beyond the kernel's record capacity
@@ -225,16 +239,31 @@ class DataReader:
             fst.rows += res.n_rows
             self.stats.rows += res.n_rows
             self.stats.bad_lines += len(too_long) + res.n_bad
-            yield res
+            yield res, len(data)
         if fst.bad > self.max_warnings:
             self.warn(f"{path}: {fst.bad - self.max_warnings} more malformed lines not shown "
                       f"({fst.bad} in this file)")
+
+    def _iter_part(self, path: str):
+        """Yield (dense, sparse, label) pieces of one binary shard part, counting rows."""
+        fst = self.stats.files.setdefault(path, FileStats())
+        norm = self.norm if self.explicit_norm else None
+        for dense, sparse, label in shards.iter_part(path, norm, self.hash_bucket):
+            n = label.shape[0]
+            fst.rows += n
+            fst.lines += n
+            self.stats.rows += n
+            yield dense, sparse, label
 
     def _iter_batches(self):
         self.stats = ReaderStats()
         batcher = _Batcher(self.batch_size)
         for path in self.files:
-            for res in self._iter_file(path):
+            if os.path.isdir(path):
+                for piece in self._iter_part(path):
+                    yield from batcher.add(*piece)
+                continue
+            for res, _ in self.iter_parsed(path):
                 yield from batcher.add(res.dense, res.sparse, res.label)
         if not self.drop_last:
             yield from batcher.flush()

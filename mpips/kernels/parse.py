@@ -178,7 +178,10 @@ def _parse_field(buf, s, f, opts, norm, dense_row, sparse_row):
     st, v = parse_int_field(buf, s, fe)
     if st == 2:
         return e, BAD_INT, f
-    dense_row[f - 1] = 0.0 if st == 1 else (v - norm[0, f - 1]) / norm[1, f - 1]
+    if st == 1:  # empty: 0, or norm[2] (e.g. NaN to mark it) when norm has a third row
+        dense_row[f - 1] = norm[2, f - 1] if norm.shape[0] > 2 else 0.0
+    else:
+        dense_row[f - 1] = (v - norm[0, f - 1]) / norm[1, f - 1]
     return e, 0, 0
 
 
@@ -226,8 +229,9 @@ def parse_criteo_tsv(buf, opts, norm, dense, sparse, label, bad, counts):
     ----------
     buf : (nbytes,) uint8, whole lines
     opts : (2,) int64, [has_label (0/1), hash_bucket (0 = full int64 ids)]
-    norm : (2, 13) float64, [cont_min, cont_diff]; dense = (x - min) / diff, empty -> 0
-    dense : (cap, 13) float32, out
+    norm : (2, 13) float64, [cont_min, cont_diff]; dense = (x - min) / diff, empty -> 0;
+        or (3, 13) with row 2 the value for an empty field (raw mode: [0, 1, nan])
+    dense : (cap, 13) float32 (or float64 for exact raw integer values), out
     sparse : (cap, 26) int64, out
     label : (cap,) float32, out (0.0 when there is no label column)
     bad : (bcap, 3) int64, out rows (line 0-based, reason code, detail)
@@ -291,3 +295,42 @@ def splitmix64_mix_ids(values, slots, bucket, out):
             else:
                 z = v + np.uint64(slots[j] + 1) * golden
                 out[i, j] = np.int64(splitmix64_finalise(z))
+
+
+@njit(cache=True, nogil=True)
+def count_int_values(raw, missing, lo, hist, tails):
+    """Accumulate exact counts of integer feature values (for percentile statistics).
+
+    Parameters
+    ----------
+    raw : (n, k) int32, raw feature values; ``missing`` marks an empty field (skipped)
+    missing : int, the missing-value sentinel
+    lo : int, the value counted in ``hist[:, 0]``
+    hist : (k, w) int64, in/out: ``hist[j, v - lo] += 1`` for ``lo <= v < lo + w``
+    tails : (k, 4) int64, in/out per feature: [count below lo, count >= lo + w,
+        minimum, maximum] of the non-missing values (start min/max at +-2**62)
+
+    Returns
+    -------
+    int, non-missing values counted
+    """
+    w = hist.shape[1]
+    total = 0
+    for i in range(raw.shape[0]):
+        for j in range(raw.shape[1]):
+            v = np.int64(raw[i, j])
+            if v == missing:
+                continue
+            total += 1
+            d = v - lo
+            if d < 0:
+                tails[j, 0] += 1
+            elif d >= w:
+                tails[j, 1] += 1
+            else:
+                hist[j, d] += 1
+            if v < tails[j, 2]:
+                tails[j, 2] = v
+            if v > tails[j, 3]:
+                tails[j, 3] = v
+    return total

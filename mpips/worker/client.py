@@ -104,7 +104,7 @@ class PSClient:
         self.req_id += 1
         encode(buf, op, self.req_id, 0, keys, values, step, flags, dense)
         self.bytes_sent += nbytes
-        self.messages += 1
+        self.messages += op in (Op.PULL, Op.PUSH, Op.ADD)   # data requests, not control
         return self.comm.Isend([buf, nbytes, MPI.BYTE], self.servers[s], TAG_REQUEST), buf
 
     def pull(self, plan, out, dense_out=None, step=0, create=True):

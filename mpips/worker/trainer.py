@@ -162,7 +162,8 @@ class GeoTrainer(Trainer):
         super().__init__(cfg, model, ps, plan_fn, log, overlap=False)
         from mpips.server.optim import OptimizerConfig
         from mpips.server.sparse_table import SparseTable
-        self.opt = OptimizerConfig(name=cfg.optimizer, lr=cfg.lr)
+        self.opt = OptimizerConfig(name=cfg.optimizer, lr=cfg.lr,
+                                   initial_accumulator=cfg.adagrad_init)
         self.local = SparseTable(cfg.embedding_dim, self.opt, cfg.seed, cfg.init_range)
         self.base = SparseTable(cfg.embedding_dim, OptimizerConfig(name="sgd"), cfg.seed,
                                 cfg.init_range)

@@ -1,0 +1,98 @@
+"""`python -m mpips.infer`: a checkpoint of briefly trained tables gives the in-process AUC."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpips import checkpoint as ck
+from mpips import infer
+from mpips.config import Config
+from mpips.train import make_model, make_reader, make_tables
+from mpips.worker.client import plan_keys
+from mpips.worker.local import LocalPS
+from mpips.worker.trainer import Trainer
+
+ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from data_prep.synth import generate
+    out = tmp_path_factory.mktemp("infer_data")
+    generate(str(out), rows=6000, parts=2, seed=11, test_rows=3000)
+    return str(out / "train"), str(out / "test")
+
+
+def quiet(_):
+    pass
+
+
+@pytest.fixture(scope="module")
+def trained(data, tmp_path_factory):
+    """A root with a base (after one epoch) and a delta (5 more steps), and the in-process
+    test metrics at each of the two moments."""
+    train_dir, test_dir = data
+    cfg = Config(train=train_dir, test=test_dir, fc="16,8", embedding_dim=4, batch_size=256,
+                 lr=0.01, print_every=4, prefetch=False)
+    model = make_model(cfg)
+    ps = LocalPS(*make_tables(cfg, model))
+    trainer = Trainer(cfg, model, ps, lambda ids: plan_keys(ids, 1))
+    root = str(tmp_path_factory.mktemp("infer_ckpt"))
+    results = []
+    for mode, steps in (("base", 0), ("delta", 5)):
+        trainer.train_epoch(make_reader(cfg, train_dir, 256, quiet), 0, max_steps=steps)
+        n_rows = len(ps.sparse)
+        m = trainer.evaluate(make_reader(cfg, test_dir, 256, quiet))
+        assert len(ps.sparse) == n_rows                     # evaluation creates no rows
+        path = ck.save_local(root, ps.sparse, ps.dense, mode, config=cfg, meta={"stage": mode})
+        results.append((path, m, n_rows))
+    return root, results
+
+
+def test_infer_matches_in_process_auc(trained, data, tmp_path, capsys):
+    root, [(base, m_base, _), (delta, m_delta, _)] = trained
+    for model_arg, m in ((root, m_delta), (base, m_base)):
+        mf, pf = tmp_path / "m.json", tmp_path / "p.txt"
+        code = infer.main(["--model", model_arg, "--data", data[1], "--metrics-out", str(mf),
+                           "--predictions-out", str(pf), "--batch-size", "256"])
+        out = capsys.readouterr().out
+        assert code == 0
+        rec = json.loads(mf.read_text())
+        assert rec["test_examples"] == m.count == 3000
+        assert rec["test_auc"] == m.auc() and 0.6 < rec["test_auc"] < 1
+        assert rec["test_logloss"] == pytest.approx(m.logloss(), rel=1e-12)
+        assert rec["checkpoint"] == (delta if model_arg == root else base)
+        assert rec["meta"] == {"stage": "delta" if model_arg == root else "base"}
+        preds = np.loadtxt(pf)
+        assert preds.shape == (3000,) and ((preds > 0) & (preds < 1)).all()
+        assert preds.mean() == pytest.approx(m.mean_pred(), abs=1e-6)
+        assert out.count("TEST --> batch: ") == 3          # 12 batches, every 4th (stored)
+        assert "TEST --> batch: 4 loss: " in out and f"auc: {m.auc():.6f}" in out
+
+
+def test_infer_unknown_ids_read_zeros(trained, data):
+    root, [_, (_, _, n_rows)] = trained
+    cfg, model, ps, manifest, _ = infer.load_model(root)
+    assert len(ps.sparse) == n_rows and manifest["mode"] == "delta"
+    out = np.ones((2, cfg.embedding_dim), np.float32)
+    ps.pull(plan_keys(np.array([123456789, -5], np.int64), 1), out, create=False)
+    assert not out.any() and len(ps.sparse) == n_rows
+
+
+def test_infer_errors_are_one_line(tmp_path, data, trained, capsys):
+    assert infer.main(["--model", str(tmp_path / "none"), "--data", data[1]]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no such checkpoint" in err[0]
+    partial = ck.new_checkpoint_dir(str(tmp_path / "root"), "full")
+    assert infer.main(["--model", partial, "--data", data[1]]) == 1
+    assert "partial checkpoint" in capsys.readouterr().err
+    root, _ = trained
+    proc = subprocess.run([sys.executable, "-m", "mpips.infer", "--model", root, "--data",
+                           str(tmp_path / "nodata")], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=ROOT_DIR), cwd=ROOT_DIR)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mpips.infer: error:") and "nodata" in lines[0]

@@ -1,0 +1,113 @@
+"""Training modes against their references (mpiexec in a subprocess, tiny data).
+
+- sync with W workers of batch B == local with batch W x B (same grouping), parameters
+  compared value by value from the checkpoints both runs save;
+- resume: 2 epochs == 1 epoch + resume + 1 epoch (sync);
+- GEO with one worker and K=1 == local SGD; GEO sends ~K times fewer messages than async;
+- SSP: a slowed worker never lets the other run more than s steps ahead; s=0 == sync.
+"""
+import json
+
+import numpy as np
+import pytest
+
+from tests.conftest import run_cmd
+
+
+def load_params(ckpt_root):
+    """(sorted keys, values, dense) of the latest checkpoint under ckpt_root, in one table."""
+    from mpips import checkpoint as ck
+    from mpips.server.dense_table import DenseTable
+    from mpips.server.optim import OptimizerConfig
+    from mpips.server.sparse_table import SparseTable
+    path = ck.resolve(str(ckpt_root))
+    m = ck.read_manifest(path)
+    opt = OptimizerConfig(name=m["optimizer"]["name"])
+    sparse = SparseTable(m["embedding_dim"], opt, seed=0)
+    dense = DenseTable(np.zeros(m["n_params"], np.float32), opt)
+    ck.load_local(path, sparse, dense)
+    rows = sparse.export_rows()
+    order = np.argsort(rows["keys"])
+    d = np.empty(m["n_params"], np.float32)
+    dense.pull(d)
+    return rows["keys"][order], rows["values"][order], d
+
+
+def assert_same_params(a, b, rtol=1e-4, atol=1e-5):
+    ka, va, da = load_params(a)
+    kb, vb, db = load_params(b)
+    np.testing.assert_array_equal(ka, kb)
+    np.testing.assert_allclose(va, vb, rtol=rtol, atol=atol)
+    np.testing.assert_allclose(da, db, rtol=rtol, atol=atol)
+
+
+def metrics(path):
+    return [json.loads(x) for x in open(path) if x.strip()]
+
+
+def train(tiny_data, out, name, *extra, n=4, env=None):
+    train_dir, test_dir = tiny_data
+    args = ["-m", "mpips.train", "--train", train_dir, "--test", test_dir, "--fc", "32,16",
+            "--print-every", "100000", "--save-dir", str(out / name),
+            "--metrics-out", str(out / f"{name}.jsonl")] + list(extra)
+    proc = run_cmd(args, n=None if "--local" in extra else n, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return metrics(out / f"{name}.jsonl")
+
+
+# Adagrad starts from accumulator 0.1: from 0 its first step is lr * sign(g), a jump at
+# g = 0 that turns float rounding of near-zero gradients into lr-sized differences.
+@pytest.mark.parametrize("opt", [("adam", "--lr", "0.003"),
+                                 ("adagrad", "--lr", "0.05", "--adagrad-init", "0.1")])
+def test_sync_equals_local_global_batch(tiny_data, tmp_path, opt):
+    # 16000 rows, 2 workers x batch 32 -> 250 steps of batch 64
+    common = ("--batch-size", "32", "--optimizer") + opt
+    dist = train(tiny_data, tmp_path, "sync", "--mode", "sync", *common)
+    local = train(tiny_data, tmp_path, "local", "--local", "--local-workers", "2", *common)
+    assert_same_params(tmp_path / "sync", tmp_path / "local")
+    assert dist[0]["train_loss"] == pytest.approx(local[0]["train_loss"], rel=1e-5)
+    assert round(dist[0]["test_auc"], 4) == round(local[0]["test_auc"], 4)
+
+
+def test_resume_equals_uninterrupted(tiny_data, tmp_path):
+    common = ("--mode", "sync", "--batch-size", "128", "--lr", "0.003")
+    train(tiny_data, tmp_path, "full", *common, "--epochs", "2")
+    train(tiny_data, tmp_path, "split", *common, "--epochs", "1")
+    rec = train(tiny_data, tmp_path, "split", *common, "--epochs", "2", "--resume",
+                str(tmp_path / "split"))
+    assert [r["epoch"] for r in rec] == [0, 1]          # epoch 1 only ran in the resumed job
+    assert_same_params(tmp_path / "full", tmp_path / "split")
+
+
+def test_geo_one_worker_k1_equals_local_sgd(tiny_data, tmp_path):
+    common = ("--optimizer", "sgd", "--lr", "0.05", "--batch-size", "128")
+    train(tiny_data, tmp_path, "geo", "--mode", "geo", "--geo-steps", "1", *common, n=2)
+    train(tiny_data, tmp_path, "local", "--local", *common)
+    assert_same_params(tmp_path / "geo", tmp_path / "local", rtol=1e-4, atol=1e-5)
+
+
+def test_geo_sends_k_times_fewer_messages(tiny_data, tmp_path):
+    common = ("--batch-size", "128", "--lr", "0.003")
+    geo = train(tiny_data, tmp_path, "geo", "--mode", "geo", "--geo-steps", "10", *common)[0]
+    asy = train(tiny_data, tmp_path, "async", "--mode", "async", *common)[0]
+    assert geo["test_auc"] > 0.6
+    # async: a pull and a push per step per server; geo: an add and a pull per 10 steps
+    # (plus the first dense pull and the final sync of a partial round)
+    assert asy["messages_sent"] >= 8 * geo["messages_sent"], (asy["messages_sent"],
+                                                              geo["messages_sent"])
+    # bytes fall less than K-fold: a delta carries every id touched in the K steps
+    assert asy["bytes_sent_per_example"] > geo["bytes_sent_per_example"]
+
+
+def test_ssp_bounds_the_lead_of_a_fast_worker(tiny_data, tmp_path):
+    rec = train(tiny_data, tmp_path, "ssp", "--mode", "ssp", "--staleness", "2",
+                "--batch-size", "128", env={"MPIPS_DEBUG_SLOW_WORKER": "1:0.01"})[0]
+    assert rec["ssp_max_lead"] <= 2
+    assert rec["ssp_max_lead"] >= 1      # the slowed worker really was overtaken
+
+
+def test_ssp_zero_is_sync(tiny_data, tmp_path):
+    common = ("--batch-size", "128", "--lr", "0.003")
+    train(tiny_data, tmp_path, "ssp0", "--mode", "ssp", "--staleness", "0", *common)
+    train(tiny_data, tmp_path, "sync", "--mode", "sync", *common)
+    assert_same_params(tmp_path / "ssp0", tmp_path / "sync", rtol=0, atol=0)
