@@ -21,9 +21,9 @@ A shard file holds ``/sparse/<field>`` for each row field of the table but ``dir
 ``seen_count``, ``seen_flag``), ``/sparse/evicted`` int64 (k,) and ``/dense/<name>``
 (``values`` and the optimizer state of the slice at ``dense_lo``).  Datasets are
 contiguous and uncompressed.  The manifest records, per shard, the file size and for
-every dataset its shape, dtype and CRC-32; all are verified on load, before the table is
-touched.  Any problem raises :class:`CheckpointError` (a ``ValueError``) naming the
-directory or file and what is wrong.
+every dataset its shape, dtype and CRC-32; all are verified on load.  Any problem
+raises :class:`CheckpointError` (a ``ValueError``) naming the directory or file and what
+is wrong.
 
 Saving is collective in the caller's hands: one rank makes the directory
 (:func:`new_checkpoint_dir`), every server calls :func:`save_shard` on its quiesced
@@ -54,9 +54,9 @@ FORMAT = "mpips-checkpoint"
 VERSION = 1
 MODES = ("full", "base", "delta")      # Paddle save_persistables mode 0, 1, 2
 MANIFEST = "MANIFEST.json"
-CHUNK_ROWS = 1 << 18                   # rows per HDF5 write/read (bounds the extra memory)
-IMPORT_ROWS = 1 << 16                  # rows per import_rows call: its np.unique is ~4x
-                                       # faster per row on cache-sized pieces (numpy 2.4)
+CHUNK_ROWS = 1 << 18                   # rows per HDF5 write (bounds the extra memory)
+LOAD_ROWS = 1 << 16                    # rows per read + import_rows call (its np.unique
+                                       # is ~4x faster per row on cache-sized pieces)
 SKIPPED_FIELDS = ("dirty",)            # save tracking, meaningless inside a checkpoint
 _DIR_RE = re.compile(r"^ckpt-(\d{6,})-(full|base|delta)$")
 
@@ -131,7 +131,8 @@ def list_checkpoints(root):
             valid, error = True, None
         except CheckpointError as e:
             valid, error = False, str(e)
-        out.append(dict(path=path, name=name, seq=seq, mode=mode, valid=valid, error=error))
+        out.append({"path": path, "name": name, "seq": seq, "mode": mode, "valid": valid,
+                    "error": error})
     return out
 
 
@@ -288,13 +289,14 @@ def write_manifest(ckpt_dir, info):
     entries = [{k: s[k] for k in ("file", "bytes", "server_id", "rows", "evicted", "dense_lo",
                                   "dense_size", "datasets")} for s in shards]
     last = shards[-1]
-    manifest = dict(format=FORMAT, version=VERSION, seq=seq, mode=mode, parent=parent,
-                    n_servers=S, n_params=last["dense_lo"] + last["dense_size"],
-                    dense_bounds=[s["dense_lo"] for s in shards] + [last["dense_lo"] + last["dense_size"]],
-                    embedding_dim=shards[0]["embedding_dim"], optimizer=shards[0]["optimizer"],
-                    rows=sum(s["rows"] for s in shards), created=time.time(),
-                    config=_config_dict(info.get("config")), meta=info.get("meta") or {},
-                    shards=entries)
+    end = last["dense_lo"] + last["dense_size"]
+    manifest = {"format": FORMAT, "version": VERSION, "seq": seq, "mode": mode,
+                "parent": parent, "n_servers": S, "n_params": end,
+                "dense_bounds": [s["dense_lo"] for s in shards] + [end],
+                "embedding_dim": shards[0]["embedding_dim"], "optimizer": shards[0]["optimizer"],
+                "rows": sum(s["rows"] for s in shards), "created": time.time(),
+                "config": _config_dict(info.get("config")), "meta": info.get("meta") or {},
+                "shards": entries}
     _check_manifest(ckpt_dir, manifest)
     try:
         text = json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False)
@@ -337,16 +339,16 @@ def _chain(path):
 def _write_whole(group, name, arr, datasets):
     arr = np.ascontiguousarray(arr)
     group.create_dataset(name, data=arr)
-    datasets[f"{group.name.strip('/')}/{name}"] = dict(
-        shape=list(arr.shape), dtype=arr.dtype.name, crc32=zlib.crc32(arr))
+    datasets[f"{group.name.strip('/')}/{name}"] = {
+        "shape": list(arr.shape), "dtype": arr.dtype.name, "crc32": zlib.crc32(arr)}
 
 
 def _write_rows(group, sparse, rows, n, datasets):
     """Write the fields of n table rows (``rows`` indices, None = all) in chunks."""
     template = sparse.export_rows(np.empty(0, np.int64))
     fields = [f for f in template if f not in SKIPPED_FIELDS]
-    dsets = {f: _new_dataset(group, f, (n,) + template[f].shape[1:], template[f].dtype)
-             for f in fields}
+    dsets = {f: group.create_dataset(f, shape=(n,) + template[f].shape[1:],
+                                     dtype=template[f].dtype) for f in fields}
     crcs = dict.fromkeys(fields, 0)
     for lo in range(0, n, CHUNK_ROWS):
         hi = min(lo + CHUNK_ROWS, n)
@@ -357,8 +359,8 @@ def _write_rows(group, sparse, rows, n, datasets):
             dsets[f].write_direct(arr, dest_sel=np.s_[lo:hi])
             crcs[f] = zlib.crc32(arr, crcs[f])
     for f in fields:
-        datasets[f"sparse/{f}"] = dict(shape=list(dsets[f].shape), dtype=template[f].dtype.name,
-                                       crc32=crcs[f])
+        datasets[f"sparse/{f}"] = {"shape": list(dsets[f].shape),
+                                   "dtype": template[f].dtype.name, "crc32": crcs[f]}
 
 
 def save_shard(ckpt_dir, server_id, n_servers, sparse, dense, dense_lo, mode):
@@ -396,10 +398,10 @@ def save_shard(ckpt_dir, server_id, n_servers, sparse, dense, dense_lo, mode):
     if mode in ("base", "delta"):
         sparse.clear_dirty()
         sparse.clear_evicted()
-    return dict(file=name, bytes=os.path.getsize(final), server_id=int(server_id),
-                n_servers=int(n_servers), mode=mode, rows=int(n), evicted=len(evicted),
-                dense_lo=int(dense_lo), dense_size=len(dense), embedding_dim=sparse.dim,
-                optimizer=opt, datasets=datasets)
+    return {"file": name, "bytes": os.path.getsize(final), "server_id": int(server_id),
+            "n_servers": int(n_servers), "mode": mode, "rows": int(n),
+            "evicted": len(evicted), "dense_lo": int(dense_lo), "dense_size": len(dense),
+            "embedding_dim": sparse.dim, "optimizer": opt, "datasets": datasets}
 
 
 # ----------------------------------------------------------------------- load
@@ -497,24 +499,30 @@ class _Shard:
             raise CheckpointError(f"{self.path}: checksum mismatch in dataset {name} "
                                   "(the file is corrupted)")
 
-    def read_rows(self, fields, server_id, n_servers):
-        """The rows of ``fields`` whose id server_id owns among n_servers; CRC verified."""
-        n = self.entry["rows"]
+    def import_into(self, sparse, fields, server_id, n_servers, removed):
+        """Import the rows server_id owns, except ids in ``removed`` (sorted); CRC checked.
+
+        Returns the number of rows owned by server_id.
+        """
+        n, owned = self.entry["rows"], 0
         crcs = dict.fromkeys(fields, 0)
-        parts = {f: [] for f in fields}
-        with _h5_errors(self.path):
-            dsets = {f: self.file[f"sparse/{f}"] for f in fields}
-            for lo in range(0, n, CHUNK_ROWS):
-                hi = min(lo + CHUNK_ROWS, n)
-                chunk = {f: dsets[f][lo:hi] for f in fields}
-                for f in fields:
-                    crcs[f] = zlib.crc32(chunk[f], crcs[f])
-                mask = None if n_servers == 1 else owners(chunk["keys"], n_servers) == server_id
-                for f in fields:
-                    parts[f].append(chunk[f] if mask is None else chunk[f][mask])
+        for lo in range(0, n, LOAD_ROWS):
+            with _h5_errors(self.path):
+                chunk = {f: self.file[f"sparse/{f}"][lo:lo + LOAD_ROWS] for f in fields}
+            for f in fields:
+                crcs[f] = zlib.crc32(chunk[f], crcs[f])
+            keep = None if n_servers == 1 else owners(chunk["keys"], n_servers) == server_id
+            owned += len(chunk["keys"]) if keep is None else int(keep.sum())
+            if len(removed):
+                alive = ~_in_sorted(chunk["keys"], removed)
+                keep = alive if keep is None else keep & alive
+            if keep is not None:
+                chunk = {f: a[keep] for f, a in chunk.items()}
+            if len(chunk["keys"]):
+                sparse.import_rows(chunk)
         for f in fields:
             self._verify(f"sparse/{f}", crcs[f])
-        return {f: np.concatenate(parts[f]) if parts[f] else dsets[f][()][:0] for f in fields}
+        return owned
 
     def close(self):
         self.file.close()
@@ -540,37 +548,35 @@ def _check_target(path, m, sparse, dense, server_id, n_servers, bounds):
         raise ValueError(f"load needs an empty sparse table; this one has {len(sparse)} rows")
 
 
-def _element_rows(ckpt_dir, m, schema, fields, server_id, n_servers):
-    """(evicted ids, rows) of one chain element that belong to server_id, all verified."""
-    same = m["n_servers"] == n_servers
-    entries = [m["shards"][server_id]] if same else m["shards"]
-    evicted, rows = [], []
-    for entry in entries:
-        shard = _Shard(ckpt_dir, entry, schema)
-        try:
-            ev = shard.read("sparse/evicted")
-            got = shard.read_rows(fields, server_id, n_servers)
-        finally:
-            shard.close()
-        if same and len(got["keys"]) != entry["rows"]:
-            raise CheckpointError(f"{shard.path}: holds ids of other servers (written with a "
-                                  "different id -> server mapping)")
-        evicted.append(ev if n_servers == 1 else ev[owners(ev, n_servers) == server_id])
-        rows.append(got)
-    rows = {f: np.concatenate([r[f] for r in rows]) for f in fields}
-    return np.concatenate(evicted), rows
+def _sorted_unique(x):
+    x = np.sort(x)
+    return x[np.concatenate(([True], x[1:] != x[:-1]))] if len(x) else x
 
 
-def _apply(staged, evicted, rows):
-    """``staged`` minus evicted ids and ids in ``rows``, plus ``rows``."""
-    if staged is None:
-        return rows
-    drop = np.concatenate([evicted, rows["keys"]])
-    if len(drop) and len(staged["keys"]):
-        keep = ~np.isin(staged["keys"], drop)
-        if not keep.all():
-            staged = {f: a[keep] for f, a in staged.items()}
-    return {f: np.concatenate([staged[f], rows[f]]) for f in staged}
+def _in_sorted(x, table):
+    """Bool mask: which of ``x`` are in the sorted unique int64 array ``table``."""
+    if not len(table):
+        return np.zeros(len(x), np.bool_)
+    pos = np.minimum(np.searchsorted(table, x), len(table) - 1)
+    return table[pos] == x
+
+
+def _removed_ids(groups):
+    """Sorted ids whose last event in the chain is an eviction (never to be imported).
+
+    Within one element evictions come before rows: an id evicted and re-created in the
+    same period is in both, and its row wins.
+    """
+    removed = np.empty(0, np.int64)
+    for group in groups:
+        evicted = np.concatenate([s.read("sparse/evicted") for s in group])
+        if not len(removed) and not len(evicted):
+            continue
+        keys = _sorted_unique(np.concatenate([s.read("sparse/keys") for s in group]))
+        removed = _sorted_unique(np.concatenate([removed, evicted]))
+        if len(keys):
+            removed = removed[~_in_sorted(removed, keys)]
+    return removed
 
 
 def _dense_slice(ckpt_dir, m, schema, dense, lo, hi):
@@ -605,24 +611,37 @@ def load_shard_into(path, sparse, dense, server_id, n_servers, dense_bounds):
 
     Keeps the ids that ``owner_of(id, n_servers) == server_id`` and the dense slice
     ``[dense_bounds[server_id], dense_bounds[server_id+1])``, whatever the number of
-    servers that wrote it.  Everything is read and verified before the tables change;
-    afterwards the tables count as saved (no dirty rows, no evicted ids).  Returns the
-    manifest of ``path`` (config, meta, seq, mode, ...).
+    servers that wrote it.  Manifests, file sizes, shapes, dtypes, the ids, evictions and
+    the dense slice are verified before the tables change; the other row data are
+    imported in chunks as their checksums accumulate, so after an error the tables hold
+    part of the checkpoint and must be discarded.  Afterwards the tables count as saved
+    (no dirty rows, no evicted ids).  Returns the manifest of ``path``.
     """
     elements = _chain(path)
     bounds = [int(b) for b in dense_bounds]
     for d, m in elements:
         _check_target(d, m, sparse, dense, server_id, n_servers, bounds)
     schema = _schema(sparse, dense)
-    fields = [k.split("/", 1)[1] for k in schema if k.startswith("sparse/") and k != "sparse/evicted"]
-    staged = None
-    for d, m in elements:
-        evicted, rows = _element_rows(d, m, schema, fields, server_id, n_servers)
-        staged = _apply(staged, evicted, rows)
-    d, m = elements[-1]
-    state = _dense_slice(d, m, schema, dense, bounds[server_id], bounds[server_id + 1])
-    for lo in range(0, len(staged["keys"]), IMPORT_ROWS):
-        sparse.import_rows({f: a[lo:lo + IMPORT_ROWS] for f, a in staged.items()})
+    fields = [k[7:] for k in schema if k.startswith("sparse/") and k != "sparse/evicted"]
+    groups = []                           # per element: its shard files this server reads
+    try:
+        for d, m in elements:
+            same = m["n_servers"] == n_servers
+            groups.append([_Shard(d, e, schema)
+                           for e in ([m["shards"][server_id]] if same else m["shards"])])
+        removed = _removed_ids(groups)
+        d, m = elements[-1]
+        state = _dense_slice(d, m, schema, dense, bounds[server_id], bounds[server_id + 1])
+        for (d, m), group in zip(elements, groups):
+            for shard in group:
+                owned = shard.import_into(sparse, fields, server_id, n_servers, removed)
+                if m["n_servers"] == n_servers and owned != shard.entry["rows"]:
+                    raise CheckpointError(f"{shard.path}: holds ids of other servers (written "
+                                          "with a different id -> server mapping)")
+    finally:
+        for group in groups:
+            for shard in group:
+                shard.close()
     dense.import_state(state)
     sparse.clear_dirty()
     sparse.clear_evicted()
@@ -660,7 +679,7 @@ def save_local(root, sparse, dense, mode, config=None, meta=None):
     """Save one process's whole tables as a one-shard checkpoint; return its directory."""
     d = new_checkpoint_dir(root, mode)
     info = save_shard(d, 0, 1, sparse, dense, 0, mode)
-    write_manifest(d, dict(shards=[info], config=config, meta=meta))
+    write_manifest(d, {"shards": [info], "config": config, "meta": meta})
     return d
 
 

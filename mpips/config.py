@@ -19,6 +19,7 @@ MODES = ("async", "sync", "geo", "ssp")
 OPTIMIZERS = ("adam", "adagrad", "sgd")
 FORMATS = ("auto", "tsv", "slot")
 SAVE_MODES = ("full", "base", "delta")
+SHRINK_EVERY = ("day", "pass", "never")
 
 
 def _f(default, help_text, **kw):
@@ -60,6 +61,16 @@ class Config:
     batch_size: int = _f(512, "examples per worker step")
     epochs: int = _f(1, "passes over the training data")
     seed: int = _f(0, "seed of all initialisation")
+    # --- online (streaming) training
+    stream: str = _f("", "train online on the passes of this folder: DIR/YYYYMMDD/HH/ (or "
+                         "DIR/YYYYMMDD/), each ready when it holds a _SUCCESS file")
+    stream_timeout: float = _f(0.0, "stream: wait this many seconds for a new pass before "
+                                    "finishing (0 = finish when no pass is ready)")
+    shrink_every: str = _f("day", "stream: evict rows unseen for --shrink-threshold shrinks, at "
+                                  "every new day, every pass, or never", choices=SHRINK_EVERY)
+    shrink_threshold: int = _f(30, "stream: rows unseen for more than this many shrink calls go")
+    entry: str = _f("", "feature admission: count:N (a row at an id's N-th sighting) or "
+                        "probability:P (Paddle's CountFilterEntry / ProbabilityEntry)")
     # --- checkpoints
     save_dir: str = _f("", "checkpoint root: a checkpoint is saved there after every "
                            "--save-every epochs (HDF5 shards + MANIFEST.json)")
@@ -88,7 +99,7 @@ class Config:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
-        for name, choices in (("save_mode", SAVE_MODES), ("mode", MODES), ("optimizer", OPTIMIZERS), ("data_format", FORMATS)):
+        for name, choices in (("shrink_every", SHRINK_EVERY), ("save_mode", SAVE_MODES), ("mode", MODES), ("optimizer", OPTIMIZERS), ("data_format", FORMATS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(choices)}; "
                                  f"got {getattr(self, name)!r}")
@@ -98,13 +109,20 @@ class Config:
             raise ValueError(f"--fc must be comma-separated integers like 400,400,400; got {self.fc!r}")
         if not hidden or min(hidden) < 1:
             raise ValueError(f"--fc needs at least one positive layer size; got {self.fc!r}")
+        from mpips.server.admission import parse_entry
+        parse_entry(self.entry)
+        if self.stream and self.train:
+            raise ValueError("--stream and --train exclude each other (a stream's passes are "
+                             "its training data)")
+        if self.stream_timeout < 0 or self.shrink_threshold < 0:
+            raise ValueError("--stream-timeout and --shrink-threshold must be >= 0")
         if self.idle_sleep < 0:
             raise ValueError("--idle-sleep must be >= 0")
         if self.lr <= 0 or self.peer_timeout <= 0:
             raise ValueError("--lr and --peer-timeout must be positive")
         if self.staleness < 0 or self.servers < 0 or self.hash_bucket < 0 or self.max_steps < 0:
             raise ValueError("--staleness, --servers, --hash-bucket and --max-steps must be >= 0")
-        if self.train == "" and self.test != "":
+        if self.train == "" and self.test != "" and not self.stream:
             raise ValueError("--test without --train: give --train too (or neither for the "
                              "embedded synthetic dataset)")
         return self

@@ -17,6 +17,7 @@ test_logloss, test_mean_pred, test_ctr, seconds, examples_per_sec, checkpoint, m
 stderr and exit code 1 (2 for usage errors).
 """
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -126,18 +127,17 @@ def run(args, log=print):
     print_every = args.print_every or cfg.print_every
     log(f"mpips infer: checkpoint {ckpt_dir} ({manifest['mode']}, {len(ps.sparse)} rows, "
         f"{model.n_params} dense parameters), batch {batch_size}")
-    reader = make_reader(cfg, args.data, batch_size, log)
-    pred_file = open(args.predictions_out, "w") if args.predictions_out else None
-    try:
+    with contextlib.ExitStack() as stack:
+        reader = make_reader(cfg, args.data, batch_size, log)
+        stack.callback(reader.close)
+        pred_file = None
+        if args.predictions_out:
+            pred_file = stack.enter_context(open(args.predictions_out, "w"))
         tap = _Tap(model, print_every, pred_file, log)
         trainer = Trainer(cfg, tap, ps, lambda ids: plan_keys(ids, 1))
         t0 = time.perf_counter()
         m = trainer.evaluate(tap.batches_of(reader))
         seconds = time.perf_counter() - t0
-    finally:
-        reader.close()
-        if pred_file is not None:
-            pred_file.close()
     if m.count == 0:
         raise ValueError(f"--data {args.data}: no examples")
     rec = {"checkpoint": ckpt_dir, "data": args.data, "batches": tap.batches,

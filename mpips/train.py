@@ -12,7 +12,6 @@ import resource
 import sys
 import time
 
-import numpy as np
 
 from mpips.config import parse_args
 
@@ -49,6 +48,9 @@ def make_tables(cfg, model, lo=0, hi=None):
     from mpips.server.sparse_table import SparseTable
     opt = OptimizerConfig(name=cfg.optimizer, lr=cfg.lr, initial_accumulator=cfg.adagrad_init)
     sparse = SparseTable(cfg.embedding_dim, opt, seed=cfg.seed, init_range=cfg.init_range)
+    if cfg.entry:
+        from mpips.server.admission import AdmittedTable
+        sparse = AdmittedTable(sparse, cfg.entry, cfg.seed)
     dense = DenseTable(model.init_params(cfg.seed)[lo:hi].copy(), opt)
     return sparse, dense
 
@@ -94,64 +96,32 @@ def summary_line(rec):
 
 
 def run_local(cfg):
-    """Train in one process (the yardstick); returns the list of epoch records."""
-    from mpips.data.files import split_files
+    """Train in one process (the yardstick); returns the list of epoch/pass records."""
+    from mpips import checkpoint as ck
+    from mpips.runner import LocalBackend, run_epochs
+    from mpips.stream import resume_point, run_stream
     from mpips.worker.client import plan_keys
     from mpips.worker.local import LocalPS
     from mpips.worker.trainer import GeoTrainer, Trainer
-    train_files, test_files = resolve_data(cfg, True)
+    train_files, test_files = ([], []) if cfg.stream else resolve_data(cfg, True)
     model = make_model(cfg)
     ps = LocalPS(*make_tables(cfg, model))
-    W = cfg.local_workers
-    shards = [split_files(train_files, W, i) for i in range(W)]
     cls = GeoTrainer if cfg.mode == "geo" else Trainer
     trainer = cls(cfg, model, ps, lambda ids: plan_keys(ids, 1), log=log_line)
-    log_line(f"mpips local: {len(train_files)} train files as {W} worker shard(s), "
-             f"batch {W} x {cfg.batch_size}, {model.n_params} dense parameters")
-    from mpips import checkpoint as ck
-    from mpips.distributed import first_epoch, should_save
-    if cfg.resume:
-        ck.load_local(cfg.resume, ps.sparse, ps.dense)
-    records = []
-    for epoch in range(first_epoch(cfg), cfg.epochs):
-        readers = [make_reader(cfg, s, cfg.batch_size, log_line) for s in shards]
-        st = trainer.train_epoch(_concat_batches(readers), epoch, cfg.max_steps)
-        if should_save(cfg, epoch):
-            path = ck.save_local(cfg.save_dir, ps.sparse, ps.dense, cfg.save_mode, cfg.to_json(),
-                                 {"epoch": epoch, "steps": st.steps})
-            log_line(f"SAVE --> {path} ({cfg.save_mode}, {len(ps.sparse)} rows)")
-        test_m = None
-        if test_files:
-            test_m = trainer.evaluate(make_reader(cfg, test_files, cfg.batch_size, log_line))
-        rec = epoch_record(cfg, epoch, st.examples, st.seconds, st.loss_sum, st.metrics, test_m,
-                           {"workers": 0, "servers": 0, "local_workers": W,
-                            "compute_seconds": round(trainer.compute_s, 3)})
-        log_line(summary_line(rec))
-        write_metrics(cfg.metrics_out, rec)
-        records.append(rec)
+    log_line(f"mpips local: batch {cfg.local_workers} x {cfg.batch_size}, "
+             f"{model.n_params} dense parameters")
+    path = resume_point(cfg)[0] if cfg.stream else cfg.resume
+    if path:
+        ck.load_local(path, getattr(ps.sparse, "table", ps.sparse), ps.dense)
+        log_line(f"RESUME --> {ck.resolve(path)}")
+    backend = LocalBackend(cfg, trainer, ps)
+    if cfg.stream:
+        records = run_stream(cfg, backend, log_line)
+    else:
+        records = run_epochs(cfg, backend, train_files, test_files)
     log_line(f"PROFILE --> local compute_s={trainer.compute_s:.2f} rows={len(ps.sparse)} "
              f"peak_rss_mb={peak_rss_mb():.0f}")
     return records
-
-
-def _concat_batches(readers):
-    """Zip W readers into batches of W x B (the grouping sync mode uses), closing them after."""
-    from mpips.data.reader import Batch
-    its = [iter(r) for r in readers]
-    try:
-        while True:
-            parts = [b for b in (next(i, None) for i in its) if b is not None]
-            if not parts:
-                return
-            if len(parts) == 1:
-                yield parts[0]
-            else:
-                yield Batch(np.concatenate([p.dense for p in parts]),
-                            np.concatenate([p.sparse for p in parts]),
-                            np.concatenate([p.label for p in parts]))
-    finally:
-        for r in readers:
-            r.close()
 
 
 def precheck(cfg):

@@ -44,6 +44,7 @@ class Server:
         self.finished = set()
         self.stats = {"requests": 0, "busy_s": 0.0, "bytes_in": 0, "bytes_out": 0}
         self.on_save = None     # callable(seq, mode_index) -> JSON bytes (checkpoint shard)
+        self.evicted = 0        # rows removed by SHRINK since the start
         self.max_lead = 0       # ssp: largest (pull step - slowest worker's pushes) answered
         self._new_phase()
 
@@ -112,10 +113,16 @@ class Server:
                 raise ValueError(f"SAVE from rank {source} but this run has no --save-dir")
             text = self.on_save(req.step, req.flags)
             self._send(np.frombuffer(text, dtype=np.uint8).copy(), source, TAG_CONTROL)
+        elif req.op == Op.SHRINK:
+            removed = self.sparse.shrink(req.step)
+            self.evicted += removed
+            self._send(np.array([removed], np.int64), source, TAG_CONTROL)
         elif req.op == Op.STATS:
             out = np.array([len(self.sparse), self.sparse.nbytes + self.dense.nbytes,
                             self.stats["requests"], int(self.stats["busy_s"] * 1e6),
-                            self.max_lead, 0], np.int64)
+                            self.max_lead, getattr(self.sparse, "admitted", 0),
+                            self.sparse.waiting() if hasattr(self.sparse, "waiting") else 0,
+                            self.evicted], np.int64)
             self._send(out, source, TAG_CONTROL)
 
     @staticmethod

@@ -149,14 +149,22 @@ class PSClient:
                 for s in range(self.n_servers)]
         Handle(self, reqs + [r for r, _ in sent], self.servers, [b for _, b in sent]).wait()
 
-    def stats(self):
-        """Per server int64 (S, STATS_LEN): rows, bytes, requests, busy_us, ssp max lead, 0."""
-        out = np.zeros((self.n_servers, STATS_LEN), np.int64)
+    def _ask(self, op, width, step=0):
+        """Send a bodyless op to every server and collect int64[width] replies (S, width)."""
+        out = np.zeros((self.n_servers, width), np.int64)
         reqs = [self.comm.Irecv(out[s], srv, TAG_CONTROL) for s, srv in enumerate(self.servers)]
         empty = np.empty(0, np.int64)
-        sent = [self._request(s, Op.STATS, empty, None, 0, 0, None) for s in range(self.n_servers)]
+        sent = [self._request(s, op, empty, None, step, 0, None) for s in range(self.n_servers)]
         Handle(self, reqs + [r for r, _ in sent], self.servers, [b for _, b in sent]).wait()
         return out
+
+    def stats(self):
+        """Per server int64 (S, STATS_LEN), the fields listed at Op.STATS."""
+        return self._ask(Op.STATS, STATS_LEN)
+
+    def shrink(self, threshold):
+        """Every server ages and evicts its rows; returns the rows removed in all."""
+        return int(self._ask(Op.SHRINK, 1, step=threshold).sum())
 
     def save(self, seq, mode_index):
         """Ask every server to write its shard of checkpoint `seq`; return their JSON replies.

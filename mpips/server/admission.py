@@ -1,0 +1,112 @@
+"""Feature admission in front of a SparseTable (Paddle's CountFilterEntry / ProbabilityEntry).
+
+`AdmittedTable` has the SparseTable interface.  A training pull (create=True) is a
+*sighting* of each of its ids.  An id without a row is counted in a small side table
+(`counts`, itself a SparseTable of width 1, so it ages and is shrunk like any table):
+- ``count:N``: the id gets its row at its N-th sighting;
+- ``probability:P``: at each sighting the id gets its row with probability P, decided by a
+  hash of (seed, id, sighting number) so that runs are reproducible.
+Until then the id reads zeros and its gradients and GEO deltas are dropped.  Evaluation
+pulls (create=False) never count, never create.
+"""
+import numpy as np
+
+from mpips.kernels.hashmap import init_rows
+from mpips.server.optim import OptimizerConfig
+from mpips.server.sparse_table import SparseTable
+
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def parse_entry(spec):
+    """'' | 'count:N' | 'probability:P' -> (kind, value); ValueError with the forms."""
+    if not spec:
+        return None, 0.0
+    kind, _, raw = spec.partition(":")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if kind == "count" and value >= 1 and value == int(value):
+        return "count", int(value)
+    if kind == "probability" and 0.0 < value <= 1.0:
+        return "probability", value
+    raise ValueError(f"--entry must be count:N (N >= 1) or probability:P (0 < P <= 1); got {spec!r}")
+
+
+class AdmittedTable:
+    """A SparseTable that creates rows only for admitted ids."""
+
+    def __init__(self, table, spec, seed):
+        self.table = table
+        self.kind, self.value = parse_entry(spec)
+        self.seed = int(seed)
+        self.counts = SparseTable(1, OptimizerConfig(name="sgd"), seed=0, init_range=0.0)
+        self.admitted = 0          # ids given a row by admission since the start
+
+    def __getattr__(self, name):          # everything else: the inner table
+        return getattr(self.table, name)
+
+    def __len__(self):
+        return len(self.table)
+
+    @property
+    def nbytes(self):
+        return self.table.nbytes + self.counts.nbytes
+
+    def _admit(self, keys):
+        """Count a sighting of each id without a row; create the rows of admitted ones."""
+        missing = keys[self.table.rows_of(keys) < 0]
+        if not len(missing):
+            return
+        one = np.ones((len(missing), 1), np.float32)
+        self.counts.add(missing, one)
+        seen = np.empty((len(missing), 1), np.float32)
+        self.counts.pull(missing, seen, create=False)
+        seen = seen[:, 0]                                   # sightings so far, this included
+        if self.kind == "count":
+            ok = seen >= self.value
+        else:
+            salted = (missing.view(np.uint64) ^ (seen.astype(np.uint64) * GOLDEN)).view(np.int64)
+            u = np.empty((len(missing), 1), np.float32)
+            init_rows(salted, self.seed, 1.0, u)             # uniform [-1, 1) from (seed, id, n)
+            ok = (u[:, 0] + 1.0) * 0.5 < self.value
+        new = missing[ok]
+        if len(new):
+            scratch = np.empty((len(new), self.table.dim), np.float32)
+            self.table.pull(new, scratch, create=True)
+            self.admitted += len(new)
+
+    def pull(self, keys, out, create=False):
+        if not (create and self.kind):
+            self.table.pull(keys, out, create=create)
+            return
+        keys = np.ascontiguousarray(keys, np.int64)
+        self._admit(keys)
+        have = self.table.rows_of(keys) >= 0
+        if have.all():
+            self.table.pull(keys, out, create=True)
+            return
+        out[~have] = 0.0                                     # not admitted: zeros
+        sub = np.empty((int(have.sum()), self.table.dim), np.float32)
+        self.table.pull(keys[have], sub, create=True)        # marks the admitted ones seen
+        out[have] = sub
+
+    def push(self, keys, grads, scale=1.0, create=True):
+        self.table.push(keys, grads, scale, create=create and not self.kind)
+
+    def add(self, keys, deltas, create=True):
+        self.table.add(keys, deltas, create=create and not self.kind)
+
+    def shrink(self, threshold):
+        """Age and evict rows and waiting counts alike; returns rows removed."""
+        self.counts.shrink(threshold)
+        self.counts.clear_evicted()
+        return self.table.shrink(threshold)
+
+    def waiting(self):
+        """Ids sighted but not (yet) admitted."""
+        if not len(self.counts):
+            return 0
+        keys = self.counts.export_rows()["keys"]
+        return int((self.table.rows_of(keys) < 0).sum())

@@ -1,0 +1,140 @@
+"""Online (streaming) training: consume passes as they land, exactly once.
+
+Layout: ``DIR/YYYYMMDD/HH/`` (hourly passes) or ``DIR/YYYYMMDD/`` (daily passes); a pass is
+ready when its ``_SUCCESS`` file exists; passes are taken in name order.  For each pass:
+
+1. at a new day (``--shrink-every day``) or before every pass but the first (``pass``):
+   shrink — every row ages by one, rows unseen for more than ``--shrink-threshold``
+   shrinks are evicted (Paddle shrinks after hour 23; shrinking before the next day's
+   first pass is the same point in the stream);
+2. evaluate on the pass with the model as it was before seeing it (progressive validation);
+3. train on it;
+4. with ``--save-dir``: save a **base** after the first pass of a day and a **delta** after
+   the others; the checkpoint records the pass, so a restart with the same command resumes
+   after the last saved pass (no pass trained twice, none skipped);
+5. log and write the audit record (ids admitted / waiting / evicted, table rows and bytes).
+When no pass is ready it polls with back-off for ``--stream-timeout`` seconds, then ends.
+SIGTERM (e.g. from Slurm before a requeue) ends the loop after the current pass.
+"""
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+POLL_MIN, POLL_MAX = 0.05, 2.0      # seconds between looks for a new pass
+STOP = {"flag": False}
+
+
+def install_sigterm():
+    """SIGTERM asks the stream loop to stop after the current pass."""
+    def handler(signum, frame):
+        STOP["flag"] = True
+    signal.signal(signal.SIGTERM, handler)
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str       # 'YYYYMMDD/HH' or 'YYYYMMDD'
+    day: str
+    path: str
+
+    def files(self):
+        from mpips.data.files import resolve_paths
+        return resolve_paths(self.path)
+
+
+def _is_day(name):
+    return len(name) == 8 and name.isdigit()
+
+
+def ready_passes(root):
+    """Ready passes under root, in order (a folder with _SUCCESS)."""
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"--stream {root}: no such directory")
+    out = []
+    for day in sorted(d for d in os.listdir(root) if _is_day(d)):
+        dpath = os.path.join(root, day)
+        if os.path.exists(os.path.join(dpath, "_SUCCESS")):
+            out.append(Pass(day, day, dpath))
+            continue
+        for hour in sorted(h for h in os.listdir(dpath) if len(h) == 2 and h.isdigit()):
+            hpath = os.path.join(dpath, hour)
+            if os.path.exists(os.path.join(hpath, "_SUCCESS")):
+                out.append(Pass(f"{day}/{hour}", day, hpath))
+    return out
+
+
+def next_pass(root, done, timeout):
+    """The first ready pass after `done` (name or None), waiting up to `timeout` s; or None."""
+    delay, t0 = POLL_MIN, time.monotonic()
+    while True:
+        for p in ready_passes(root):
+            if done is None or p.name > done:
+                return p
+        if STOP["flag"] or time.monotonic() - t0 >= timeout:
+            return None
+        time.sleep(min(delay, max(0.0, timeout - (time.monotonic() - t0))))
+        delay = min(2 * delay, POLL_MAX)
+
+
+def resume_point(cfg):
+    """(checkpoint path or None, last pass name or None) to continue a stream from."""
+    from mpips import checkpoint as ck
+    path = None
+    if cfg.resume:
+        path = ck.resolve(cfg.resume)
+    elif cfg.save_dir and os.path.isdir(cfg.save_dir):
+        path = ck.latest(cfg.save_dir)
+    if path is None:
+        return None, None
+    return path, ck.read_manifest(path)["meta"].get("pass")
+
+
+def run_stream(cfg, backend, log):
+    """The loop above; `backend` does the work (local or distributed). Returns records."""
+    from mpips.train import epoch_record
+    _, done = resume_point(cfg)
+    prev_day = None if done is None else done[:8]
+    records = []
+    admitted_before = backend.stats().get("admitted_total", 0)
+    while True:
+        p = backend.decide(lambda: None if STOP["flag"] else
+                           next_pass(cfg.stream, done, cfg.stream_timeout))
+        if p is None:
+            break
+        new_day = p.day != prev_day
+        evicted = 0
+        if (cfg.shrink_every == "day" and new_day and prev_day is not None) or \
+                (cfg.shrink_every == "pass" and done is not None):
+            evicted = backend.shrink(cfg.shrink_threshold)
+        files = p.files()
+        test_m = backend.evaluate(files)
+        st = backend.train(files, len(records))
+        if cfg.save_dir:
+            backend.save("base" if new_day else "delta", {"pass": p.name, "epoch": -1})
+        audit = backend.stats()
+        extra = dict(st["extra"], **audit)
+        if audit:
+            extra.update(ids_admitted=audit["admitted_total"] - admitted_before,
+                         ids_evicted=int(evicted))
+            admitted_before = audit["admitted_total"]
+        rec = epoch_record(cfg, len(records), st["examples"], st["seconds"], st["loss_sum"],
+                           st["metrics"], test_m, extra)
+        rec["pass"] = p.name
+        if backend.is_logger:
+            log(pass_line(rec))
+            backend.emit(rec)
+        records.append(rec)
+        done, prev_day = p.name, p.day
+    return records
+
+
+def pass_line(rec):
+    s = (f"PASS {rec['pass']} --> eval auc: {rec.get('test_auc', float('nan')):.6f} "
+         f"logloss: {rec.get('test_logloss', float('nan')):.6f} | train examples: "
+         f"{rec['train_examples']} loss: {rec['train_loss']:.6f} examples/s: "
+         f"{rec['examples_per_sec']:.0f}")
+    if "table_rows" in rec:
+        s += (f" | table rows: {rec['table_rows']} bytes: {rec['table_bytes']} admitted: "
+              f"{rec['ids_admitted']} waiting: {rec['ids_waiting']} evicted: {rec['ids_evicted']}")
+    return s
