@@ -276,14 +276,16 @@ def write_manifest(ckpt_dir, info):
     if [s["server_id"] for s in shards] != list(range(S)) or S < 1:
         raise CheckpointError(f"{ckpt_dir}: need shards 0..{S - 1} exactly once; got server ids "
                               f"{[s['server_id'] for s in shards]}")
-    for key, want in (("n_servers", S), ("mode", mode), ("embedding_dim", shards[0]["embedding_dim"]),
-                      ("optimizer", shards[0]["optimizer"])):
+    first = shards[0]
+    for key, want in (("n_servers", S), ("mode", mode), ("embedding_dim", first["embedding_dim"]),
+                      ("optimizer", first["optimizer"])):
         bad = [s["server_id"] for s in shards if s[key] != want]
         if bad:
             raise CheckpointError(f"{ckpt_dir}: shards {bad} disagree on {key} (want {want!r})")
     parent = None
     if mode == "delta":
-        parent = info.get("parent") or _auto_parent(os.path.dirname(os.path.normpath(ckpt_dir)), seq)
+        root = os.path.dirname(os.path.normpath(ckpt_dir))
+        parent = info.get("parent") or _auto_parent(root, seq)
         if parent is None:
             raise CheckpointError(f"delta {ckpt_dir} has no committed base/delta before it")
     entries = [{k: s[k] for k in ("file", "bytes", "server_id", "rows", "evicted", "dense_lo",

@@ -125,7 +125,13 @@ def run_local(cfg):
 
 
 def precheck(cfg):
-    """Checks that need files: the --resume checkpoint exists and fits this config."""
+    """Checks that need files: the --resume checkpoint exists and fits this config.
+
+    Also: a stream run stops after its current pass on SIGTERM.
+    """
+    if cfg.stream:
+        from mpips.stream import install_sigterm
+        install_sigterm()
     if cfg.resume:
         from mpips import checkpoint as ck
         ck.check_compatible(ck.read_manifest(ck.resolve(cfg.resume)), cfg)

@@ -102,6 +102,13 @@ def save_sharded(root, shards, mode, meta=None):
     return d
 
 
+def push_owned(sp, server, keys, seed):
+    """Push random gradients to the ids of ``keys`` that ``server`` (of 2) owns."""
+    keys = np.unique(np.asarray(keys, np.int64))
+    keys = keys[owners(keys, 2) == server]
+    sp.push(keys, np.random.default_rng(seed).standard_normal((len(keys), sp.dim)).astype(np.float32))
+
+
 def test_base_and_deltas_equal_a_full_save(tmp_path):
     sparse, dense, keys = trained(seed=1)
     shards = split(sparse, dense, 2)
@@ -128,21 +135,24 @@ def test_base_and_deltas_equal_a_full_save(tmp_path):
     evicted = ck.read_manifest(last)["shards"]
     assert sum(e["evicted"] for e in evicted) > 0
     assert sum(e["rows"] for e in evicted) < len(shards[0][0]) + len(shards[1][0])
+    assert_chain_equals_full(last, full, len(shards[0][0]) + len(shards[1][0]))
+    for i, (sp, dn, _) in enumerate(shards):       # re-create ids evicted by an older delta
+        push_owned(sp, i, keys[5:8], 40 + i)
+    full = save_sharded(root, shards, "full")
+    last = save_sharded(root, shards, "delta")
+    assert len(ck.chain(last)) == 5
+    assert_chain_equals_full(last, full, len(shards[0][0]) + len(shards[1][0]))
+
+
+def assert_chain_equals_full(last, full, n_rows):
     a, da = new_tables()
     b, db = new_tables()
     ck.load_shard_into(last, a, da, 0, 1, [0, P])
     ck.load_shard_into(full, b, db, 0, 1, [0, P])
-    assert len(a) == len(b) == len(shards[0][0]) + len(shards[1][0])
+    assert len(a) == len(b) == n_rows
     assert_same(a, b, ["keys", "values", "m", "v", "beta1_pow", "beta2_pow", "seen_count"])
     for k, v in db.export_state().items():
         np.testing.assert_array_equal(da.export_state()[k], v, err_msg=k)
-
-
-def push_owned(sp, server, keys, seed):
-    """Push random gradients to the ids of ``keys`` that ``server`` (of 2) owns."""
-    keys = np.unique(np.asarray(keys, np.int64))
-    keys = keys[owners(keys, 2) == server]
-    sp.push(keys, np.random.default_rng(seed).standard_normal((len(keys), sp.dim)).astype(np.float32))
 
 
 @pytest.mark.parametrize("n_new", [3, 1])

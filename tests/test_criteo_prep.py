@@ -190,6 +190,7 @@ def test_errors(tmp_path, capsys):
     src.write_bytes(b"1\t99999999999\t" + b"\t" * 12 + b"\t".join([b"ab"] * 26) + b"\n")
     with pytest.raises(ValueError, match="I1 has value 99999999999.*int32"):
         P.prepare(str(src), str(tmp_path / "o"), progress=False)
+    assert not os.path.exists(tmp_path / "o")  # a failed run leaves nothing behind
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     assert P.main(["--input", str(src), "--out", str(tmp_path / "full")]) == 2
@@ -210,3 +211,16 @@ def test_cli(prepared, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "train" in out and "val" in out and "stats.json" in out
     assert len(resolve_paths(str(tmp_path / "o" / "val"))) == 2
+
+
+def test_refinement_scans_written_shards(prepared, tmp_path, monkeypatch):
+    """With a tiny exact range every statistic comes from re-scanning the train shards."""
+    root, _, _ = prepared
+    monkeypatch.setattr(P, "EXACT_LO", -1)
+    monkeypatch.setattr(P, "EXACT_HI", 2)
+    monkeypatch.setattr(P, "REFINE_BINS", 3)
+    P.prepare(str(root / "syn" / "train"), str(tmp_path / "r"), parts=4, seed=7,
+              progress=False, warn=lambda m: None)
+    a = json.loads((tmp_path / "r" / "stats.json").read_text())
+    b = json.loads((root / "out" / "stats.json").read_text())
+    assert a == b

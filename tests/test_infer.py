@@ -75,7 +75,7 @@ def test_infer_matches_in_process_auc(trained, data, tmp_path, capsys):
 
 def test_infer_unknown_ids_read_zeros(trained, data):
     root, [_, (_, _, n_rows)] = trained
-    cfg, model, ps, manifest, _ = infer.load_model(root)
+    cfg, _, ps, manifest, _ = infer.load_model(root)
     assert len(ps.sparse) == n_rows and manifest["mode"] == "delta"
     out = np.ones((2, cfg.embedding_dim), np.float32)
     ps.pull(plan_keys(np.array([123456789, -5], np.int64), 1), out, create=False)
@@ -92,7 +92,7 @@ def test_infer_errors_are_one_line(tmp_path, data, trained, capsys):
     root, _ = trained
     proc = subprocess.run([sys.executable, "-m", "mpips.infer", "--model", root, "--data",
                            str(tmp_path / "nodata")], capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, PYTHONPATH=ROOT_DIR), cwd=ROOT_DIR)
+                          check=False, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT_DIR), cwd=ROOT_DIR)
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mpips.infer: error:") and "nodata" in lines[0]

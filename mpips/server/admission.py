@@ -1,7 +1,7 @@
 """Feature admission in front of a SparseTable (Paddle's CountFilterEntry / ProbabilityEntry).
 
-`AdmittedTable` has the SparseTable interface.  A training pull (create=True) is a
-*sighting* of each of its ids.  An id without a row is counted in a small side table
+`AdmittedTable` has the SparseTable interface.  A training pull (create=True) brings the
+number of *sightings* (occurrences in the batch's examples) of each of its ids.  An id without a row is counted in a small side table
 (`counts`, itself a SparseTable of width 1, so it ages and is shrunk like any table):
 - ``count:N``: the id gets its row at its N-th sighting;
 - ``probability:P``: at each sighting the id gets its row with probability P, decided by a
@@ -54,13 +54,15 @@ class AdmittedTable:
     def nbytes(self):
         return self.table.nbytes + self.counts.nbytes
 
-    def _admit(self, keys):
-        """Count a sighting of each id without a row; create the rows of admitted ones."""
-        missing = keys[self.table.rows_of(keys) < 0]
+    def _admit(self, keys, counts):
+        """Count sightings of each id without a row; create the rows of admitted ones."""
+        absent = self.table.rows_of(keys) < 0
+        missing = keys[absent]
         if not len(missing):
             return
-        one = np.ones((len(missing), 1), np.float32)
-        self.counts.add(missing, one)
+        n = np.ones((len(missing), 1), np.float32) if counts is None else \
+            np.asarray(counts, np.float32)[absent].reshape(-1, 1)
+        self.counts.add(missing, n)
         seen = np.empty((len(missing), 1), np.float32)
         self.counts.pull(missing, seen, create=False)
         seen = seen[:, 0]                                   # sightings so far, this included
@@ -77,12 +79,13 @@ class AdmittedTable:
             self.table.pull(new, scratch, create=True)
             self.admitted += len(new)
 
-    def pull(self, keys, out, create=False):
+    def pull(self, keys, out, create=False, counts=None):
+        """counts (n,): occurrences of each id in the batch (default 1 each)."""
         if not (create and self.kind):
             self.table.pull(keys, out, create=create)
             return
         keys = np.ascontiguousarray(keys, np.int64)
-        self._admit(keys)
+        self._admit(keys, counts)
         have = self.table.rows_of(keys) >= 0
         if have.all():
             self.table.pull(keys, out, create=True)

@@ -145,7 +145,10 @@ class Server:
             slowest = min(self.clock[w] for w in self.active)
             self.max_lead = max(self.max_lead, req.step - slowest)
         out = np.empty((req.count, self.sparse.dim), dtype=np.float32)
-        if req.count:
+        if req.count and req.values is not None:       # occurrence counts for admission
+            self.sparse.pull(req.keys, out, create=bool(req.flags & F_CREATE),
+                             counts=req.values[:, 0])
+        elif req.count:
             self.sparse.pull(req.keys, out, create=bool(req.flags & F_CREATE))
         self._send(out, source, TAG_REPLY_SPARSE)
         if req.flags & F_DENSE:

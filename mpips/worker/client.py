@@ -99,7 +99,7 @@ class PSClient:
     def _request(self, s, op, keys, values, step, flags, dense):
         """Encode and Isend one request to server s; return (request, buffer)."""
         n_dense = 0 if dense is None else len(dense)
-        nbytes = message_nbytes(len(keys), 0 if values is None else self.dim, n_dense)
+        nbytes = message_nbytes(len(keys), 0 if values is None else values.shape[1], n_dense)
         buf = self._buffer(nbytes)
         self.req_id += 1
         encode(buf, op, self.req_id, 0, keys, values, step, flags, dense)
@@ -107,8 +107,11 @@ class PSClient:
         self.messages += op in (Op.PULL, Op.PUSH, Op.ADD)   # data requests, not control
         return self.comm.Isend([buf, nbytes, MPI.BYTE], self.servers[s], TAG_REQUEST), buf
 
-    def pull(self, plan, out, dense_out=None, step=0, create=True):
-        """Fill out (u, dim) with the rows of plan.keys, and dense_out (P,) if given."""
+    def pull(self, plan, out, dense_out=None, step=0, create=True, counts=None):
+        """Fill out (u, dim) with the rows of plan.keys, and dense_out (P,) if given.
+
+        counts: float32 (u, 1) occurrences of each key in the batch, for admission.
+        """
         reqs, bufs = [], []
         flags = (F_CREATE if create else 0) | (F_DENSE if dense_out is not None else 0)
         for s in range(self.n_servers):
@@ -117,7 +120,8 @@ class PSClient:
             if dense_out is not None:
                 d = dense_out[self.bounds[s]:self.bounds[s + 1]]
                 reqs.append(self.comm.Irecv(d, self.servers[s], TAG_REPLY_DENSE))
-            r, b = self._request(s, Op.PULL, plan.keys[lo:hi], None, step, flags, None)
+            c = None if counts is None else counts[lo:hi]
+            r, b = self._request(s, Op.PULL, plan.keys[lo:hi], c, step, flags, None)
             reqs.append(r)
             bufs.append(b)
         return Handle(self, reqs, self.servers, bufs)

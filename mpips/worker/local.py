@@ -21,9 +21,12 @@ class LocalPS:
         self.bytes_sent = 0
         self.messages = 0
 
-    def pull(self, plan, out, dense_out=None, step=0, create=True):
+    def pull(self, plan, out, dense_out=None, step=0, create=True, counts=None):
         if len(plan.keys):
-            self.sparse.pull(plan.keys, out, create=create)
+            if counts is not None:
+                self.sparse.pull(plan.keys, out, create=create, counts=counts[:, 0])
+            else:
+                self.sparse.pull(plan.keys, out, create=create)
         if dense_out is not None:
             self.dense.pull(dense_out)
         return _Done()

@@ -30,11 +30,15 @@ class EpochStats:
 
 class _Prepared:
     """A batch with its key plan and a buffer for its pulled rows."""
-    __slots__ = ("batch", "plan", "rows")
+    __slots__ = ("batch", "plan", "rows", "counts")
 
-    def __init__(self, batch, plan, dim):
+    def __init__(self, batch, plan, dim, with_counts):
         self.batch, self.plan = batch, plan
         self.rows = np.empty((len(plan.keys), dim), dtype=np.float32)   # (u, dim)
+        self.counts = None                                                # (u, 1) occurrences
+        if with_counts:
+            self.counts = np.bincount(plan.inverse, minlength=len(plan.keys)).astype(
+                np.float32).reshape(-1, 1)
 
 
 class Trainer:
@@ -53,10 +57,14 @@ class Trainer:
         self.step_delay = 0.0      # seconds slept per step: slows one worker in tests
 
     def _prepare(self, batch):
-        return None if batch is None else _Prepared(batch, self.plan_fn(batch.sparse), self.dim)
+        if batch is None:
+            return None
+        return _Prepared(batch, self.plan_fn(batch.sparse), self.dim, bool(self.cfg.entry))
 
     def _pull(self, prep, step, dense_buf, create=True):
-        return self.ps.pull(prep.plan, prep.rows, dense_buf, step=step, create=create)
+        counts = prep.counts if create else None
+        return self.ps.pull(prep.plan, prep.rows, dense_buf, step=step, create=create,
+                            counts=counts)
 
     def _step_math(self, prep, params):
         """Forward/backward of one batch; returns (loss, probs, row grads (u, dim))."""

@@ -1,0 +1,293 @@
+"""jobs/slurm/*.sbatch under a real Slurm: the one-machine cluster of jobs/slurm/local_cluster.sh.
+
+Each test submits a script with `sbatch`, polls `scontrol show job` until the job ends, and
+checks its final state, its log and its files. Runs only where Slurm is installed (`sbatch`
+on PATH) and the local cluster can be brought up (as root) or is up already; otherwise the
+tests skip, or fail when MPIPS_REQUIRE_SLURM=1 (CI, after `jobs/slurm/local_cluster.sh up`).
+The session fixture brings the cluster up and stops it again if it started it.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+JOBS = ROOT / "jobs" / "slurm"
+SLURM_DIR = Path(os.environ.get("MPIPS_SLURM_DIR", "/tmp/mpips-slurm"))
+REQUIRED = os.environ.get("MPIPS_REQUIRE_SLURM") == "1"
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+         "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+JOB_TIMEOUT = 150   # seconds for one job to finish (the train job takes ~15 s alone)
+POLL = 0.5          # seconds between `scontrol show job` polls
+TINY = ["--synth-rows", "4000", "--synth-test-rows", "1000", "--fc", "32,16"]
+
+pytestmark = pytest.mark.skipif(shutil.which("sbatch") is None and not REQUIRED,
+                                reason="Slurm is not installed (no sbatch); as root: "
+                                       "jobs/slurm/local_cluster.sh up")
+
+
+def _unavailable(reason):
+    if REQUIRED:
+        pytest.fail(f"{reason} (MPIPS_REQUIRE_SLURM=1)")
+    pytest.skip(reason)
+
+
+def _cluster_env():
+    return dict(os.environ, SLURM_CONF=str(SLURM_DIR / "slurm.conf"), MPIPS_SLURM_DIR=str(SLURM_DIR))
+
+
+def _node_ready(env):
+    if not (SLURM_DIR / "slurm.conf").exists():
+        return False
+    r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, env=env,
+                       stdin=subprocess.DEVNULL)
+    return r.returncode == 0 and r.stdout.split()[:1] in (["idle"], ["mixed"], ["allocated"])
+
+
+@pytest.fixture(scope="session")
+def slurm_env():
+    """Environment (SLURM_CONF) of a running local cluster; started here if needed."""
+    if shutil.which("sbatch") is None:
+        _unavailable("Slurm is not installed (no sbatch): run jobs/slurm/local_cluster.sh up as root")
+    env = _cluster_env()
+    was_up = _node_ready(env)
+    if not was_up:
+        if os.geteuid() != 0:
+            _unavailable("the local Slurm cluster is down and starting it needs root")
+        r = subprocess.run(["bash", str(JOBS / "local_cluster.sh"), "up"], capture_output=True,
+                           text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+        if r.returncode != 0:
+            _unavailable(f"local_cluster.sh up failed: {r.stderr.strip()[-2000:]}")
+    yield env
+    if not was_up:
+        subprocess.run(["bash", str(JOBS / "local_cluster.sh"), "down"], capture_output=True,
+                       env=env, timeout=60, stdin=subprocess.DEVNULL)
+
+
+def job_env(slurm_env, **extra):
+    """Job environment: this interpreter's venv, the repo importable, threads pinned to 1."""
+    env = dict(slurm_env, MPIPS_VENV=str(Path(sys.executable).parent.parent),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env.update(extra)
+    return env
+
+
+def submit(script, args, env, cwd, opts=()):
+    """sbatch SCRIPT with sbatch options `opts` and script arguments `args`; return the job id."""
+    cmd = ["sbatch", "--parsable", "-o", str(Path(cwd) / "%x-%j.out"), *opts, str(JOBS / script),
+           *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(cwd), timeout=30,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, f"sbatch failed: {r.stderr}"
+    return r.stdout.strip().split(";")[0]
+
+
+def job_info(job_id, env):
+    """Fields of `scontrol show job -o` as a dict (JobState, ExitCode, Restarts, ...)."""
+    r = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                       env=env, timeout=30, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, f"scontrol show job {job_id}: {r.stderr}"
+    return dict(re.findall(r"(\w+)=(\S*)", r.stdout))
+
+
+def wait_until(job_id, env, done, what, log=None, timeout=JOB_TIMEOUT):
+    """Poll the job until done(info) is true; on timeout cancel it and fail with its log."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = job_info(job_id, env)
+        if done(info):
+            return info
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job_id], env=env, timeout=30)
+            text = log.read_text() if log is not None and log.exists() else "(no log)"
+            pytest.fail(f"job {job_id} not {what} after {timeout}s: {info.get('JobState')}\n{text}")
+        time.sleep(POLL)
+
+
+def wait_job(job_id, env, log=None):
+    return wait_until(job_id, env, lambda i: i.get("JobState") in FINAL, "finished", log)
+
+
+def module_help(module, env):
+    r = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
+                       env=env, cwd=str(ROOT), timeout=120, stdin=subprocess.DEVNULL)
+    return r.stdout if r.returncode == 0 else ""
+
+
+def assert_clean(text):
+    """No error in the job's log (Slurm's own `slurmstepd: ... CANCELLED` notices aside)."""
+    ours = "\n".join(ln for ln in text.splitlines() if not ln.startswith("slurmstepd"))
+    for bad in ("Traceback", "BAD TERMINATION", "error:", "Error:"):
+        assert bad not in ours, f"{bad!r} in the job log:\n{text}"
+
+
+@pytest.fixture(scope="module")
+def train_job(slurm_env, tmp_path_factory):
+    """train.sbatch on one node with 4 tasks and tiny synthetic data: (info, log, run_dir, cache)."""
+    work = tmp_path_factory.mktemp("slurm_train")
+    run_dir, cache = work / "run", work / "cache"
+    env = job_env(slurm_env, MPIPS_RUN_DIR=str(run_dir))
+    t0 = time.monotonic()
+    job = submit("train.sbatch", [*TINY, "--cache-dir", str(cache), "--servers", "2"], env, work,
+                 opts=["-N1", "--ntasks-per-node=4"])
+    log = work / f"mpips-train-{job}.out"
+    info = wait_job(job, env, log)
+    print(f"train job {job}: {info['JobState']} in {time.monotonic() - t0:.1f}s "
+          f"(RunTime {info.get('RunTime')})")
+    return info, log, run_dir, cache
+
+
+def test_train_job_completes_with_role_map_and_metrics(train_job):
+    info, log, run_dir, _ = train_job
+    text = log.read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text
+    assert_clean(text)
+    assert "4 ranks, 2 servers x 2 workers" in text, text
+    roles = re.findall(r"rank (\d) host (\S+) (server|worker) (\d)", text)
+    assert sorted(int(r[0]) for r in roles) == [0, 1, 2, 3], text
+    assert {r[1] for r in roles} == {info["NodeList"]}, text
+    assert sorted(r[2] for r in roles) == ["server", "server", "worker", "worker"], text
+    assert re.search(r"^EPOCH 0 --> examples: 4000 ", text, re.M), text
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(recs) == 1 and recs[0]["train_examples"] == 4000, recs
+    assert recs[0]["test_examples"] == 1000 and (recs[0]["servers"], recs[0]["workers"]) == (2, 2)
+    assert 0.0 < recs[0]["test_auc"] < 1.0 and recs[0]["test_logloss"] > 0.0
+
+
+def test_train_job_saves_a_checkpoint(train_job, slurm_env):
+    info, log, run_dir, _ = train_job
+    if "--save-dir" not in module_help("mpips.train", job_env(slurm_env)):
+        pytest.skip("mpips.train has no --save-dir yet (checkpoint feature)")
+    assert info["JobState"] == "COMPLETED", log.read_text()
+    assert list((run_dir / "ckpt").rglob("MANIFEST.json")), sorted(run_dir.rglob("*"))
+
+
+def test_infer_job_scores_the_trained_checkpoint(train_job, slurm_env, tmp_path):
+    info, _, run_dir, cache = train_job
+    env = job_env(slurm_env, MPIPS_RUN_DIR=str(tmp_path / "run"))
+    if "--model" not in module_help("mpips.infer", env):
+        pytest.skip("python -m mpips.infer --help does not work yet (checkpoint feature)")
+    if not list((run_dir / "ckpt").rglob("MANIFEST.json")):
+        pytest.skip("the train job saved no checkpoint (mpips.train has no --save-dir yet)")
+    test_dirs = sorted(cache.glob("*/test"))
+    assert len(test_dirs) == 1, test_dirs
+    job = submit("infer.sbatch", ["--model", str(run_dir / "ckpt"), "--data", str(test_dirs[0])],
+                 env, tmp_path)
+    log = tmp_path / f"mpips-infer-{job}.out"
+    done = wait_job(job, env, log)
+    text = log.read_text()
+    assert done["JobState"] == "COMPLETED" and done["ExitCode"] == "0:0", text
+    assert_clean(text)
+    assert re.search(r"^TEST --> examples: 1000 auc: ", text, re.M), text
+    rec = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    trained = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert rec["test_examples"] == 1000
+    assert abs(rec["test_auc"] - trained["test_auc"]) < 0.02, (rec, trained)
+
+
+# A stand-in for `python -m mpips.train --stream`: every rank marks itself started, trains until
+# SIGTERM, then rank 0 commits a checkpoint (MANIFEST.json) and all exit 0. Started with
+# --resume it reports what it resumes from and exits 0.
+STAND_IN = '''
+import argparse, os, signal, sys, time
+p = argparse.ArgumentParser()
+for flag in ("--stream", "--save-dir", "--servers"):
+    p.add_argument(flag)
+p.add_argument("--resume", default="")
+a, _ = p.parse_known_args()
+rank = os.environ.get("PMI_RANK", os.environ.get("SLURM_PROCID", "0"))
+if a.resume:
+    if rank == "0":
+        print("stand-in: resumed from", open(os.path.join(a.resume, "ckpt-0", "MANIFEST.json")).read(),
+              flush=True)
+    sys.exit(0)
+stop = []
+signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))
+open(os.path.join(a.stream, "started." + rank), "w").close()
+t0 = time.monotonic()
+while not stop and time.monotonic() - t0 < 100:
+    time.sleep(0.05)
+if stop and rank == "0":
+    os.makedirs(os.path.join(a.save_dir, "ckpt-0"))
+    with open(os.path.join(a.save_dir, "ckpt-0", "MANIFEST.json"), "w") as f:
+        f.write('{"pass": 1}')
+    print("stand-in: SIGTERM, stopped cleanly after saving", flush=True)
+sys.exit(0 if stop else 3)
+'''
+
+
+def start_stand_in_stream(slurm_env, tmp_path):
+    """Submit stream.sbatch running the stand-in; return (job id, log, env) once all 4 ranks run."""
+    (tmp_path / "mod").mkdir()
+    (tmp_path / "mod" / "stream_stand_in.py").write_text(STAND_IN)
+    data, ckpt = tmp_path / "stream", tmp_path / "ckpt"
+    data.mkdir()
+    env = job_env(slurm_env, MPIPS_TRAIN_MODULE="stream_stand_in")
+    env["PYTHONPATH"] = str(tmp_path / "mod")
+    job = submit("stream.sbatch", [str(data), str(ckpt)], env, tmp_path,
+                 opts=["-N1", "--ntasks-per-node=4"])
+    log = tmp_path / f"mpips-stream-{job}.out"
+    wait_until(job, env, lambda i: len(list(data.glob("started.*"))) == 4 or i["JobState"] in FINAL,
+               "started", log)
+    return job, log, env
+
+
+def test_stream_job_stops_cleanly_requeues_and_resumes(slurm_env, tmp_path):
+    job, log, env = start_stand_in_stream(slurm_env, tmp_path)
+    # What Slurm does 60 s before the time limit (--signal=B:USR1@60):
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=env, check=True, timeout=30)
+    info = wait_until(job, env, lambda i: i["JobState"] in FINAL and i["Restarts"] == "1",
+                      "requeued and finished", log)
+    text = log.read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text
+    for line in ("restart 0:", "SIGUSR1 (time limit near)", "stopped cleanly after saving",
+                 "step ended with exit code 0", f"requeueing job {job}", "restart 1:",
+                 f"--resume {tmp_path / 'ckpt'}", 'resumed from {"pass": 1}',
+                 "finished, not requeueing"):
+        assert line in text, f"{line!r} not in the log:\n{text}"
+
+
+def test_stream_job_cancelled_is_not_requeued(slurm_env, tmp_path):
+    job, log, env = start_stand_in_stream(slurm_env, tmp_path)
+    subprocess.run(["scancel", job], env=env, check=True, timeout=30)
+    wait_until(job, env, lambda i: "finished, not requeueing" in log.read_text(), "done", log)
+    info = job_info(job, env)
+    text = log.read_text()
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", text
+    assert "SIGTERM (cancelled or preempted)" in text and "requeueing job" not in text, text
+
+
+def test_stream_job_is_requeued_and_trains_every_pass_once(slurm_env, tmp_path):
+    env = job_env(slurm_env)
+    if "--stream" not in module_help("mpips.train", env):
+        pytest.skip("mpips.train has no --stream yet (streaming feature, issue 6)")
+    from data_prep.stream_synth import generate_stream
+    data, ckpt = tmp_path / "stream", tmp_path / "ckpt"
+    names = [p["name"] for p in generate_stream(str(data), days=1, hours=6, rows_per_pass=2000,
+                                                parts=2, seed=1)["passes"]]
+    job = submit("stream.sbatch", [str(data), str(ckpt), "--stream-timeout", "0", "--servers",
+                                   "2", "--fc", "32,16"], env, tmp_path,
+                 opts=["-N1", "--ntasks-per-node=4"])
+    log = tmp_path / f"mpips-stream-{job}.out"
+    wait_until(job, env, lambda i: i["JobState"] in FINAL or
+               (log.exists() and "PASS " in log.read_text()), "training a pass", log)
+    # What Slurm does 60 s before the time limit (--signal=B:USR1@60):
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=env, check=True, timeout=30)
+    info = wait_until(job, env, lambda i: i["JobState"] in FINAL and i["Restarts"] == "1",
+                      "requeued and finished", log)
+    text = log.read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text
+    assert_clean(text)
+    first, _, second = text.partition("restart 1:")
+    assert "SIGUSR1 (time limit near)" in first and f"requeueing job {job}" in first, text
+    assert f"--resume {ckpt}" in second, text
+    trained = re.findall(r"^PASS (\S+) -->", text, re.M)
+    assert trained == names, f"passes trained {trained}, expected each of {names} once\n{text}"
+    assert re.search(r"^PASS ", second, re.M), f"the stop came after the last pass:\n{text}"
+    assert list(ckpt.rglob("MANIFEST.json")), sorted(tmp_path.rglob("*"))
