@@ -1,6 +1,7 @@
 """Distributed run: split roles, serve or train, gather a per-rank profile at the end."""
 import json
 import os
+import time
 
 import numpy as np
 
@@ -28,6 +29,7 @@ def run_distributed(cfg, comm):
         prof = serve(cfg, cluster, model, bounds)
     else:
         prof = work(cfg, cluster, model, bounds)
+    prof.append(time.process_time())          # CPU seconds of this rank, all of the run
     report_profile(comm, first_worker, prof)
 
 
@@ -94,8 +96,8 @@ def report_profile(comm, root, prof):
     if comm.rank != root:
         return
     log_line("PROFILE --> rank role compute_s wait_s server_busy_s requests MB_sent "
-             "peak_rss_MB rows")
+             "peak_rss_MB rows cpu_s")
     for r, t in enumerate(table):
         role = "server" if t[0] else "worker"
         log_line(f"PROFILE --> {r} {role} {t[1]:.2f} {t[2]:.2f} {t[3]:.2f} {int(t[4])} "
-                 f"{t[5]:.1f} {t[6]:.0f} {int(t[7])}")
+                 f"{t[5]:.1f} {t[6]:.0f} {int(t[7])} {t[8]:.2f}")
