@@ -56,7 +56,7 @@ def run(name, args, n, data, out, extra):
     rec = [json.loads(x) for x in metrics.read_text().splitlines()][-1]
     rec["wall_seconds"] = wall
     rec["profile"] = [line for line in proc.stdout.splitlines() if line.startswith("PROFILE")]
-    rss = [float(line.split()[-2]) for line in rec["profile"][1:]]
+    rss = [float(line.split()[9]) for line in rec["profile"][1:]]      # peak_rss_MB column
     rec["peak_rss_mb"] = max(rss) if rss else None
     if n == 1:
         m = re.search(r"peak_rss_mb=(\d+)", proc.stdout)

@@ -48,8 +48,8 @@ class Config:
     mode: str = _f("async", "training mode", choices=MODES)
     geo_steps: int = _f(100, "GEO-SGD: send deltas every K local steps")
     staleness: int = _f(4, "ssp: a worker may run at most this many steps ahead of the slowest")
-    dense_every: int = _f(1, "async: pull fresh dense weights every N steps (gradients are pushed "
-                             "every step)")
+    dense_every: int = _f(1, "async: dense weights travel every N steps: their gradients are "
+                             "averaged over N steps and pushed, fresh weights pulled")
     # --- model and optimiser
     embedding_dim: int = _f(10, "embedding size per sparse slot")
     fc: str = _f("400,400,400", "hidden layer sizes, comma-separated")

@@ -55,6 +55,10 @@ class Trainer:
         self.grad_dense = np.zeros(P, np.float32)
         self.compute_s = 0.0
         self.step_delay = 0.0      # seconds slept per step: slows one worker in tests
+        self._emb = self._grad_emb = None
+        # async: dense gradients are averaged over --dense-every steps, then pushed
+        self.dense_k = cfg.dense_every if overlap else 1
+        self.dense_acc = np.zeros(P, np.float32) if self.dense_k > 1 else None
 
     def _prepare(self, batch):
         if batch is None:
@@ -66,18 +70,23 @@ class Trainer:
         return self.ps.pull(prep.plan, prep.rows, dense_buf, step=step, create=create,
                             counts=counts)
 
+    def _buffers(self, n_rows):
+        """Reused (n_rows, dim) buffers for the gathered embeddings and their gradients."""
+        if self._emb is None or self._emb.shape[0] < n_rows:
+            self._emb = np.empty((n_rows, self.dim), np.float32)
+            self._grad_emb = np.empty((n_rows, self.dim), np.float32)
+        return self._emb[:n_rows], self._grad_emb[:n_rows]
+
     def _step_math(self, prep, params):
         """Forward/backward of one batch; returns (loss, probs, row grads (u, dim))."""
         b = prep.batch
         n = len(b.label)
-        emb = np.empty((n * b.sparse.shape[1], self.dim), np.float32)    # (B*slots, dim)
+        emb, grad_emb = self._buffers(n * b.sparse.shape[1])               # (B*slots, dim)
         gather_rows(prep.rows, prep.plan.inverse, emb)
-        emb = emb.reshape(n, -1)                                            # (B, slots*dim)
-        grad_emb = np.empty_like(emb)
-        loss, probs = self.model.forward_backward(params, emb, b.dense, b.label,
-                                                  self.grad_dense, grad_emb)
-        grads = np.zeros_like(prep.rows)                                    # (u, dim)
-        scatter_add_rows(grad_emb.reshape(-1, self.dim), prep.plan.inverse, grads)
+        loss, probs = self.model.forward_backward(params, emb.reshape(n, -1), b.dense, b.label,
+                                                  self.grad_dense, grad_emb.reshape(n, -1))
+        grads = np.empty_like(prep.rows)                                    # (u, dim)
+        scatter_add_rows(grad_emb, prep.plan.inverse, grads)               # zeroes grads first
         return loss, probs, grads
 
     def train_epoch(self, batches, epoch, max_steps=0):
@@ -105,7 +114,8 @@ class Trainer:
             self.compute_s += time.perf_counter() - t0
             if push is not None:
                 push.wait()
-            push = self.ps.push(cur.plan, grads, self.grad_dense, step=step)
+            push = self.ps.push(cur.plan, grads, self._dense_to_push(step, nxt is None),
+                                step=step)
             if self.step_delay:
                 time.sleep(self.step_delay)
             if not self.overlap and nxt is not None:
@@ -126,6 +136,17 @@ class Trainer:
         st.steps = step
         st.seconds = time.perf_counter() - t_start
         return st
+
+    def _dense_to_push(self, step, last):
+        """The dense gradient to send with step's push, or None (accumulating)."""
+        if self.dense_acc is None:
+            return self.grad_dense
+        self.dense_acc += self.grad_dense
+        if (step + 1) % self.dense_k and not last:
+            return None
+        out = self.dense_acc / np.float32((step % self.dense_k) + 1)
+        self.dense_acc[:] = 0.0
+        return out
 
     def evaluate(self, batches, max_steps=0):
         """Predict over an iterable of Batch with the current parameters (no rows created)."""
