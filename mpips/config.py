@@ -34,6 +34,8 @@ class Config:
     test: str = _f("", "test data, same forms; empty with no --train = the synthetic held-out part")
     data_format: str = _f("auto", "input format: auto (by first line), tsv (Criteo), slot (Paddle "
                                   "slot text)", choices=FORMATS)
+    stats: str = _f("", "normalisation statistics (stats.json from data_prep.criteo); default: "
+                        "Paddle's constants for text, a shard set's own stats for shards")
     cache_dir: str = _f("~/.cache/mpips", "where the embedded synthetic dataset is kept")
     synth_rows: int = _f(300_000, "rows of the embedded synthetic training set")
     synth_test_rows: int = _f(60_000, "rows of the embedded synthetic test set")
@@ -48,7 +50,7 @@ class Config:
     mode: str = _f("async", "training mode", choices=MODES)
     geo_steps: int = _f(100, "GEO-SGD: send deltas every K local steps")
     staleness: int = _f(4, "ssp: a worker may run at most this many steps ahead of the slowest")
-    dense_every: int = _f(1, "async: dense weights travel every N steps: their gradients are "
+    dense_every: int = _f(4, "async: dense weights travel every N steps: their gradients are "
                              "averaged over N steps and pushed, fresh weights pulled")
     # --- model and optimiser
     embedding_dim: int = _f(10, "embedding size per sparse slot")

@@ -23,7 +23,10 @@ TAG_REQUEST = 11        # worker -> server requests
 TAG_REPLY_SPARSE = 12   # server -> worker: sparse rows of a pull
 TAG_REPLY_DENSE = 13    # server -> worker: dense slice of a pull
 TAG_CONTROL = 14        # server -> worker: small int64 replies (stats, acks)
-STATS_LEN = 8
+TAG_DUMP = 15           # any rank -> any rank: "say what you are waiting for" (int64[1])
+TAG_DUMP_REPLY = 16     # the answer: one UTF-8 status line
+STATS_LEN = 9
+BARRIER_KEEPALIVE = -1  # barrier reply meaning "not released yet, the missing workers progress"
 
 # flags
 F_CREATE = 1    # pull: create missing rows (training); without it unknown ids read zeros
@@ -36,8 +39,10 @@ class Op(IntEnum):
     ADD = 3       # GEO-SGD deltas: values += delta for keys (and dense)
     FINISH = 4    # this worker sends no more requests for the current phase
     STATS = 5     # reply int64[STATS_LEN] on TAG_CONTROL: rows, bytes, requests, busy_us,
-                  # ssp max lead, ids admitted, ids waiting for admission, ids evicted
-    BARRIER = 6   # reply once every active worker has sent BARRIER (phase boundary)
+                  # ssp max lead, ids admitted, ids waiting for admission, ids evicted,
+                  # malformed requests rejected
+    BARRIER = 6   # reply int64[1] = phase version once every active worker has sent BARRIER
+                  # (phase boundary); meanwhile BARRIER_KEEPALIVE while the others progress
     SAVE = 7      # write this server's checkpoint shard: step = seq, flags = mode index;
                   # reply: the shard's manifest entry as UTF-8 JSON on TAG_CONTROL
     SHRINK = 8    # age rows, evict those unseen for > step shrinks; reply int64[1] removed

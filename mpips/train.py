@@ -37,8 +37,13 @@ def resolve_data(cfg, is_first):
 
 def make_reader(cfg, files, batch_size, warn):
     from mpips.data.reader import DataReader
+    cont_min = cont_diff = None
+    if cfg.stats:
+        from mpips.data.shards import load_stats
+        cont_min, cont_diff = load_stats(cfg.stats)
     return DataReader(files, batch_size, fmt=cfg.data_format, strict=cfg.strict,
-                      hash_bucket=cfg.hash_bucket, prefetch=cfg.prefetch, warn=warn)
+                      hash_bucket=cfg.hash_bucket, prefetch=cfg.prefetch, warn=warn,
+                      cont_min=cont_min, cont_diff=cont_diff)
 
 
 def make_tables(cfg, model, lo=0, hi=None):

@@ -65,3 +65,21 @@ def test_bad_config_one_clear_line(args, msg):
     assert proc.returncode != 0
     assert msg in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_local_run_on_prepared_shards(tiny_data, tmp_path):
+    """data_prep.criteo -> shards + stats.json -> training reads them (--stats)."""
+    train, _ = tiny_data
+    prep = tmp_path / "prep"
+    proc = run_cmd(["-m", "data_prep.criteo", "--input", train, "--out", str(prep),
+                    "--parts", "4", "--no-progress"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_cmd(["-m", "mpips.train", "--local", "--train", str(prep / "train"),
+                    "--test", str(prep / "val"), "--stats", str(prep / "stats.json"),
+                    "--batch-size", "256", "--fc", "64,32", "--lr", "0.003",
+                    "--metrics-out", str(tmp_path / "m.jsonl")], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = read_metrics(tmp_path / "m.jsonl")[0]
+    assert rec["train_examples"] + rec["test_examples"] == 16000
+    assert 0.1 * 16000 * 0.8 < rec["test_examples"] < 0.1 * 16000 * 1.2
+    assert rec["test_auc"] > 0.6
