@@ -101,7 +101,9 @@ class Config:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
-        for name, choices in (("shrink_every", SHRINK_EVERY), ("save_mode", SAVE_MODES), ("mode", MODES), ("optimizer", OPTIMIZERS), ("data_format", FORMATS)):
+        for name, choices in (("shrink_every", SHRINK_EVERY), ("save_mode", SAVE_MODES),
+                              ("mode", MODES), ("optimizer", OPTIMIZERS),
+                              ("data_format", FORMATS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(choices)}; "
                                  f"got {getattr(self, name)!r}")

@@ -14,8 +14,9 @@ def run_distributed(cfg, comm):
     """Entry for every rank of a multi-rank job."""
     cluster = Cluster.create(comm, cfg.servers or default_servers(comm.size))
     if comm.rank == 0 and not cfg.stream:   # make the embedded dataset once, before reads
-        resolve_data(cfg, True)
-    wait_collective(comm.Ibarrier())
+        resolve_data(cfg)
+    pids = np.empty(comm.size, np.int64)    # in the role map: to match a launcher's PID
+    wait_collective(comm.Iallgather(np.array([os.getpid()], np.int64), pids))
     model = make_model(cfg)
     from mpips.sharding import dense_bounds
     bounds = dense_bounds(model.n_params, cluster.n_servers)
@@ -23,8 +24,8 @@ def run_distributed(cfg, comm):
     if comm.rank == first_worker:
         log_line(f"mpips: {comm.size} ranks, {cluster.n_servers} servers x {cluster.n_workers} "
                  f"workers, mode {cfg.mode}, {model.n_params} dense parameters")
-        for line in cluster.role_map():
-            log_line("  " + line)
+        for line, pid in zip(cluster.role_map(), pids):
+            log_line(f"  {line} pid {pid}")
     if cluster.is_server:
         prof = serve(cfg, cluster, model, bounds)
     else:
@@ -45,7 +46,8 @@ def serve(cfg, cluster, model, bounds):
     if path:
         ck.load_shard_into(ck.resolve(path), _inner(sparse), dense, i, S, bounds)
     server = Server(cluster.comm, cluster.worker_ranks, sparse, dense, cfg.mode, cfg.staleness,
-                    cfg.peer_timeout, cfg.idle_sleep)
+                    cfg.peer_timeout, cfg.idle_sleep, label=f"server {i}",
+                    idle_timeout=cfg.peer_timeout + cfg.stream_timeout)   # workers may poll
     if cfg.save_dir:
         def on_save(seq, mode_index):
             mode = SAVE_MODES[mode_index]
@@ -66,9 +68,9 @@ def work(cfg, cluster, model, bounds):
     from mpips.worker.client import PSClient, plan_keys
     from mpips.worker.trainer import GeoTrainer, Trainer
     wi, W, S = cluster.index, cluster.n_workers, cluster.n_servers
-    train_files, test_files = ([], []) if cfg.stream else resolve_data(cfg, False)
+    train_files, test_files = ([], []) if cfg.stream else resolve_data(cfg)
     client = PSClient(cluster.comm, cluster.server_ranks, cfg.embedding_dim, bounds,
-                      cfg.peer_timeout)
+                      cfg.peer_timeout, label=f"worker {wi}")
     logger = log_line if wi == 0 else None
     if cfg.mode == "geo":
         trainer = GeoTrainer(cfg, model, client, lambda ids: plan_keys(ids, S), log=logger)

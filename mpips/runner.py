@@ -18,9 +18,17 @@ from mpips.train import (epoch_record, log_line, make_reader, summary_line, writ
 POLL = 1e-3   # seconds between polls of a collective that may take long
 
 
-def wait_collective(req):
-    """Complete a non-blocking collective without burning a core."""
+def wait_collective(req, what="an MPI collective"):
+    """Complete a non-blocking collective without burning a core.
+
+    Meanwhile answer other ranks' status requests (a failing rank's dump shows `what`).
+    """
+    from mpips.server.loop import WATCH
+    if req.Test():
+        return
+    WATCH.waiting(f"waiting in {what}")
     while not req.Test():
+        WATCH.poll()
         time.sleep(POLL)
 
 
@@ -97,7 +105,7 @@ class DistBackend:
     def _sum(self, arr):
         from mpi4py import MPI
         out = np.empty_like(arr)
-        wait_collective(self.wcomm.Iallreduce(arr, out, op=MPI.SUM))
+        wait_collective(self.wcomm.Iallreduce(arr, out, op=MPI.SUM), "Iallreduce(sum) of the workers")
         return out
 
     def _mine(self, files):
@@ -105,7 +113,7 @@ class DistBackend:
         return split_files(files, self.W, self.wi) if len(files) >= self.W else files[self.wi::self.W]
 
     def train(self, files, epoch):
-        wait_collective(self.wcomm.Ibarrier())
+        wait_collective(self.wcomm.Ibarrier(), "Ibarrier of the workers (epoch start)")
         c = self.client
         sent0, msgs0 = c.bytes_sent, c.messages
         t0 = time.perf_counter()
@@ -129,7 +137,8 @@ class DistBackend:
     def _max(self, value):
         from mpi4py import MPI
         out = np.empty(1, np.float64)
-        wait_collective(self.wcomm.Iallreduce(np.array([value], np.float64), out, op=MPI.MAX))
+        wait_collective(self.wcomm.Iallreduce(np.array([value], np.float64), out, op=MPI.MAX),
+                        "Iallreduce(max) of the workers")
         return float(out[0])
 
     def evaluate(self, files):
@@ -176,7 +185,7 @@ class DistBackend:
             if p is not None:
                 raw = p.name.encode()
                 buf[:len(raw)] = np.frombuffer(raw, np.uint8)
-        wait_collective(self.wcomm.Ibcast(buf, root=0))
+        wait_collective(self.wcomm.Ibcast(buf, root=0), "Ibcast of the next pass from worker 0")
         name = bytes(buf).rstrip(b"\0").decode()
         if not name:
             return None

@@ -98,8 +98,8 @@ def run_stream(cfg, backend, log):
     records = []
     admitted_before = backend.stats().get("admitted_total", 0)
     while True:
-        p = backend.decide(lambda: None if STOP["flag"] else
-                           next_pass(cfg.stream, done, cfg.stream_timeout))
+        p = backend.decide(lambda after=done: None if STOP["flag"] else
+                           next_pass(cfg.stream, after, cfg.stream_timeout))
         if p is None:
             break
         new_day = p.day != prev_day

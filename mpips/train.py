@@ -4,7 +4,7 @@
     python -m mpips.train --local                # one process, same tables and kernels
 
 Only this module touches COMM_WORLD.  A failure on any rank prints one line
-`mpips: rank R (role): Error: message` and aborts the whole job with a non-zero exit.
+`mpips: rank R: Error: message` and aborts the whole job with a non-zero exit.
 """
 import json
 import os
@@ -12,8 +12,8 @@ import resource
 import sys
 import time
 
-
 from mpips.config import parse_args
+
 
 def log_line(text):
     print(text, flush=True)
@@ -23,7 +23,7 @@ def peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def resolve_data(cfg, is_first):
+def resolve_data(cfg):
     """(train_files, test_files) from the config; the embedded synthetic set if none given."""
     from mpips.data.files import resolve_paths
     if not cfg.train:
@@ -108,7 +108,7 @@ def run_local(cfg):
     from mpips.worker.client import plan_keys
     from mpips.worker.local import LocalPS
     from mpips.worker.trainer import GeoTrainer, Trainer
-    train_files, test_files = ([], []) if cfg.stream else resolve_data(cfg, True)
+    train_files, test_files = ([], []) if cfg.stream else resolve_data(cfg)
     model = make_model(cfg)
     ps = LocalPS(*make_tables(cfg, model))
     cls = GeoTrainer if cfg.mode == "geo" else Trainer

@@ -1,8 +1,9 @@
 """Feature admission in front of a SparseTable (Paddle's CountFilterEntry / ProbabilityEntry).
 
 `AdmittedTable` has the SparseTable interface.  A training pull (create=True) brings the
-number of *sightings* (occurrences in the batch's examples) of each of its ids.  An id without a row is counted in a small side table
-(`counts`, itself a SparseTable of width 1, so it ages and is shrunk like any table):
+number of *sightings* (occurrences in the batch's examples) of each of its ids.  An id
+without a row is counted in a small side table (`counts`, itself a SparseTable of width 1,
+so it ages and is shrunk like any table):
 - ``count:N``: the id gets its row at its N-th sighting;
 - ``probability:P``: at each sighting the id gets its row with probability P, decided by a
   hash of (seed, id, sighting number) so that runs are reproducible.

@@ -65,6 +65,8 @@ class Watch:
     def __init__(self):
         self.comm, self.label = None, ""
         self.state, self.since, self.next_poll = "starting", time.monotonic(), 0.0
+        self.timed = True           # append the time spent in this state to the line
+        self.answered_at = -1e9     # when this rank last answered a status request
         self._sends = []        # (request, buffer) of status traffic, kept alive
         self._token = np.zeros(1, np.int64)
 
@@ -73,13 +75,13 @@ class Watch:
             self.comm, self.label = comm, label
         return self
 
-    def waiting(self, state):
-        self.state, self.since = state, time.monotonic()
+    def waiting(self, state, timed=True):
+        self.state, self.since, self.timed = state, time.monotonic(), timed
 
     def line(self):
         state = self.state() if callable(self.state) else self.state
-        return (f"rank {self.comm.rank} ({self.label}): {state} "
-                f"[{time.monotonic() - self.since:.1f} s]")
+        since = f" [for {time.monotonic() - self.since:.1f} s]" if self.timed else ""
+        return f"rank {self.comm.rank} ({self.label}): {state}{since}"
 
     def poll(self, force=False):
         """Answer pending status requests (at most every POLL_EVERY s unless forced)."""
@@ -93,6 +95,7 @@ class Watch:
         while self.comm.Iprobe(MPI.ANY_SOURCE, TAG_DUMP, status):
             src = status.Get_source()
             self.comm.Recv([np.empty(1, np.int64), 1, MPI.INT64_T], src, TAG_DUMP)
+            self.answered_at = now
             text = np.frombuffer(self.line().encode()[:1000], np.uint8).copy()
             self._sends.append((self.comm.Isend([text, len(text), MPI.BYTE], src,
                                                 TAG_DUMP_REPLY), text))
@@ -125,11 +128,13 @@ class Watch:
         """Dump every rank's wait state to stderr, then raise PeerTimeout."""
         if self.comm is None or self.comm.size == 1:
             raise PeerTimeout(text)
+        t0 = time.monotonic()
         lines, missing = self.collect()
         me = f"mpips: rank {self.comm.rank} ({self.label})"
-        err_line(f"{me}: peer status dump (what each rank is waiting for):")
-        for line in lines:
-            err_line(f"{me}:   {line}")
+        if t0 - self.answered_at > 3 * DUMP_WAIT:  # else the rank that asked us prints one
+            err_line(f"{me}: peer status dump (what each rank is waiting for):")
+            for line in lines:
+                err_line(f"{me}:   {line}")
         if missing:
             raise PeerTimeout(f"rank(s) {missing} stopped answering (no reply to a status "
                               f"request within {DUMP_WAIT:.0f} s); seen here: {text}")
@@ -140,14 +145,19 @@ WATCH = Watch()
 
 
 class Server:
-    """Serves one shard: a sparse table and a slice of the dense parameters."""
+    """Serves one shard: a sparse table and a slice of the dense parameters.
+
+    timeout: seconds a worker that holds others up may stay silent (--peer-timeout);
+    idle_timeout: seconds without any request before failing (default: timeout).
+    """
 
     def __init__(self, comm, worker_ranks, sparse, dense, mode="async", staleness=0,
-                 timeout=120.0, idle_max=IDLE_MAX):
+                 timeout=120.0, idle_max=IDLE_MAX, idle_timeout=None, label="server"):
         self.comm, self.sparse, self.dense = comm, sparse, dense
         self.workers = list(worker_ranks)
         self.mode = "sync" if (mode == "ssp" and staleness == 0) else mode
         self.staleness, self.timeout, self.idle_max = staleness, timeout, idle_max
+        self.idle_timeout = timeout if idle_timeout is None else idle_timeout
         self.recv_buf = np.empty(1 << 20, dtype=np.uint8)
         self.sends = []                 # (request, buffer) until complete
         self.finished = set()
@@ -155,6 +165,12 @@ class Server:
         self.on_save = None     # callable(seq, mode_index) -> JSON bytes (checkpoint shard)
         self.evicted = 0        # rows removed by SHRINK since the start
         self.max_lead = 0       # ssp: largest (pull step - slowest worker's pushes) answered
+        self.rejected, self.last_reject = 0, ""
+        now = time.monotonic()
+        self.last_request = now
+        self.last_seen = {w: now for w in self.workers}     # last request per worker
+        self.keepalive_at = now         # last BARRIER_KEEPALIVE round
+        self.watch = WATCH.bind(comm, label)
         self._new_phase()
 
     def _new_phase(self):
@@ -168,34 +184,133 @@ class Server:
     # ---- main loop
     def run(self):
         """Serve until every worker sent FINISH."""
-        delay, last = IDLE_MIN, time.monotonic()
+        delay, next_check = IDLE_MIN, 0.0
         status = MPI.Status()
+        self.watch.waiting(self.describe, timed=False)
         while len(self.finished) < len(self.workers):
             msg = self.comm.Improbe(MPI.ANY_SOURCE, TAG_REQUEST, status)
             if msg is None:
                 self._progress_sends()
-                if time.monotonic() - last > self.timeout:
-                    raise PeerTimeout(self._timeout_text())
+                now = time.monotonic()
+                if now >= next_check:
+                    self._check(now)
+                    next_check = now + CHECK_EVERY
+                self.watch.poll()
                 if self.idle_max > 0:
                     time.sleep(delay)
                     delay = min(delay * 2, self.idle_max)
                 continue
-            t0 = time.perf_counter()
-            nbytes, source = status.Get_count(MPI.BYTE), status.Get_source()
-            if nbytes > len(self.recv_buf):
-                self.recv_buf = np.empty(max(nbytes, 2 * len(self.recv_buf)), dtype=np.uint8)
-            msg.Recv([self.recv_buf, nbytes, MPI.BYTE])
-            self.handle(decode(self.recv_buf, nbytes, 1, source), source)
-            self.stats["requests"] += 1
-            self.stats["bytes_in"] += nbytes
-            self.stats["busy_s"] += time.perf_counter() - t0
-            delay, last = IDLE_MIN, time.monotonic()
+            self._receive(msg, status)
+            delay = IDLE_MIN
         self._drain_sends()
+
+    def _receive(self, msg, status):
+        t0 = time.perf_counter()
+        nbytes, source = status.Get_count(MPI.BYTE), status.Get_source()
+        if nbytes > len(self.recv_buf):
+            self.recv_buf = np.empty(max(nbytes, 2 * len(self.recv_buf)), dtype=np.uint8)
+        msg.Recv([self.recv_buf, nbytes, MPI.BYTE])
+        self.last_request = time.monotonic()
+        if source in self.last_seen:
+            self.last_seen[source] = self.last_request
+        try:
+            req = decode(self.recv_buf, nbytes, 1, source)
+            self._validate(req, source)
+        except ProtocolError as e:
+            self._reject(e)
+        else:
+            self.handle(req, source)
+        self.stats["requests"] += 1
+        self.stats["bytes_in"] += nbytes
+        self.stats["busy_s"] += time.perf_counter() - t0
+
+    # ---- validation: a bad request is dropped before it touches a table
+    def _validate(self, req, source):
+        def bad(why):
+            raise ProtocolError(f"request from rank {source}: {req.op.name} {why}")
+        if source not in self.last_seen:
+            bad(f"from a rank that is not a worker of this job (workers: {self.workers})")
+        if req.op in CONTROL_OPS:
+            if req.count or req.dense is not None:
+                bad(f"must have no body; got count={req.count} dense="
+                    f"{len(req.dense) if req.dense is not None else 0}")
+            if req.op == Op.BARRIER and source not in self.active:
+                bad("sent twice in one phase")
+            if req.op == Op.SAVE and self.on_save is None:
+                bad("but this run has no --save-dir")
+        elif req.op == Op.PULL:
+            if req.dense is not None or (req.values is not None and req.dim != 1):
+                bad(f"may carry only occurrence counts (width 1); got dim={req.dim} "
+                    f"dense={0 if req.dense is None else len(req.dense)}")
+        else:                                   # PUSH, ADD
+            if req.count and req.dim != self.sparse.dim:
+                bad(f"rows of width {req.dim}; this table has dim {self.sparse.dim}")
+            if req.dense is not None and len(req.dense) != self.dense.size:
+                bad(f"a dense slice of {len(req.dense)}; this server holds {self.dense.size}")
+            for arr in (req.values, req.dense):
+                if arr is not None and arr.size and not np.isfinite(arr.sum(dtype=np.float64)):
+                    bad("non-finite values (NaN/inf would poison the rows for good)")
+            if req.op == Op.PUSH and self.mode == "sync" and req.step < self.version:
+                bad(f"for step {req.step}, already applied (phase at step {self.version})")
+
+    def _reject(self, err):
+        self.rejected += 1
+        self.last_reject = str(err)
+        if self.rejected <= MAX_REJECT_LINES:
+            err_line(f"mpips: rank {self.comm.rank} ({self.watch.label}): rejected malformed "
+                     f"request, tables unchanged: {err}")
+        if self.rejected == MAX_REJECT_LINES:
+            err_line(f"mpips: rank {self.comm.rank}: further rejections only counted (STATS)")
+
+    # ---- liveness
+    def _check(self, now):
+        """Fail if a worker holds the others up in silence; keep barrier waiters informed."""
+        waiting = bool(self.at_barrier or self.deferred or self.pending)
+        if waiting:
+            silent = [w for w in sorted(self.active - self.finished)
+                      if now - self.last_seen[w] > self.timeout]
+            if silent:
+                self.watch.fail(f"server rank {self.comm.rank}: worker rank(s) {silent} sent "
+                                f"nothing for {self.timeout:.0f} s (--peer-timeout) while "
+                                f"others wait for them ({self._blocked_text()})")
+            if self.at_barrier and now - self.keepalive_at > self.timeout / 4:
+                if any(self.last_seen[w] > self.keepalive_at for w in self.active):
+                    for w in self.at_barrier:
+                        self._send(np.array([BARRIER_KEEPALIVE], np.int64), w, TAG_CONTROL)
+                self.keepalive_at = now
+        if now - self.last_request > self.idle_timeout:
+            self.watch.fail(self._timeout_text())
+
+    def _blocked_text(self):
+        parts = []
+        if self.at_barrier:
+            parts.append(f"at the barrier: {sorted(self.at_barrier)}, not arrived: "
+                         f"{sorted(self.active - self.finished)}")
+        if self.pending:
+            have = sorted(self.pending.get(self.version, {}))
+            parts.append(f"sync step {self.version} has the pushes of {have}")
+        if self.deferred:
+            parts.append(f"{len(self.deferred)} PULL(s) held, steps "
+                         f"{sorted({r.step for r, _ in self.deferred})[:5]}, from "
+                         f"{sorted({s for _, s in self.deferred})}")
+        return "; ".join(parts) or "nothing held"
+
+    def describe(self):
+        """This server's status line for a dump."""
+        now = time.monotonic()
+        quiet = ", ".join(f"{w}: {now - self.last_seen[w]:.1f} s"
+                          for w in self.workers if w not in self.finished)
+        text = (f"serving, mode {self.mode}, phase step {self.version}; "
+                f"{self._blocked_text()}; silence per worker rank: {quiet or '-'}")
+        if self.rejected:
+            text += f"; {self.rejected} malformed request(s) rejected, last: {self.last_reject}"
+        return text
 
     def _timeout_text(self):
         waiting = sorted(set(self.workers) - self.finished)
-        return (f"no request from any worker for {self.timeout:.0f} s; still expecting worker "
-                f"rank(s) {waiting} (mode {self.mode}, step {self.version}); a worker died or hangs")
+        return (f"server rank {self.comm.rank}: no request from any worker for "
+                f"{self.idle_timeout:.0f} s; still expecting worker rank(s) {waiting} "
+                f"(mode {self.mode}, step {self.version})")
 
     # ---- dispatch
     def handle(self, req, source):
@@ -218,8 +333,6 @@ class Server:
         elif req.op == Op.FINISH:
             self.finished.add(source)
         elif req.op == Op.SAVE:
-            if self.on_save is None:
-                raise ValueError(f"SAVE from rank {source} but this run has no --save-dir")
             text = self.on_save(req.step, req.flags)
             self._send(np.frombuffer(text, dtype=np.uint8).copy(), source, TAG_CONTROL)
         elif req.op == Op.SHRINK:
@@ -231,7 +344,7 @@ class Server:
                             self.stats["requests"], int(self.stats["busy_s"] * 1e6),
                             self.max_lead, getattr(self.sparse, "admitted", 0),
                             self.sparse.waiting() if hasattr(self.sparse, "waiting") else 0,
-                            self.evicted], np.int64)
+                            self.evicted, self.rejected], np.int64)
             self._send(out, source, TAG_CONTROL)
 
     @staticmethod
@@ -323,9 +436,12 @@ class Server:
 
     def _drain_sends(self):
         t0 = time.monotonic()
+        self.watch.waiting(f"FINISH: {len(self.sends)} replies not yet taken by the workers")
         while self.sends:
             self._progress_sends()
             if self.sends:
+                self.watch.poll()
                 if time.monotonic() - t0 > self.timeout:
-                    raise PeerTimeout("replies not taken by workers within the peer timeout")
+                    self.watch.fail(f"server rank {self.comm.rank}: replies not taken by the "
+                                    f"workers within {self.timeout:.0f} s (--peer-timeout)")
                 time.sleep(IDLE_MIN)

@@ -13,9 +13,10 @@ import numpy as np
 from mpi4py import MPI
 
 from mpips.kernels.embedding import unique_inverse
-from mpips.protocol import (F_CREATE, F_DENSE, STATS_LEN, TAG_CONTROL, TAG_REPLY_DENSE, TAG_REPLY_SPARSE,
-                            TAG_REQUEST, Op, encode, message_nbytes)
-from mpips.server.loop import PeerTimeout
+from mpips.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, STATS_LEN, TAG_CONTROL,
+                            TAG_REPLY_DENSE, TAG_REPLY_SPARSE, TAG_REQUEST, Op, encode,
+                            message_nbytes)
+from mpips.server.loop import WATCH
 from mpips.sharding import owners
 
 WAIT_MIN = 1e-5     # first poll sleep (s) while waiting for a reply
@@ -45,29 +46,47 @@ def plan_keys(ids, n_servers):
 
 
 def wait_requests(reqs, timeout, what):
-    """Wait for all MPI requests, sleeping between polls; PeerTimeout names `what`."""
+    """Wait for all MPI requests, sleeping between polls and answering status requests.
+
+    what: text, or a callable giving it, naming the awaited op, step and peers; after
+    `timeout` seconds the job fails with it, following a status dump of every rank.
+    """
+    WATCH.poll()
     if not reqs or MPI.Request.Testall(reqs):
         return
+    WATCH.waiting(what)
     delay, t0 = WAIT_MIN, time.monotonic()
     while not MPI.Request.Testall(reqs):
+        WATCH.poll()
         if time.monotonic() - t0 > timeout:
-            raise PeerTimeout(f"no answer from {what} within {timeout:.0f} s (--peer-timeout)")
+            text = what() if callable(what) else what
+            WATCH.fail(f"no answer within {timeout:.0f} s (--peer-timeout): {text}")
         time.sleep(delay)
         delay = min(2 * delay, WAIT_MAX)
 
 
 class Handle:
-    """Outstanding requests of one pull/push; wait() completes them."""
+    """Outstanding requests of one pull/push; wait() completes them.
 
-    def __init__(self, client, reqs, servers, bufs):
-        self.client, self.reqs, self.servers, self.bufs = client, reqs, servers, bufs
+    peers[i] is the server rank of reqs[i]; op and step describe the wait in a dump.
+    """
+
+    def __init__(self, client, reqs, peers, bufs, op="", step=0):
+        self.client, self.reqs, self.peers, self.bufs = client, reqs, peers, bufs
+        self.op, self.step = op, step
         self.done = False
+
+    def pending(self):
+        """Server ranks with an incomplete request."""
+        return sorted({p for r, p in zip(self.reqs, self.peers) if not r.Test()})
+
+    def describe(self):
+        return f"{self.op} step {self.step}: waiting for server rank(s) {self.pending()}"
 
     def wait(self):
         if not self.done:
             t0 = time.perf_counter()
-            what = "server rank(s) " + ",".join(str(s) for s in sorted(set(self.servers)))
-            wait_requests(self.reqs, self.client.timeout, what)
+            wait_requests(self.reqs, self.client.timeout, self.describe)
             self.client.free.extend(self.bufs)
             self.client.wait_s += time.perf_counter() - t0
             self.done = True
@@ -77,8 +96,9 @@ class Handle:
 class PSClient:
     """Pull/push against the servers of `server_ranks` (world ranks in shard order)."""
 
-    def __init__(self, comm, server_ranks, dim, dense_bounds, timeout=120.0):
+    def __init__(self, comm, server_ranks, dim, dense_bounds, timeout=120.0, label="worker"):
         self.comm, self.servers, self.dim = comm, list(server_ranks), dim
+        WATCH.bind(comm, label)
         self.bounds, self.timeout = dense_bounds, timeout
         self.free = []            # reusable send buffers (uint8)
         self.req_id = 0
@@ -112,7 +132,7 @@ class PSClient:
 
         counts: float32 (u, 1) occurrences of each key in the batch, for admission.
         """
-        reqs, bufs = [], []
+        reqs, peers, bufs = [], [], []
         flags = (F_CREATE if create else 0) | (F_DENSE if dense_out is not None else 0)
         for s in range(self.n_servers):
             lo, hi = plan.offsets[s], plan.offsets[s + 1]
@@ -124,7 +144,8 @@ class PSClient:
             r, b = self._request(s, Op.PULL, plan.keys[lo:hi], c, step, flags, None)
             reqs.append(r)
             bufs.append(b)
-        return Handle(self, reqs, self.servers, bufs)
+            peers += [self.servers[s]] * (len(reqs) - len(peers))
+        return Handle(self, reqs, peers, bufs, "PULL", step)
 
     def push(self, plan, grads, dense_grad=None, step=0, op=Op.PUSH):
         """Send grads (u, dim) for plan.keys (and dense_grad (P,)); op=ADD sends GEO deltas."""
@@ -136,30 +157,59 @@ class PSClient:
             r, b = self._request(s, op, plan.keys[lo:hi], grads[lo:hi], step, flags, d)
             reqs.append(r)
             bufs.append(b)
-        return Handle(self, reqs, self.servers, bufs)
+        return Handle(self, reqs, self.servers, bufs, Op(op).name, step)
+
+    def _send_all(self, op, step=0, flags=0):
+        """Send a bodyless op to every server: (requests, their server ranks, buffers)."""
+        empty = np.empty(0, np.int64)
+        sent = [self._request(s, op, empty, None, step, flags, None)
+                for s in range(self.n_servers)]
+        return [r for r, _ in sent], list(self.servers), [b for _, b in sent]
 
     def control(self, op):
         """Send a bodyless op to every server (FINISH)."""
-        empty = np.empty(0, np.int64)
-        out = [self._request(s, op, empty, None, 0, 0, None) for s in range(self.n_servers)]
-        Handle(self, [r for r, _ in out], self.servers, [b for _, b in out]).wait()
+        Handle(self, *self._send_all(op), Op(op).name).wait()
 
     def barrier(self):
-        """Phase boundary: returns once every worker's earlier requests were applied."""
-        acks = [np.zeros(1, np.int64) for _ in self.servers]
-        reqs = [self.comm.Irecv(a, srv, TAG_CONTROL) for a, srv in zip(acks, self.servers)]
-        empty = np.empty(0, np.int64)
-        sent = [self._request(s, Op.BARRIER, empty, None, 0, 0, None)
-                for s in range(self.n_servers)]
-        Handle(self, reqs + [r for r, _ in sent], self.servers, [b for _, b in sent]).wait()
+        """Phase boundary: returns once every worker's earlier requests were applied.
+
+        A server answers BARRIER_KEEPALIVE while the missing workers still progress, so
+        the wait fails only after --peer-timeout seconds without any word from a server.
+        """
+        acks = np.zeros((self.n_servers, 1), np.int64)
+        recvs = {s: self.comm.Irecv(acks[s], srv, TAG_CONTROL)
+                 for s, srv in enumerate(self.servers)}
+        Handle(self, *self._send_all(Op.BARRIER), "BARRIER").wait()
+        heard = dict.fromkeys(recvs, time.monotonic())
+        waiting = lambda: ("BARRIER: waiting for server rank(s) "  # noqa: E731
+                           f"{[self.servers[s] for s in sorted(recvs)]} to release it")
+        WATCH.waiting(waiting)
+        delay = WAIT_MIN
+        while recvs:
+            now = time.monotonic()
+            for s, r in list(recvs.items()):
+                if not r.Test():
+                    continue
+                if acks[s, 0] == BARRIER_KEEPALIVE:     # the other workers still progress
+                    recvs[s] = self.comm.Irecv(acks[s], self.servers[s], TAG_CONTROL)
+                    heard[s] = now
+                else:
+                    del recvs[s]
+            if not recvs:
+                return
+            WATCH.poll()
+            if any(now - heard[s] > self.timeout for s in recvs):
+                WATCH.fail(f"no answer within {self.timeout:.0f} s (--peer-timeout): "
+                           f"{waiting()}")
+            time.sleep(delay)
+            delay = min(2 * delay, WAIT_MAX)
 
     def _ask(self, op, width, step=0):
         """Send a bodyless op to every server and collect int64[width] replies (S, width)."""
         out = np.zeros((self.n_servers, width), np.int64)
         reqs = [self.comm.Irecv(out[s], srv, TAG_CONTROL) for s, srv in enumerate(self.servers)]
-        empty = np.empty(0, np.int64)
-        sent = [self._request(s, op, empty, None, step, 0, None) for s in range(self.n_servers)]
-        Handle(self, reqs + [r for r, _ in sent], self.servers, [b for _, b in sent]).wait()
+        sent, peers, bufs = self._send_all(op, step)
+        Handle(self, reqs + sent, self.servers + peers, bufs, Op(op).name, step).wait()
         return out
 
     def stats(self):
@@ -173,20 +223,20 @@ class PSClient:
     def save(self, seq, mode_index):
         """Ask every server to write its shard of checkpoint `seq`; return their JSON replies.
 
-        Call after barrier() so that the shards are one consistent snapshot.
+        Call after barrier() so that the shards are one consistent snapshot.  Each server
+        must confirm within --peer-timeout (which must exceed a shard's write time).
         """
-        empty = np.empty(0, np.int64)
-        sent = [self._request(s, Op.SAVE, empty, None, seq, mode_index, None)
-                for s in range(self.n_servers)]
-        Handle(self, [r for r, _ in sent], self.servers, [b for _, b in sent]).wait()
+        Handle(self, *self._send_all(Op.SAVE, seq, mode_index), "SAVE", seq).wait()
         out = []
         for srv in self.servers:
             status = MPI.Status()
             t0 = time.monotonic()
+            WATCH.waiting(f"SAVE checkpoint {seq}: waiting for server rank {srv} to confirm")
             while not self.comm.Iprobe(srv, TAG_CONTROL, status):
+                WATCH.poll()
                 if time.monotonic() - t0 > self.timeout:
-                    raise PeerTimeout(f"server rank {srv} did not confirm its checkpoint shard "
-                                      f"within {self.timeout:.0f} s")
+                    WATCH.fail(f"server rank {srv} did not confirm its checkpoint shard "
+                               f"within {self.timeout:.0f} s (--peer-timeout)")
                 time.sleep(WAIT_MAX)
             buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
             self.comm.Recv(buf, srv, TAG_CONTROL)
