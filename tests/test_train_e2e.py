@@ -17,7 +17,7 @@ def read_metrics(path):
 def common(tiny_data, tmp_path, *extra):
     train, test = tiny_data
     return ["-m", "mpips.train", "--train", train, "--test", test, "--batch-size", "256",
-            "--fc", "64,32", "--print-every", "10", "--lr", "0.003",
+            "--fc", "64,32", "--print-every", "10", "--lr", "0.003", "--dense-every", "1",
             "--metrics-out", str(tmp_path / "m.jsonl")] + list(extra)
 
 
@@ -83,3 +83,38 @@ def test_local_run_on_prepared_shards(tiny_data, tmp_path):
     assert rec["train_examples"] + rec["test_examples"] == 16000
     assert 0.1 * 16000 * 0.8 < rec["test_examples"] < 0.1 * 16000 * 1.2
     assert rec["test_auc"] > 0.6
+
+
+def test_infer_reproduces_the_test_auc_of_training(tiny_data, tmp_path):
+    """2x2 training saves a checkpoint; mpips.infer on the test set gives the same AUC."""
+    proc = run_cmd(common(tiny_data, tmp_path, "--save-dir", str(tmp_path / "ck")), n=4,
+                   timeout=300)
+    rec = check_run(proc, tmp_path, 16000)
+    out = tmp_path / "infer.json"
+    proc = run_cmd(["-m", "mpips.infer", "--model", str(tmp_path / "ck"), "--data", tiny_data[1],
+                    "--metrics-out", str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert got["test_examples"] == rec["test_examples"]
+    assert got["test_auc"] == pytest.approx(rec["test_auc"], abs=1e-9)
+    assert got["test_logloss"] == pytest.approx(rec["test_logloss"], rel=1e-6)
+
+
+def test_strict_mode_stops_the_job_naming_rank_and_line(tiny_data, tmp_path):
+    import shutil
+    train = tmp_path / "train"
+    shutil.copytree(tiny_data[0], train)
+    with open(train / "part-00003.txt", "a") as fh:
+        fh.write("1\t2\t3\n")                              # 3 fields instead of 40
+    proc = run_cmd(["-m", "mpips.train", "--train", str(train), "--strict", "--fc", "16",
+                    "--print-every", "100000"], n=4, timeout=120)
+    assert proc.returncode != 0
+    line = [x for x in proc.stderr.splitlines() if x.startswith("mpips: rank")]
+    assert line and "part-00003.txt:" in line[0], proc.stderr[-2000:]
+    # without --strict the line is counted, reported and skipped
+    proc = run_cmd(["-m", "mpips.train", "--train", str(train), "--fc", "16",
+                    "--print-every", "100000", "--metrics-out", str(tmp_path / "m.jsonl")],
+                   n=4, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "part-00003.txt:" in proc.stdout + proc.stderr
+    assert read_metrics(tmp_path / "m.jsonl")[0]["train_examples"] == 16000
