@@ -69,7 +69,8 @@ def main():
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--test-rows", type=int, default=200_000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--modes", default="local,async,sync,geo,ssp")
+    ap.add_argument("--modes", default="local,local2,async,sync,geo,ssp",
+                    help="local2 = one process, batch 2 x B: the run sync mode equals")
     ap.add_argument("--extra", default="", help="extra flags for every run")
     ap.add_argument("--idle-compare", action="store_true",
                     help="also run async with busy-polling servers (--idle-sleep 0)")
@@ -78,7 +79,8 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     data = ensure_data(out, a.rows, a.test_rows, a.seed)
     extra = a.extra.split()
-    runs = {"local": (["--local"], 1), "async": (["--mode", "async"], 4),
+    runs = {"local": (["--local"], 1), "local2": (["--local", "--local-workers", "2"], 1),
+            "async": (["--mode", "async"], 4),
             "sync": (["--mode", "sync"], 4), "geo": (["--mode", "geo", "--geo-steps", "100"], 4),
             "ssp": (["--mode", "ssp", "--staleness", "4"], 4)}
     todo = [m for m in a.modes.split(",") if m]

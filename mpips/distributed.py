@@ -73,7 +73,8 @@ def work(cfg, cluster, model, bounds):
                       cfg.peer_timeout, label=f"worker {wi}")
     logger = log_line if wi == 0 else None
     if cfg.mode == "geo":
-        trainer = GeoTrainer(cfg, model, client, lambda ids: plan_keys(ids, S), log=logger)
+        trainer = GeoTrainer(cfg, model, client, lambda ids: plan_keys(ids, S), log=logger,
+                             n_workers=W)
     else:
         trainer = Trainer(cfg, model, client, lambda ids: plan_keys(ids, S), log=logger,
                           overlap=(cfg.mode == "async"))

@@ -25,7 +25,7 @@ TAG_REPLY_DENSE = 13    # server -> worker: dense slice of a pull
 TAG_CONTROL = 14        # server -> worker: small int64 replies (stats, acks)
 TAG_DUMP = 15           # any rank -> any rank: "say what you are waiting for" (int64[1])
 TAG_DUMP_REPLY = 16     # the answer: one UTF-8 status line
-STATS_LEN = 9
+STATS_LEN = 10
 BARRIER_KEEPALIVE = -1  # barrier reply meaning "not released yet, the missing workers progress"
 
 # flags
@@ -40,7 +40,7 @@ class Op(IntEnum):
     FINISH = 4    # this worker sends no more requests for the current phase
     STATS = 5     # reply int64[STATS_LEN] on TAG_CONTROL: rows, bytes, requests, busy_us,
                   # ssp max lead, ids admitted, ids waiting for admission, ids evicted,
-                  # malformed requests rejected
+                  # malformed requests rejected, replies in flight (sent, not yet taken)
     BARRIER = 6   # reply int64[1] = phase version once every active worker has sent BARRIER
                   # (phase boundary); meanwhile BARRIER_KEEPALIVE while the others progress
     SAVE = 7      # write this server's checkpoint shard: step = seq, flags = mode index;

@@ -105,7 +105,8 @@ class DistBackend:
     def _sum(self, arr):
         from mpi4py import MPI
         out = np.empty_like(arr)
-        wait_collective(self.wcomm.Iallreduce(arr, out, op=MPI.SUM), "Iallreduce(sum) of the workers")
+        wait_collective(self.wcomm.Iallreduce(arr, out, op=MPI.SUM),
+                        "Iallreduce(sum) of the workers")
         return out
 
     def _mine(self, files):
@@ -171,7 +172,8 @@ class DistBackend:
             return {}
         srv = self.client.stats()
         out = {"table_rows": int(srv[:, 0].sum()), "table_bytes": int(srv[:, 1].sum()),
-               "admitted_total": int(srv[:, 5].sum()), "ids_waiting": int(srv[:, 6].sum())}
+               "admitted_total": int(srv[:, 5].sum()), "ids_waiting": int(srv[:, 6].sum()),
+               "requests_rejected": int(srv[:, 8].sum()), "replies_in_flight": int(srv[:, 9].sum())}
         if self.cfg.mode == "ssp":
             out["ssp_max_lead"] = int(srv[:, 4].max())
         return out

@@ -41,7 +41,7 @@ IDLE_MAX = 5e-4     # longest back-off sleep (s)
 CHECK_EVERY = 0.05  # seconds between liveness checks of an idle server
 POLL_EVERY = 5e-3   # seconds between looks for a status request (TAG_DUMP)
 DUMP_WAIT = 1.0     # seconds a failing rank waits for the others' status lines
-MAX_REJECT_LINES = 20   # malformed requests logged one line each; later ones only counted
+MAX_REJECT_LINES = 100  # malformed requests logged one line each; later ones only counted
 CONTROL_OPS = (Op.FINISH, Op.STATS, Op.BARRIER, Op.SAVE, Op.SHRINK)
 
 
@@ -128,10 +128,10 @@ class Watch:
         """Dump every rank's wait state to stderr, then raise PeerTimeout."""
         if self.comm is None or self.comm.size == 1:
             raise PeerTimeout(text)
-        t0 = time.monotonic()
+        quiet = time.monotonic() - self.answered_at < 3 * DUMP_WAIT   # the asker prints one
         lines, missing = self.collect()
         me = f"mpips: rank {self.comm.rank} ({self.label})"
-        if t0 - self.answered_at > 3 * DUMP_WAIT:  # else the rank that asked us prints one
+        if not quiet:
             err_line(f"{me}: peer status dump (what each rank is waiting for):")
             for line in lines:
                 err_line(f"{me}:   {line}")
@@ -248,8 +248,9 @@ class Server:
             if req.dense is not None and len(req.dense) != self.dense.size:
                 bad(f"a dense slice of {len(req.dense)}; this server holds {self.dense.size}")
             for arr in (req.values, req.dense):
-                if arr is not None and arr.size and not np.isfinite(arr.sum(dtype=np.float64)):
-                    bad("non-finite values (NaN/inf would poison the rows for good)")
+                if arr is not None and arr.size and not np.isfinite(arr.sum()):
+                    bad("non-finite values (NaN, inf or overflowing): they would poison the "
+                        "rows for good")
             if req.op == Op.PUSH and self.mode == "sync" and req.step < self.version:
                 bad(f"for step {req.step}, already applied (phase at step {self.version})")
 
@@ -267,7 +268,8 @@ class Server:
         """Fail if a worker holds the others up in silence; keep barrier waiters informed."""
         waiting = bool(self.at_barrier or self.deferred or self.pending)
         if waiting:
-            silent = [w for w in sorted(self.active - self.finished)
+            held = {src for _, src in self.deferred} | set(self.pending.get(self.version, ()))
+            silent = [w for w in sorted(self.active - self.finished - held)
                       if now - self.last_seen[w] > self.timeout]
             if silent:
                 self.watch.fail(f"server rank {self.comm.rank}: worker rank(s) {silent} sent "
@@ -340,11 +342,12 @@ class Server:
             self.evicted += removed
             self._send(np.array([removed], np.int64), source, TAG_CONTROL)
         elif req.op == Op.STATS:
+            self._progress_sends()
             out = np.array([len(self.sparse), self.sparse.nbytes + self.dense.nbytes,
                             self.stats["requests"], int(self.stats["busy_s"] * 1e6),
                             self.max_lead, getattr(self.sparse, "admitted", 0),
                             self.sparse.waiting() if hasattr(self.sparse, "waiting") else 0,
-                            self.evicted, self.rejected], np.int64)
+                            self.evicted, self.rejected, len(self.sends)], np.int64)
             self._send(out, source, TAG_CONTROL)
 
     @staticmethod

@@ -182,13 +182,14 @@ class GeoTrainer(Trainer):
     the configured optimizer (Paddle requires SGD for GEO; `--optimizer sgd` is exactly
     Paddle's GEO-SGD, adam/adagrad keep their state locally on the worker).  Every K steps
     (and at the end of an epoch) it sends, for the ids touched since the last sync,
-    `local - base` (base = the values at the last sync, or the (seed, id) initial value for
-    a new id); servers add these deltas; the worker pulls the fresh values and makes them
+    `(local - base) / W` (base = the values at the last sync, or the (seed, id) initial
+    value for a new id; W workers, as Paddle's GEO communicator scales); servers add them; the worker pulls the fresh values and makes them
     its new local and base values (local optimizer state is kept).
     """
 
-    def __init__(self, cfg, model, ps, plan_fn, log=None):
+    def __init__(self, cfg, model, ps, plan_fn, log=None, n_workers=1):
         super().__init__(cfg, model, ps, plan_fn, log, overlap=False)
+        self.scale = np.float32(1.0 / n_workers)     # Paddle scales GEO deltas by 1/trainers
         from mpips.server.optim import OptimizerConfig
         from mpips.server.sparse_table import SparseTable
         self.opt = OptimizerConfig(name=cfg.optimizer, lr=cfg.lr,
@@ -219,7 +220,8 @@ class GeoTrainer(Trainer):
         self.local.pull(plan.keys, cur, create=False)
         self.base.pull(plan.keys, old, create=False)
         params = self.params[0]
-        h = self.ps.push(plan, cur - old, params - self.dense_base, step=step, op=Op.ADD)
+        h = self.ps.push(plan, (cur - old) * self.scale, (params - self.dense_base) * self.scale,
+                         step=step, op=Op.ADD)
         fresh = np.empty_like(cur)
         h2 = self.ps.pull(plan, fresh, params, step=step, create=True)
         h.wait()
