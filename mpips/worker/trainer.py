@@ -183,8 +183,9 @@ class GeoTrainer(Trainer):
     Paddle's GEO-SGD, adam/adagrad keep their state locally on the worker).  Every K steps
     (and at the end of an epoch) it sends, for the ids touched since the last sync,
     `(local - base) / W` (base = the values at the last sync, or the (seed, id) initial
-    value for a new id; W workers, as Paddle's GEO communicator scales); servers add them; the worker pulls the fresh values and makes them
-    its new local and base values (local optimizer state is kept).
+    value for a new id; W workers, as Paddle's GEO communicator scales); servers add them;
+    the worker pulls the fresh values and makes them its new local and base values (local
+    optimizer state is kept).
     """
 
     def __init__(self, cfg, model, ps, plan_fn, log=None, n_workers=1):
