@@ -76,7 +76,8 @@ class Config:
     # --- checkpoints
     save_dir: str = _f("", "checkpoint root: a checkpoint is saved there after every "
                            "--save-every epochs (HDF5 shards + MANIFEST.json)")
-    save_every: int = _f(1, "save every N epochs (the last epoch is always saved)")
+    save_every: str = _f("epoch", "with --save-dir: 'epoch' (after every epoch) or N (every N "
+                                  "batches per worker, and after the last epoch)")
     save_mode: str = _f("full", "what a save holds: full, base (and start tracking changes) or "
                                 "delta (rows changed since the last base/delta)",
                         choices=SAVE_MODES)
@@ -91,12 +92,21 @@ class Config:
     max_steps: int = _f(0, "stop each epoch after N steps per worker (0 = whole epoch)")
 
     @property
+    def save_steps(self):
+        """Save every this many batches (0 = at epoch ends only)."""
+        return 0 if self.save_every == "epoch" else int(self.save_every)
+
+    @property
     def hidden(self):
         return tuple(int(x) for x in self.fc.split(",") if x.strip())
 
     def validate(self):
         """Raise ValueError with the fix for impossible values."""
-        positive = ("save_every", "embedding_dim", "batch_size", "epochs", "geo_steps", "dense_every",
+        if self.save_every != "epoch" and not (self.save_every.isdigit() and
+                                               int(self.save_every) > 0):
+            raise ValueError(f"--save-every must be 'epoch' or a number of batches >= 1; got "
+                             f"{self.save_every!r}")
+        positive = ("embedding_dim", "batch_size", "epochs", "geo_steps", "dense_every",
                     "print_every", "local_workers")
         for name in positive:
             if getattr(self, name) < 1:

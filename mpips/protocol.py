@@ -43,7 +43,8 @@ class Op(IntEnum):
                   # malformed requests rejected, replies in flight (sent, not yet taken)
     BARRIER = 6   # reply int64[1] = phase version once every active worker has sent BARRIER
                   # (phase boundary); meanwhile BARRIER_KEEPALIVE while the others progress
-    SAVE = 7      # write this server's checkpoint shard: step = seq, flags = mode index;
+    SAVE = 7      # write this server's checkpoint shard: keys = [seq], flags = mode index,
+                  # step = in sync mode, save once that many steps of the phase are applied;
                   # reply: the shard's manifest entry as UTF-8 JSON on TAG_CONTROL
     SHRINK = 8    # age rows, evict those unseen for > step shrinks; reply int64[1] removed
 

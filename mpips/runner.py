@@ -32,16 +32,33 @@ def wait_collective(req, what="an MPI collective"):
         time.sleep(POLL)
 
 
-def first_epoch(cfg):
-    """The epoch to start from: after the one recorded in the --resume checkpoint."""
+def start_point(cfg):
+    """(epoch, batches to skip in it) to continue from the --resume checkpoint."""
     if not cfg.resume or cfg.stream:
-        return 0
+        return 0, 0
     from mpips import checkpoint as ck
-    return int(ck.read_manifest(ck.resolve(cfg.resume))["meta"].get("epoch", -1)) + 1
+    meta = ck.read_manifest(ck.resolve(cfg.resume))["meta"]
+    epoch = int(meta.get("epoch", -1))
+    if meta.get("complete", True):
+        return epoch + 1, 0
+    return epoch, int(meta.get("steps", 0))        # saved mid-epoch after `steps` batches
 
 
 def should_save(cfg, epoch):
-    return bool(cfg.save_dir) and ((epoch + 1) % cfg.save_every == 0 or epoch + 1 == cfg.epochs)
+    return bool(cfg.save_dir) and (cfg.save_every == "epoch" or epoch + 1 == cfg.epochs)
+
+
+def step_saver(cfg, backend, epoch):
+    """Trainer hook: save every --save-every N batches (first worker / local run)."""
+    n = cfg.save_steps
+    if not (cfg.save_dir and n and backend.is_logger):
+        return None
+
+    def hook(done, phase_steps):
+        if done % n == 0:
+            backend.save(cfg.save_mode, {"epoch": epoch, "steps": done, "complete": False},
+                         phase_steps)
+    return hook
 
 
 class LocalBackend:
@@ -51,12 +68,12 @@ class LocalBackend:
     def __init__(self, cfg, trainer, ps):
         self.cfg, self.trainer, self.ps = cfg, trainer, ps
 
-    def train(self, files, epoch):
+    def train(self, files, epoch, skip=0):
         from mpips.data.files import split_files
         W = min(self.cfg.local_workers, max(len(files), 1))
         shards = [split_files(files, W, i) for i in range(W)] if files else []
         readers = [make_reader(self.cfg, s, self.cfg.batch_size, log_line) for s in shards]
-        st = self.trainer.train_epoch(concat_batches(readers), epoch, self.cfg.max_steps)
+        st = self.trainer.train_epoch(concat_batches(readers), epoch, self.cfg.max_steps, skip)
         return {"examples": st.examples, "loss_sum": st.loss_sum, "seconds": st.seconds,
                 "metrics": st.metrics, "steps": st.steps, "extra": {
                     "workers": 0, "servers": 0, "local_workers": self.cfg.local_workers,
@@ -71,7 +88,7 @@ class LocalBackend:
         finally:
             reader.close()
 
-    def save(self, mode, meta):
+    def save(self, mode, meta, step=0):
         from mpips import checkpoint as ck
         path = ck.save_local(self.cfg.save_dir, _inner(self.ps.sparse), self.ps.dense, mode,
                              self.cfg.to_json(), meta)
@@ -113,14 +130,14 @@ class DistBackend:
         from mpips.data.files import split_files
         return split_files(files, self.W, self.wi) if len(files) >= self.W else files[self.wi::self.W]
 
-    def train(self, files, epoch):
+    def train(self, files, epoch, skip=0):
         wait_collective(self.wcomm.Ibarrier(), "Ibarrier of the workers (epoch start)")
         c = self.client
         sent0, msgs0 = c.bytes_sent, c.messages
         t0 = time.perf_counter()
         reader = make_reader(self.cfg, self._mine(files), self.cfg.batch_size, log_line)
         try:
-            st = self.trainer.train_epoch(reader, epoch, self.cfg.max_steps)
+            st = self.trainer.train_epoch(reader, epoch, self.cfg.max_steps, skip)
         finally:
             reader.close()
         self.client.barrier()                      # every worker's pushes are applied
@@ -152,14 +169,16 @@ class DistBackend:
             reader.close()
         return BinaryMetrics.from_state(self._sum(local.state()))
 
-    def save(self, mode, meta):
+    def save(self, mode, meta, step=0):
+        """Checkpoint now (after a barrier: step 0) or, mid-epoch, at `step` steps done
+        (sync mode: exactly that step; async: whatever the servers hold when they save)."""
         if not self.is_logger:
             return None
         from mpips import checkpoint as ck
         from mpips.config import SAVE_MODES
         path = ck.new_checkpoint_dir(self.cfg.save_dir, mode)
         seq = int(os.path.basename(path).split("-")[1])
-        infos = [json.loads(b) for b in self.client.save(seq, SAVE_MODES.index(mode))]
+        infos = [json.loads(b) for b in self.client.save(seq, SAVE_MODES.index(mode), step)]
         ck.write_manifest(path, {"shards": infos, "config": self.cfg.to_json(), "meta": meta})
         log_line(f"SAVE --> {path} ({mode}, {sum(x['rows'] for x in infos)} rows)")
         return path
@@ -226,10 +245,12 @@ def concat_batches(readers):
 def run_epochs(cfg, backend, train_files, test_files):
     """Batch training: epochs over the files, evaluation and saves after each."""
     records = []
-    for epoch in range(first_epoch(cfg), cfg.epochs):
-        st = backend.train(train_files, epoch)
+    first, skip = start_point(cfg)
+    for epoch in range(first, cfg.epochs):
+        backend.trainer.on_step = step_saver(cfg, backend, epoch)
+        st = backend.train(train_files, epoch, skip if epoch == first else 0)
         if should_save(cfg, epoch):
-            backend.save(cfg.save_mode, {"epoch": epoch, "steps": st["steps"]})
+            backend.save(cfg.save_mode, {"epoch": epoch, "steps": st["steps"], "complete": True})
         test_m = backend.evaluate(test_files)
         extra = dict(st["extra"], **backend.stats())
         rec = epoch_record(cfg, epoch, st["examples"], st["seconds"], st["loss_sum"],

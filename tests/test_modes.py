@@ -111,3 +111,21 @@ def test_ssp_zero_is_sync(tiny_data, tmp_path):
     train(tiny_data, tmp_path, "ssp0", "--mode", "ssp", "--staleness", "0", *common)
     train(tiny_data, tmp_path, "sync", "--mode", "sync", *common)
     assert_same_params(tmp_path / "ssp0", tmp_path / "sync", rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n", [None, 4])
+def test_mid_epoch_checkpoint_resume_is_exact(tiny_data, tmp_path, n):
+    """--save-every N batches: resuming from a mid-epoch checkpoint ends where the
+    uninterrupted run ends (sync mode: the servers save exactly after step N)."""
+    from mpips import checkpoint as ck
+    common = ["--mode", "sync", "--batch-size", "128", "--lr", "0.003", "--epochs", "2",
+              "--save-every", "20"] + (["--local", "--local-workers", "2"] if n is None else [])
+    train(tiny_data, tmp_path, "full", *common, n=n)
+    ckpts = ck.list_checkpoints(str(tmp_path / "full"))
+    metas = [ck.read_manifest(c["path"])["meta"] for c in ckpts]
+    mid = [c["path"] for c, m in zip(ckpts, metas)
+           if m["epoch"] == 1 and m["steps"] == 20 and not m["complete"]]
+    assert len(mid) == 1, metas
+    rec = train(tiny_data, tmp_path, "resumed", *common, "--resume", mid[0], n=n)
+    assert [r["epoch"] for r in rec] == [1]
+    assert_same_params(tmp_path / "full", tmp_path / "resumed", rtol=0, atol=0)

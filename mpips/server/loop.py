@@ -180,6 +180,7 @@ class Server:
         self.pending = {}                   # sync: step -> {worker: (keys, grads, dense)}
         self.clock = {w: 0 for w in self.workers}   # ssp: pushes received per worker
         self.deferred = []                  # pulls waiting for their step
+        self.deferred_saves = []            # sync: (seq, mode, step, source) until step applied
 
     # ---- main loop
     def run(self):
@@ -230,14 +231,17 @@ class Server:
             raise ProtocolError(f"request from rank {source}: {req.op.name} {why}")
         if source not in self.last_seen:
             bad(f"from a rank that is not a worker of this job (workers: {self.workers})")
-        if req.op in CONTROL_OPS:
+        if req.op == Op.SAVE:
+            if self.on_save is None:
+                bad("but this run has no --save-dir")
+            if req.count != 1 or req.values is not None or req.dense is not None:
+                bad("must carry exactly one key (the checkpoint's sequence number)")
+        elif req.op in CONTROL_OPS:
             if req.count or req.dense is not None:
                 bad(f"must have no body; got count={req.count} dense="
                     f"{len(req.dense) if req.dense is not None else 0}")
             if req.op == Op.BARRIER and source not in self.active:
                 bad("sent twice in one phase")
-            if req.op == Op.SAVE and self.on_save is None:
-                bad("but this run has no --save-dir")
         elif req.op == Op.PULL:
             if req.dense is not None or (req.values is not None and req.dim != 1):
                 bad(f"may carry only occurrence counts (width 1); got dim={req.dim} "
@@ -335,8 +339,11 @@ class Server:
         elif req.op == Op.FINISH:
             self.finished.add(source)
         elif req.op == Op.SAVE:
-            text = self.on_save(req.step, req.flags)
-            self._send(np.frombuffer(text, dtype=np.uint8).copy(), source, TAG_CONTROL)
+            save = (int(req.keys[0]), req.flags, req.step, source)
+            if self.mode == "sync" and req.step > self.version:
+                self.deferred_saves.append(save)      # after step `req.step` is applied
+            else:
+                self._save(*save)
         elif req.op == Op.SHRINK:
             removed = self.sparse.shrink(req.step)
             self.evicted += removed
@@ -356,6 +363,10 @@ class Server:
         req.values = None if req.values is None else req.values.copy()
         req.dense = None if req.dense is None else req.dense.copy()
         return req
+
+    def _save(self, seq, mode_index, step, source):
+        text = self.on_save(seq, mode_index)
+        self._send(np.frombuffer(text, dtype=np.uint8).copy(), source, TAG_CONTROL)
 
     def _pull_ready(self, step):
         if self.mode == "sync":
@@ -400,6 +411,10 @@ class Server:
                 and self.active <= set(self.pending[self.version]):
             self._apply_sync(self.pending.pop(self.version))
             self.version += 1
+            ready = [x for x in self.deferred_saves if x[2] <= self.version]
+            self.deferred_saves = [x for x in self.deferred_saves if x[2] > self.version]
+            for save in ready:
+                self._save(*save)
         if self.deferred:
             still = []
             for req, source in self.deferred:

@@ -221,13 +221,18 @@ class PSClient:
         """Every server ages and evicts its rows; returns the rows removed in all."""
         return int(self._ask(Op.SHRINK, 1, step=threshold).sum())
 
-    def save(self, seq, mode_index):
+    def save(self, seq, mode_index, step=0):
         """Ask every server to write its shard of checkpoint `seq`; return their JSON replies.
 
-        Call after barrier() so that the shards are one consistent snapshot.  Each server
-        must confirm within --peer-timeout (which must exceed a shard's write time).
+        A consistent snapshot: after barrier() (step 0), or mid-phase in sync mode with
+        `step` = steps done, which servers apply first.  Each server must confirm within
+        --peer-timeout (which must exceed a shard's write time).
         """
-        Handle(self, *self._send_all(Op.SAVE, seq, mode_index), "SAVE", seq).wait()
+        key = np.array([seq], np.int64)
+        sent = [self._request(s, Op.SAVE, key, None, step, mode_index, None)
+                for s in range(self.n_servers)]
+        Handle(self, [r for r, _ in sent], list(self.servers), [b for _, b in sent],
+               "SAVE", seq).wait()
         out = []
         for srv in self.servers:
             status = MPI.Status()

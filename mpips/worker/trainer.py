@@ -55,6 +55,7 @@ class Trainer:
         self.grad_dense = np.zeros(P, np.float32)
         self.compute_s = 0.0
         self.step_delay = 0.0      # seconds slept per step: slows one worker in tests
+        self.on_step = None        # callable(done, phase_steps) after each push (mid-epoch saves)
         self._emb = self._grad_emb = None
         # async: dense gradients are averaged over --dense-every steps, then pushed
         self.dense_k = cfg.dense_every if overlap else 1
@@ -89,10 +90,13 @@ class Trainer:
         scatter_add_rows(grad_emb, prep.plan.inverse, grads)               # zeroes grads first
         return loss, probs, grads
 
-    def train_epoch(self, batches, epoch, max_steps=0):
-        """Train over an iterable of Batch; return this worker's EpochStats."""
+    def train_epoch(self, batches, epoch, max_steps=0, skip=0):
+        """Train over an iterable of Batch (after skipping `skip` of them, already trained
+        before a resume); return this worker's EpochStats."""
         st = EpochStats()
         it = iter(batches)
+        for _ in range(skip):
+            next(it, None)
         t_start = time.perf_counter()
         cur = self._prepare(next(it, None))
         if cur is None:
@@ -118,6 +122,8 @@ class Trainer:
                                 step=step)
             if self.step_delay:
                 time.sleep(self.step_delay)
+            if self.on_step is not None:           # (batches done in the epoch, in this phase)
+                self.on_step(skip + step + 1, step + 1)
             if not self.overlap and nxt is not None:
                 h = self._pull(nxt, step + 1, self.params[nbuf])
             n = len(cur.batch.label)
@@ -233,14 +239,17 @@ class GeoTrainer(Trainer):
         self.dense_base[:] = params
         self.syncs += 1
 
-    def train_epoch(self, batches, epoch, max_steps=0):
+    def train_epoch(self, batches, epoch, max_steps=0, skip=0):
         if self.dense_local is None:
             self._first_pull()
         st = EpochStats()
         t_start = time.perf_counter()
         params, K = self.params[0], self.cfg.geo_steps
         step = 0
-        for batch in batches:
+        it = iter(batches)
+        for _ in range(skip):
+            next(it, None)
+        for batch in it:
             prep = self._prepare(batch)
             self.local.pull(prep.plan.keys, prep.rows, create=True)
             self.base.pull(prep.plan.keys, np.empty_like(prep.rows), create=True)
