@@ -24,19 +24,15 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ENV, ROOT, mpiexec  # noqa: E402
 
-ENV = {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-       "PYTHONPATH": str(ROOT)}
+
 SCENARIOS = ("kill-worker", "kill-server", "stop-worker", "stop-server",
              "corrupt-checkpoint", "hostile-message")
 VICTIM = {"worker": 2, "server": 1}     # world ranks in a 2 x 2 job: servers 0,1, workers 2,3
 
 
-def mpiexec():
-    local = Path(sys.executable).parent / "mpiexec"
-    return str(local) if local.exists() else "mpiexec"
 
 
 def ensure_data(out):

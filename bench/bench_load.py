@@ -27,15 +27,14 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ENV, ROOT, mpiexec  # noqa: E402
+
 
 DIM = 10
 PAYLOAD = 8 + 4 * DIM + 2 * 4 * DIM + 8       # key, values, Adam m and v, beta1/beta2 powers
 BATCH_KEYS = 5000
 CHUNK = 1 << 20
-ENV = {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-       "PYTHONPATH": str(ROOT)}
 
 
 def rss_mb(pid="self"):
@@ -153,8 +152,7 @@ def mpi_main(a):
 
 
 def serve(a):
-    exe = Path(sys.executable).parent / "mpiexec"
-    cmd = [str(exe) if exe.exists() else "mpiexec", "-n", str(a.clients + 1), sys.executable,
+    cmd = [mpiexec(), "-n", str(a.clients + 1), sys.executable,
            str(Path(__file__).resolve()), "--mpi", "--serve-rows", str(a.serve_rows),
            "--rounds", str(a.rounds), "--sample-every", str(a.sample_every)]
     t0 = time.time()

@@ -16,15 +16,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-ENV = {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-       "PYTHONPATH": str(ROOT)}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ENV, ROOT, mpiexec  # noqa: E402
 
 
-def mpiexec():
-    local = Path(sys.executable).parent / "mpiexec"
-    return str(local) if local.exists() else "mpiexec"
+
 
 
 def run(name, stream, out, extra):
