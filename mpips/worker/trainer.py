@@ -9,6 +9,7 @@ Step ordering (step t uses batch t):
   decide when to answer it (sync: after step t was applied by all workers).
 Dense weights are pulled every step, or every --dense-every steps in async mode.
 """
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ class EpochStats:
     seconds: float = 0.0
     compute_s: float = 0.0
     metrics: BinaryMetrics = field(default_factory=BinaryMetrics)
+    t0: float = field(default_factory=time.perf_counter)
 
 
 class _Prepared:
@@ -55,11 +57,27 @@ class Trainer:
         self.grad_dense = np.zeros(P, np.float32)
         self.compute_s = 0.0
         self.step_delay = 0.0      # seconds slept per step: slows one worker in tests
+        self._tty = sys.stdout.isatty()
         self.on_step = None        # callable(done, phase_steps) after each push (mid-epoch saves)
         self._emb = self._grad_emb = None
         # async: dense gradients are averaged over --dense-every steps, then pushed
         self.dense_k = cfg.dense_every if overlap else 1
         self.dense_acc = np.zeros(P, np.float32) if self.dense_k > 1 else None
+
+    def _report(self, epoch, step, st):
+        """TRAIN line every --print-every steps; a progress line on a terminal."""
+        if not self.log:
+            return
+        if step % self.cfg.print_every == 0:
+            if self._tty:
+                sys.stdout.write("\r\033[K")
+            self.log(f"TRAIN --> pass: {epoch} batch: {step} loss: {st.loss_sum / st.examples:.6f}"
+                     f" auc: {st.metrics.auc():.6f}")
+        elif self._tty and step % 10 == 0:
+            rate = st.examples / max(time.perf_counter() - st.t0, 1e-9)
+            sys.stdout.write(f"\r  pass {epoch} batch {step} loss {st.loss_sum / st.examples:.4f} "
+                             f"({rate:,.0f} examples/s on this worker)")
+            sys.stdout.flush()
 
     def _prepare(self, batch):
         if batch is None:
@@ -131,14 +149,14 @@ class Trainer:
             st.loss_sum += loss * n
             st.metrics.update(probs, cur.batch.label)
             step += 1
-            if self.log and step % self.cfg.print_every == 0:
-                self.log(f"TRAIN --> pass: {epoch} batch: {step} loss: {st.loss_sum / st.examples:.6f}"
-                         f" auc: {st.metrics.auc():.6f}")
+            self._report(epoch, step, st)
             if nbuf is not None and nxt is not None:
                 which = nbuf
             cur = nxt
         if push is not None:
             push.wait()
+        if self.log and self._tty:
+            sys.stdout.write("\r\033[K")                # clear the progress line
         st.steps = step
         st.seconds = time.perf_counter() - t_start
         return st
@@ -267,13 +285,13 @@ class GeoTrainer(Trainer):
             step += 1
             if step % K == 0:
                 self._sync(step)
-            if self.log and step % self.cfg.print_every == 0:
-                self.log(f"TRAIN --> pass: {epoch} batch: {step} loss: {st.loss_sum / st.examples:.6f}"
-                         f" auc: {st.metrics.auc():.6f}")
+            self._report(epoch, step, st)
             if max_steps and step >= max_steps:
                 break
         if step % K:
             self._sync(step)
+        if self.log and self._tty:
+            sys.stdout.write("\r\033[K")                # clear the progress line
         st.steps = step
         st.seconds = time.perf_counter() - t_start
         return st
