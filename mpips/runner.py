@@ -118,6 +118,7 @@ class DistBackend:
         self.cfg, self.trainer, self.client = cfg, trainer, client
         self.wcomm, self.wi, self.W = wcomm, wi, W
         self.is_logger = wi == 0
+        self.warned = False         # told the user this worker has no files
 
     def _sum(self, arr):
         from mpi4py import MPI
@@ -135,11 +136,18 @@ class DistBackend:
         c = self.client
         sent0, msgs0 = c.bytes_sent, c.messages
         t0 = time.perf_counter()
-        reader = make_reader(self.cfg, self._mine(files), self.cfg.batch_size, log_line)
+        mine = self._mine(files)
+        if not mine and not self.warned:
+            self.warned = True
+            log_line(f"mpips: warning: worker {self.wi} has no training files ({len(files)} "
+                     f"file(s) for {self.W} workers); split the data into at least {self.W} "
+                     f"files (e.g. python -m data_prep.criteo --parts {self.W})")
+        reader = make_reader(self.cfg, mine, self.cfg.batch_size, log_line) if mine else None
         try:
-            st = self.trainer.train_epoch(reader, epoch, self.cfg.max_steps, skip)
+            st = self.trainer.train_epoch(reader or [], epoch, self.cfg.max_steps, skip)
         finally:
-            reader.close()
+            if reader is not None:
+                reader.close()
         self.client.barrier()                      # every worker's pushes are applied
         span = time.perf_counter() - t0
         sums = self._sum(np.array([st.examples, st.loss_sum, c.bytes_sent - sent0,
@@ -162,11 +170,14 @@ class DistBackend:
     def evaluate(self, files):
         if not files:
             return None
-        reader = make_reader(self.cfg, files[self.wi::self.W], self.cfg.batch_size, log_line)
-        try:
-            local = self.trainer.evaluate(reader)
-        finally:
-            reader.close()
+        mine = files[self.wi::self.W]
+        local = BinaryMetrics()
+        if mine:
+            reader = make_reader(self.cfg, mine, self.cfg.batch_size, log_line)
+            try:
+                local = self.trainer.evaluate(reader)
+            finally:
+                reader.close()
         return BinaryMetrics.from_state(self._sum(local.state()))
 
     def save(self, mode, meta, step=0):

@@ -118,3 +118,14 @@ def test_strict_mode_stops_the_job_naming_rank_and_line(tiny_data, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "part-00003.txt:" in proc.stdout + proc.stderr
     assert read_metrics(tmp_path / "m.jsonl")[0]["train_examples"] == 16000
+
+
+def test_fewer_files_than_workers_warns_and_trains(tiny_data, tmp_path):
+    one = tiny_data[0] + "/part-00000.txt"
+    proc = run_cmd(["-m", "mpips.train", "--train", one, "--test", one, "--fc", "16",
+                    "--mode", "sync", "--metrics-out", str(tmp_path / "m.jsonl")], n=4,
+                   timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "worker 1 has no training files (1 file(s) for 2 workers)" in proc.stdout
+    rec = read_metrics(tmp_path / "m.jsonl")[0]
+    assert rec["train_examples"] == rec["test_examples"] == 2000
