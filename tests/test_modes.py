@@ -129,3 +129,18 @@ def test_mid_epoch_checkpoint_resume_is_exact(tiny_data, tmp_path, n):
     rec = train(tiny_data, tmp_path, "resumed", *common, "--resume", mid[0], n=n)
     assert [r["epoch"] for r in rec] == [1]
     assert_same_params(tmp_path / "full", tmp_path / "resumed", rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n,servers", [(4, 3), (2, 1)])
+def test_reshard_on_resume_continues_exactly(tiny_data, tmp_path, n, servers):
+    """A checkpoint of 2 servers resumed by `servers` servers and one worker trains on
+    exactly like one process resumed from it: no id lost or misplaced by re-sharding."""
+    common = ("--mode", "sync", "--batch-size", "128", "--lr", "0.003")
+    train(tiny_data, tmp_path, "two", *common, "--epochs", "1")            # 2 servers
+    src = str(tmp_path / "two")
+    train(tiny_data, tmp_path, "resharded", *common, "--epochs", "2", "--resume", src,
+          "--servers", str(servers), n=n)
+    train(tiny_data, tmp_path, "local", "--local", *common, "--epochs", "2", "--resume", src)
+    from mpips import checkpoint as ck
+    assert ck.read_manifest(ck.resolve(str(tmp_path / "resharded")))["n_servers"] == servers
+    assert_same_params(tmp_path / "resharded", tmp_path / "local")
