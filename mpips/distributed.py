@@ -37,14 +37,14 @@ def run_distributed(cfg, comm):
 def serve(cfg, cluster, model, bounds):
     from mpips import checkpoint as ck
     from mpips.config import SAVE_MODES
-    from mpips.runner import _inner
+    from mpips.runner import inner_table
     from mpips.server.loop import Server
     from mpips.stream import resume_point
     i, S = cluster.index, cluster.n_servers
     sparse, dense = make_tables(cfg, model, bounds[i], bounds[i + 1])
-    path = resume_point(cfg)[0] if cfg.stream else cfg.resume
+    path = resume_point(cfg)[0]
     if path:
-        ck.load_shard_into(ck.resolve(path), _inner(sparse), dense, i, S, bounds)
+        ck.load_shard_into(path, inner_table(sparse), dense, i, S, bounds)
     server = Server(cluster.comm, cluster.worker_ranks, sparse, dense, cfg.mode, cfg.staleness,
                     cfg.peer_timeout, cfg.idle_sleep, label=f"server {i}",
                     idle_timeout=cfg.peer_timeout + cfg.stream_timeout)   # workers may poll
@@ -52,7 +52,7 @@ def serve(cfg, cluster, model, bounds):
         def on_save(seq, mode_index):
             mode = SAVE_MODES[mode_index]
             path = os.path.join(cfg.save_dir, f"ckpt-{seq:06d}-{mode}")
-            info = ck.save_shard(path, i, S, _inner(sparse), dense, int(bounds[i]), mode)
+            info = ck.save_shard(path, i, S, inner_table(sparse), dense, int(bounds[i]), mode)
             return json.dumps(info).encode()
         server.on_save = on_save
     server.run()

@@ -90,7 +90,7 @@ class LocalBackend:
 
     def save(self, mode, meta, step=0):
         from mpips import checkpoint as ck
-        path = ck.save_local(self.cfg.save_dir, _inner(self.ps.sparse), self.ps.dense, mode,
+        path = ck.save_local(self.cfg.save_dir, inner_table(self.ps.sparse), self.ps.dense, mode,
                              self.cfg.to_json(), meta)
         log_line(f"SAVE --> {path} ({mode}, {len(self.ps.sparse)} rows)")
         return path
@@ -228,7 +228,7 @@ class DistBackend:
             write_metrics(self.cfg.metrics_out, rec)
 
 
-def _inner(table):
+def inner_table(table):
     """The SparseTable behind an admission filter (checkpoints hold the table itself)."""
     return getattr(table, "table", table)
 

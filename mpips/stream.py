@@ -78,12 +78,16 @@ def next_pass(root, done, timeout):
 
 
 def resume_point(cfg):
-    """(checkpoint path or None, last pass name or None) to continue a stream from."""
+    """(checkpoint path or None, last pass name or None) a run continues from.
+
+    `--resume` names it; a stream also resumes by itself from the latest checkpoint in
+    `--save-dir` (restarted with the same command).
+    """
     from mpips import checkpoint as ck
     path = None
     if cfg.resume:
         path = ck.resolve(cfg.resume)
-    elif cfg.save_dir and os.path.isdir(cfg.save_dir):
+    elif cfg.stream and cfg.save_dir and os.path.isdir(cfg.save_dir):
         path = ck.latest(cfg.save_dir)
     if path is None:
         return None, None

@@ -103,7 +103,7 @@ def summary_line(rec):
 def run_local(cfg):
     """Train in one process (the yardstick); returns the list of epoch/pass records."""
     from mpips import checkpoint as ck
-    from mpips.runner import LocalBackend, run_epochs
+    from mpips.runner import LocalBackend, inner_table, run_epochs
     from mpips.stream import resume_point, run_stream
     from mpips.worker.client import plan_keys
     from mpips.worker.local import LocalPS
@@ -115,10 +115,10 @@ def run_local(cfg):
     trainer = cls(cfg, model, ps, lambda ids: plan_keys(ids, 1), log=log_line)
     log_line(f"mpips local: batch {cfg.local_workers} x {cfg.batch_size}, "
              f"{model.n_params} dense parameters")
-    path = resume_point(cfg)[0] if cfg.stream else cfg.resume
+    path = resume_point(cfg)[0]
     if path:
-        ck.load_local(path, getattr(ps.sparse, "table", ps.sparse), ps.dense)
-        log_line(f"RESUME --> {ck.resolve(path)}")
+        ck.load_local(path, inner_table(ps.sparse), ps.dense)
+        log_line(f"RESUME --> {path}")
     backend = LocalBackend(cfg, trainer, ps)
     if cfg.stream:
         records = run_stream(cfg, backend, log_line)
@@ -137,9 +137,11 @@ def precheck(cfg):
     if cfg.stream:
         from mpips.stream import install_sigterm
         install_sigterm()
-    if cfg.resume:
+    from mpips.stream import resume_point
+    path = resume_point(cfg)[0]
+    if path:
         from mpips import checkpoint as ck
-        ck.check_compatible(ck.read_manifest(ck.resolve(cfg.resume)), cfg)
+        ck.check_compatible(ck.read_manifest(path), cfg)
 
 
 def main(argv=None):

@@ -130,14 +130,22 @@ def parse_tsv_bytes(data, *, has_label: bool = True, hash_bucket: int = 0,
         raise ValueError(f"hash_bucket must be >= 0 (0 = full int64 ids); got {hash_bucket}")
     buf = as_uint8(data)
     norm = make_norm() if norm is None else norm
-    cap = int(np.count_nonzero(buf == 10)) + 1 if buf.size else 0  # (lines,) upper bound
-    dense = np.empty((cap, N_DENSE), dtype=np.float32)
-    sparse = np.empty((cap, N_SPARSE), dtype=np.int64)
-    label = np.empty(cap, dtype=np.float32)
-    bad = np.empty((MAX_BAD_RECORDS, 3), dtype=np.int64)
-    counts = np.zeros(3, dtype=np.int64)
+    out = kernel_outputs(buf)
     opts = np.array([1 if has_label else 0, hash_bucket], dtype=np.int64)
-    n = K.parse_criteo_tsv(buf, opts, norm, dense, sparse, label, bad, counts)
+    n = K.parse_criteo_tsv(buf, opts, norm, *out)
+    return parse_result(n, *out)
+
+
+def kernel_outputs(buf):
+    """(dense, sparse, label, bad, counts): preallocated outputs of a parse kernel for buf."""
+    cap = int(np.count_nonzero(buf == 10)) + 1 if buf.size else 0  # (lines,) upper bound
+    return (np.empty((cap, N_DENSE), dtype=np.float32), np.empty((cap, N_SPARSE), dtype=np.int64),
+            np.empty(cap, dtype=np.float32), np.empty((MAX_BAD_RECORDS, 3), dtype=np.int64),
+            np.zeros(3, dtype=np.int64))
+
+
+def parse_result(n, dense, sparse, label, bad, counts):
+    """ParseResult of a kernel that returned n rows into `kernel_outputs` arrays."""
     n_bad = int(counts[K.CNT_BAD])
     return ParseResult(dense[:n], sparse[:n], label[:n], bad[:min(n_bad, MAX_BAD_RECORDS)],
                        int(counts[K.CNT_LINES]), n_bad)

@@ -17,11 +17,8 @@ the exact rules (token count, then keys, then values) are in ``mpips.kernels.slo
 whose numba kernel parses a buffer of whole lines in one pass.  Values are read as
 Python's ``float()`` / ``int()`` read them (floats correctly rounded, see the kernel).
 """
-import numpy as np
-
-from mpips.data.criteo import (MAX_BAD_RECORDS, N_DENSE, N_SPARSE, ParseResult, as_uint8,
+from mpips.data.criteo import (N_DENSE, N_SPARSE, ParseResult, as_uint8, kernel_outputs, parse_result,
                                splitmix64_finalise)
-from mpips.kernels import parse as K
 from mpips.kernels import slot_parse as S
 
 N_TOKENS = 1 + N_DENSE + N_SPARSE  # 40
@@ -44,13 +41,5 @@ def parse_slot_bytes(data, *, hash_bucket: int = 0) -> ParseResult:
     if hash_bucket < 0:
         raise ValueError(f"hash_bucket must be >= 0 (0 = mixed int64 ids); got {hash_bucket}")
     buf = as_uint8(data)
-    cap = int(np.count_nonzero(buf == 10)) + 1 if buf.size else 0  # (lines,) upper bound
-    dense = np.empty((cap, N_DENSE), dtype=np.float32)
-    sparse = np.empty((cap, N_SPARSE), dtype=np.int64)
-    label = np.empty(cap, dtype=np.float32)
-    bad = np.empty((MAX_BAD_RECORDS, 3), dtype=np.int64)
-    counts = np.zeros(3, dtype=np.int64)
-    n = S.parse_slot(buf, int(hash_bucket), dense, sparse, label, bad, counts)
-    n_bad = int(counts[K.CNT_BAD])
-    return ParseResult(dense[:n], sparse[:n], label[:n], bad[:min(n_bad, MAX_BAD_RECORDS)],
-                       int(counts[K.CNT_LINES]), n_bad)
+    out = kernel_outputs(buf)
+    return parse_result(S.parse_slot(buf, int(hash_bucket), *out), *out)

@@ -225,7 +225,6 @@ class GeoTrainer(Trainer):
         self.dense_local = None     # DenseTable with the local optimizer state
         self.dense_base = None      # (P,) dense values at the last sync
         self.touched = []
-        self.syncs = 0
 
     def _first_pull(self):
         from mpips.server.dense_table import DenseTable
@@ -255,7 +254,6 @@ class GeoTrainer(Trainer):
         self.base.assign(plan.keys, fresh)
         self.dense_local.assign(params)
         self.dense_base[:] = params
-        self.syncs += 1
 
     def train_epoch(self, batches, epoch, max_steps=0, skip=0):
         if self.dense_local is None:
