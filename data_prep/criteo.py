@@ -39,7 +39,7 @@ from mpips.data import criteo as C
 from mpips.data import shards
 from mpips.data.files import resolve_paths
 from mpips.data.reader import DataReader, detect_format
-from mpips.kernels import parse as K
+from mpips.kernels import tsv_parse as K
 
 QUANTILE = 0.95  # normalisation maximum: this quantile of the train values
 EXACT_LO, EXACT_HI = -(1 << 12), 1 << 17  # values counted exactly in the streaming pass

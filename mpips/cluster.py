@@ -6,6 +6,8 @@ communicators.  Only the entry point passes ``COMM_WORLD`` in.
 """
 from dataclasses import dataclass
 
+import numpy as np
+
 
 def default_servers(n_ranks):
     """Half the ranks, at least 1."""
@@ -82,8 +84,7 @@ class Cluster:
     @classmethod
     def create(cls, comm, n_servers):
         """Split `comm` into servers and workers (collective over `comm`)."""
-        import numpy as np
-        from mpi4py import MPI
+        from mpi4py import MPI      # here: the role arithmetic above is used without MPI
         check_servers(n_servers, comm.size)
         node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED)
         leader = np.array([comm.rank], dtype=np.int64)

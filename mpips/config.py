@@ -2,7 +2,8 @@
 
 Precedence: defaults < ``--config FILE`` (TOML, keys are the flag names with ``_`` or ``-``)
 < flags given on the command line.  Unknown keys and impossible values are errors that say
-the fix.  The resolved config is stored in every checkpoint.
+the fix.  The resolved config is stored in every checkpoint; ``check_compatible`` says
+whether a stored one can be resumed or evaluated with this one.
 """
 import argparse
 import dataclasses
@@ -14,6 +15,9 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+from mpips.checkpoint.manifest import CheckpointError
+from mpips.server.admission import parse_entry
 
 MODES = ("async", "sync", "geo", "ssp")
 OPTIMIZERS = ("adam", "adagrad", "sgd")
@@ -123,7 +127,6 @@ class Config:
             raise ValueError(f"--fc must be comma-separated integers like 400,400,400; got {self.fc!r}")
         if not hidden or min(hidden) < 1:
             raise ValueError(f"--fc needs at least one positive layer size; got {self.fc!r}")
-        from mpips.server.admission import parse_entry
         parse_entry(self.entry)
         if self.stream and self.train:
             raise ValueError("--stream and --train exclude each other (a stream's passes are "
@@ -196,3 +199,24 @@ def parse_args(argv=None, prog="python -m mpips.train"):
         if f.name in given or f.name not in values:
             values[f.name] = getattr(args, f.name)
     return Config(**values).validate()
+
+
+def _fc(value):
+    if isinstance(value, str):
+        return tuple(int(x) for x in value.split(",") if x.strip())
+    return tuple(int(x) for x in value)
+
+
+def check_compatible(manifest, cfg):
+    """Raise CheckpointError naming the first field where ``cfg`` cannot use the checkpoint."""
+    now = cfg if isinstance(cfg, dict) else json.loads(cfg.to_json())
+    saved = dict(manifest["config"])
+    saved.setdefault("embedding_dim", manifest["embedding_dim"])
+    saved.setdefault("optimizer", manifest["optimizer"]["name"])
+    checks = (("embedding_dim", int), ("fc", _fc), ("optimizer", str))
+    for key, norm in checks:
+        if key in saved and key in now and norm(saved[key]) != norm(now[key]):
+            flag = "--" + key.replace("_", "-")
+            raise CheckpointError(
+                f"checkpoint seq {manifest['seq']} was saved with {flag} {saved[key]}; this "
+                f"run has {flag} {now[key]} (use the same {flag}, or do not resume from it)")

@@ -1,13 +1,32 @@
-"""Distributed run: split roles, serve or train, gather a per-rank profile at the end."""
+"""Distributed run: split roles, serve or train, gather a per-rank profile at the end.
+
+`DistBackend` is the worker side of `mpips.runner`'s backend interface for one of W
+workers: results are reduced over the worker communicator, and the first worker talks to
+the servers for saves and shrinks.
+"""
 import json
 import os
 import time
 
 import numpy as np
+from mpi4py import MPI
 
+from mpips import checkpoint as ck
+from mpips.build import make_model, make_reader, make_tables, resolve_data
 from mpips.cluster import Cluster, default_servers
-from mpips.runner import wait_collective
-from mpips.train import log_line, make_model, make_tables, peak_rss_mb, resolve_data
+from mpips.config import SAVE_MODES
+from mpips.data.files import split_files
+from mpips.liveness import wait_collective
+from mpips.metrics import BinaryMetrics
+from mpips.protocol import Op
+from mpips.report import log_line, peak_rss_mb, write_metrics
+from mpips.resume import resume_point
+from mpips.runner import inner_table, run_epochs
+from mpips.server.loop import Server
+from mpips.sharding import dense_bounds, plan_keys
+from mpips.stream import Pass, run_stream
+from mpips.worker.client import PSClient
+from mpips.worker.trainer import GeoTrainer, Trainer
 
 
 def run_distributed(cfg, comm):
@@ -18,7 +37,6 @@ def run_distributed(cfg, comm):
     pids = np.empty(comm.size, np.int64)    # in the role map: to match a launcher's PID
     wait_collective(comm.Iallgather(np.array([os.getpid()], np.int64), pids))
     model = make_model(cfg)
-    from mpips.sharding import dense_bounds
     bounds = dense_bounds(model.n_params, cluster.n_servers)
     first_worker = cluster.worker_ranks[0]
     if comm.rank == first_worker:
@@ -35,11 +53,6 @@ def run_distributed(cfg, comm):
 
 
 def serve(cfg, cluster, model, bounds):
-    from mpips import checkpoint as ck
-    from mpips.config import SAVE_MODES
-    from mpips.runner import inner_table
-    from mpips.server.loop import Server
-    from mpips.stream import resume_point
     i, S = cluster.index, cluster.n_servers
     sparse, dense = make_tables(cfg, model, bounds[i], bounds[i + 1])
     path = resume_point(cfg)[0]
@@ -62,11 +75,6 @@ def serve(cfg, cluster, model, bounds):
 
 
 def work(cfg, cluster, model, bounds):
-    from mpips.protocol import Op
-    from mpips.runner import DistBackend, run_epochs
-    from mpips.stream import run_stream
-    from mpips.worker.client import PSClient, plan_keys
-    from mpips.worker.trainer import GeoTrainer, Trainer
     wi, W, S = cluster.index, cluster.n_workers, cluster.n_servers
     train_files, test_files = ([], []) if cfg.stream else resolve_data(cfg)
     client = PSClient(cluster.comm, cluster.server_ranks, cfg.embedding_dim, bounds,
@@ -89,6 +97,117 @@ def work(cfg, cluster, model, bounds):
     client.control(Op.FINISH)
     return [0, trainer.compute_s, client.wait_s, 0, client.messages, client.bytes_sent / 1e6,
             peak_rss_mb(), 0]
+
+
+class DistBackend:
+    """Worker `wi` of W; the first worker logs, saves and shrinks for all."""
+
+    def __init__(self, cfg, trainer, client, wcomm, wi, W):
+        self.cfg, self.trainer, self.client = cfg, trainer, client
+        self.wcomm, self.wi, self.W = wcomm, wi, W
+        self.is_logger = wi == 0
+        self.warned = False         # told the user this worker has no files
+
+    def _sum(self, arr):
+        out = np.empty_like(arr)
+        wait_collective(self.wcomm.Iallreduce(arr, out, op=MPI.SUM),
+                        "Iallreduce(sum) of the workers")
+        return out
+
+    def _mine(self, files):
+        return split_files(files, self.W, self.wi) if len(files) >= self.W else files[self.wi::self.W]
+
+    def train(self, files, epoch, skip=0):
+        wait_collective(self.wcomm.Ibarrier(), "Ibarrier of the workers (epoch start)")
+        c = self.client
+        sent0, msgs0 = c.bytes_sent, c.messages
+        t0 = time.perf_counter()
+        mine = self._mine(files)
+        if not mine and not self.warned:
+            self.warned = True
+            log_line(f"mpips: warning: worker {self.wi} has no training files ({len(files)} "
+                     f"file(s) for {self.W} workers); split the data into at least {self.W} "
+                     f"files (e.g. python -m data_prep.criteo --parts {self.W})")
+        reader = make_reader(self.cfg, mine, self.cfg.batch_size, log_line) if mine else None
+        try:
+            st = self.trainer.train_epoch(reader or [], epoch, self.cfg.max_steps, skip)
+        finally:
+            if reader is not None:
+                reader.close()
+        self.client.barrier()                      # every worker's pushes are applied
+        span = time.perf_counter() - t0
+        sums = self._sum(np.array([st.examples, st.loss_sum, c.bytes_sent - sent0,
+                                   c.messages - msgs0], np.float64))
+        span = self._max(span)
+        metrics = BinaryMetrics.from_state(self._sum(st.metrics.state()))
+        return {"examples": int(sums[0]), "loss_sum": sums[1], "seconds": span,
+                "metrics": metrics, "steps": st.steps, "extra": {
+                    "workers": self.W, "servers": c.n_servers,
+                    "bytes_sent_per_example": round(sums[2] / max(sums[0], 1), 1),
+                    "messages_sent": int(sums[3])}}
+
+    def _max(self, value):
+        out = np.empty(1, np.float64)
+        wait_collective(self.wcomm.Iallreduce(np.array([value], np.float64), out, op=MPI.MAX),
+                        "Iallreduce(max) of the workers")
+        return float(out[0])
+
+    def evaluate(self, files):
+        if not files:
+            return None
+        mine = files[self.wi::self.W]
+        local = BinaryMetrics()
+        if mine:
+            reader = make_reader(self.cfg, mine, self.cfg.batch_size, log_line)
+            try:
+                local = self.trainer.evaluate(reader)
+            finally:
+                reader.close()
+        return BinaryMetrics.from_state(self._sum(local.state()))
+
+    def save(self, mode, meta, step=0):
+        """Checkpoint now (after a barrier: step 0) or, mid-epoch, at `step` steps done
+        (sync mode: exactly that step; async: whatever the servers hold when they save)."""
+        if not self.is_logger:
+            return None
+        path = ck.new_checkpoint_dir(self.cfg.save_dir, mode)
+        seq = int(os.path.basename(path).split("-")[1])
+        infos = [json.loads(b) for b in self.client.save(seq, SAVE_MODES.index(mode), step)]
+        ck.write_manifest(path, {"shards": infos, "config": self.cfg.to_json(), "meta": meta})
+        log_line(f"SAVE --> {path} ({mode}, {sum(x['rows'] for x in infos)} rows)")
+        return path
+
+    def shrink(self, threshold):
+        return self.client.shrink(threshold) if self.is_logger else 0
+
+    def stats(self):
+        if not self.is_logger:
+            return {}
+        srv = self.client.stats()
+        out = {"table_rows": int(srv[:, 0].sum()), "table_bytes": int(srv[:, 1].sum()),
+               "admitted_total": int(srv[:, 5].sum()), "ids_waiting": int(srv[:, 6].sum()),
+               "requests_rejected": int(srv[:, 8].sum()), "replies_in_flight": int(srv[:, 9].sum())}
+        if self.cfg.mode == "ssp":
+            out["ssp_max_lead"] = int(srv[:, 4].max())
+        return out
+
+    def decide(self, fn):
+        """fn() on the first worker (a Pass or None), the same answer on every worker."""
+        buf = np.zeros(256, np.uint8)
+        if self.is_logger:
+            p = fn()
+            if p is not None:
+                raw = p.name.encode()
+                buf[:len(raw)] = np.frombuffer(raw, np.uint8)
+        wait_collective(self.wcomm.Ibcast(buf, root=0), "Ibcast of the next pass from worker 0")
+        name = bytes(buf).rstrip(b"\0").decode()
+        if not name:
+            return None
+        return Pass(name, name[:8], os.path.join(self.cfg.stream, name))
+
+    def emit(self, rec):
+        if self.is_logger:
+            write_metrics(self.cfg.metrics_out, rec)
 
 
 def report_profile(comm, root, prof):

@@ -24,9 +24,21 @@ import math
 import os
 import sys
 import time
+import traceback
 from collections import deque
 
 import numpy as np
+
+from mpips import checkpoint as ck
+from mpips.build import make_model, make_reader
+from mpips.config import Config, check_compatible
+from mpips.metrics import BinaryMetrics
+from mpips.server.dense_table import DenseTable
+from mpips.server.optim import OptimizerConfig
+from mpips.server.sparse_table import SparseTable
+from mpips.sharding import plan_keys
+from mpips.worker.local import LocalPS
+from mpips.worker.trainer import Trainer
 
 PROG = "python -m mpips.infer"
 
@@ -47,7 +59,6 @@ def build_parser():
 
 def config_from_manifest(manifest):
     """The stored run config as a Config (fields unknown to this version are dropped)."""
-    from mpips.config import Config
     names = {f.name for f in dataclasses.fields(Config)}
     stored = {k: v for k, v in manifest["config"].items() if k in names}
     stored.setdefault("embedding_dim", manifest["embedding_dim"])
@@ -57,17 +68,11 @@ def config_from_manifest(manifest):
 
 def load_model(path, warn=None):
     """(cfg, model, LocalPS, manifest, checkpoint dir) for checkpoint dir or root ``path``."""
-    from mpips import checkpoint as ck
-    from mpips.server.dense_table import DenseTable
-    from mpips.server.optim import OptimizerConfig
-    from mpips.server.sparse_table import SparseTable
-    from mpips.train import make_model
-    from mpips.worker.local import LocalPS
     ckpt_dir = ck.resolve(path, warn)
     elements = ck.chain(ckpt_dir)
     manifest = ck.read_manifest(ckpt_dir)
     cfg = config_from_manifest(manifest)
-    ck.check_compatible(manifest, cfg)
+    check_compatible(manifest, cfg)
     model = make_model(cfg)
     opt = OptimizerConfig(**manifest["optimizer"])
     rows = sum(ck.read_manifest(d)["rows"] for d in elements)   # upper bound: no regrowth
@@ -86,7 +91,6 @@ class _Tap:
     """
 
     def __init__(self, model, print_every, pred_file, log):
-        from mpips.metrics import BinaryMetrics
         self.model, self.print_every = model, print_every
         self.pred_file, self.log = pred_file, log
         self.labels = deque()
@@ -119,9 +123,6 @@ def _finite(x):
 
 def run(args, log=print):
     """Evaluate; return the metrics record."""
-    from mpips.train import make_reader
-    from mpips.worker.client import plan_keys
-    from mpips.worker.trainer import Trainer
     cfg, model, ps, manifest, ckpt_dir = load_model(args.model, warn=log)
     batch_size = args.batch_size or cfg.batch_size
     print_every = args.print_every or cfg.print_every
@@ -171,7 +172,6 @@ def main(argv=None):
     except Exception as e:  # noqa: BLE001 - the boundary of the program
         print(f"mpips.infer: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         if os.environ.get("MPIPS_TRACEBACK"):
-            import traceback
             traceback.print_exc()
         return 1
 

@@ -2,46 +2,18 @@
 
 A *backend* does one step of the job — train on files, evaluate on files, save, shrink,
 report table statistics — either in one process (`LocalBackend`, tables in-process) or as
-one of W workers (`DistBackend`, results reduced over the worker communicator, the first
-worker talking to the servers for saves and shrinks).  `run_epochs` (batch training) and
+one of W workers (`mpips.distributed.DistBackend`, results reduced over the worker
+communicator, the first worker talking to the servers for saves and shrinks).  `run_epochs` (batch training) and
 `mpips.stream.run_stream` (online training) are written once against that interface.
 """
-import json
-import os
-import time
-
 import numpy as np
 
-from mpips.metrics import BinaryMetrics
-from mpips.train import (epoch_record, log_line, make_reader, summary_line, write_metrics)
-
-POLL = 1e-3   # seconds between polls of a collective that may take long
-
-
-def wait_collective(req, what="an MPI collective"):
-    """Complete a non-blocking collective without burning a core.
-
-    Meanwhile answer other ranks' status requests (a failing rank's dump shows `what`).
-    """
-    from mpips.server.loop import WATCH
-    if req.Test():
-        return
-    WATCH.waiting(f"waiting in {what}")
-    while not req.Test():
-        WATCH.poll()
-        time.sleep(POLL)
-
-
-def start_point(cfg):
-    """(epoch, batches to skip in it) to continue from the --resume checkpoint."""
-    if not cfg.resume or cfg.stream:
-        return 0, 0
-    from mpips import checkpoint as ck
-    meta = ck.read_manifest(ck.resolve(cfg.resume))["meta"]
-    epoch = int(meta.get("epoch", -1))
-    if meta.get("complete", True):
-        return epoch + 1, 0
-    return epoch, int(meta.get("steps", 0))        # saved mid-epoch after `steps` batches
+from mpips import checkpoint as ck
+from mpips.build import make_reader
+from mpips.data.files import split_files
+from mpips.data.reader import Batch
+from mpips.report import epoch_record, log_line, summary_line, write_metrics
+from mpips.resume import start_point
 
 
 def should_save(cfg, epoch):
@@ -69,7 +41,6 @@ class LocalBackend:
         self.cfg, self.trainer, self.ps = cfg, trainer, ps
 
     def train(self, files, epoch, skip=0):
-        from mpips.data.files import split_files
         W = min(self.cfg.local_workers, max(len(files), 1))
         shards = [split_files(files, W, i) for i in range(W)] if files else []
         readers = [make_reader(self.cfg, s, self.cfg.batch_size, log_line) for s in shards]
@@ -89,7 +60,6 @@ class LocalBackend:
             reader.close()
 
     def save(self, mode, meta, step=0):
-        from mpips import checkpoint as ck
         path = ck.save_local(self.cfg.save_dir, inner_table(self.ps.sparse), self.ps.dense, mode,
                              self.cfg.to_json(), meta)
         log_line(f"SAVE --> {path} ({mode}, {len(self.ps.sparse)} rows)")
@@ -111,123 +81,6 @@ class LocalBackend:
         write_metrics(self.cfg.metrics_out, rec)
 
 
-class DistBackend:
-    """Worker `wi` of W; the first worker logs, saves and shrinks for all."""
-
-    def __init__(self, cfg, trainer, client, wcomm, wi, W):
-        self.cfg, self.trainer, self.client = cfg, trainer, client
-        self.wcomm, self.wi, self.W = wcomm, wi, W
-        self.is_logger = wi == 0
-        self.warned = False         # told the user this worker has no files
-
-    def _sum(self, arr):
-        from mpi4py import MPI
-        out = np.empty_like(arr)
-        wait_collective(self.wcomm.Iallreduce(arr, out, op=MPI.SUM),
-                        "Iallreduce(sum) of the workers")
-        return out
-
-    def _mine(self, files):
-        from mpips.data.files import split_files
-        return split_files(files, self.W, self.wi) if len(files) >= self.W else files[self.wi::self.W]
-
-    def train(self, files, epoch, skip=0):
-        wait_collective(self.wcomm.Ibarrier(), "Ibarrier of the workers (epoch start)")
-        c = self.client
-        sent0, msgs0 = c.bytes_sent, c.messages
-        t0 = time.perf_counter()
-        mine = self._mine(files)
-        if not mine and not self.warned:
-            self.warned = True
-            log_line(f"mpips: warning: worker {self.wi} has no training files ({len(files)} "
-                     f"file(s) for {self.W} workers); split the data into at least {self.W} "
-                     f"files (e.g. python -m data_prep.criteo --parts {self.W})")
-        reader = make_reader(self.cfg, mine, self.cfg.batch_size, log_line) if mine else None
-        try:
-            st = self.trainer.train_epoch(reader or [], epoch, self.cfg.max_steps, skip)
-        finally:
-            if reader is not None:
-                reader.close()
-        self.client.barrier()                      # every worker's pushes are applied
-        span = time.perf_counter() - t0
-        sums = self._sum(np.array([st.examples, st.loss_sum, c.bytes_sent - sent0,
-                                   c.messages - msgs0], np.float64))
-        span = self._max(span)
-        metrics = BinaryMetrics.from_state(self._sum(st.metrics.state()))
-        return {"examples": int(sums[0]), "loss_sum": sums[1], "seconds": span,
-                "metrics": metrics, "steps": st.steps, "extra": {
-                    "workers": self.W, "servers": c.n_servers,
-                    "bytes_sent_per_example": round(sums[2] / max(sums[0], 1), 1),
-                    "messages_sent": int(sums[3])}}
-
-    def _max(self, value):
-        from mpi4py import MPI
-        out = np.empty(1, np.float64)
-        wait_collective(self.wcomm.Iallreduce(np.array([value], np.float64), out, op=MPI.MAX),
-                        "Iallreduce(max) of the workers")
-        return float(out[0])
-
-    def evaluate(self, files):
-        if not files:
-            return None
-        mine = files[self.wi::self.W]
-        local = BinaryMetrics()
-        if mine:
-            reader = make_reader(self.cfg, mine, self.cfg.batch_size, log_line)
-            try:
-                local = self.trainer.evaluate(reader)
-            finally:
-                reader.close()
-        return BinaryMetrics.from_state(self._sum(local.state()))
-
-    def save(self, mode, meta, step=0):
-        """Checkpoint now (after a barrier: step 0) or, mid-epoch, at `step` steps done
-        (sync mode: exactly that step; async: whatever the servers hold when they save)."""
-        if not self.is_logger:
-            return None
-        from mpips import checkpoint as ck
-        from mpips.config import SAVE_MODES
-        path = ck.new_checkpoint_dir(self.cfg.save_dir, mode)
-        seq = int(os.path.basename(path).split("-")[1])
-        infos = [json.loads(b) for b in self.client.save(seq, SAVE_MODES.index(mode), step)]
-        ck.write_manifest(path, {"shards": infos, "config": self.cfg.to_json(), "meta": meta})
-        log_line(f"SAVE --> {path} ({mode}, {sum(x['rows'] for x in infos)} rows)")
-        return path
-
-    def shrink(self, threshold):
-        return self.client.shrink(threshold) if self.is_logger else 0
-
-    def stats(self):
-        if not self.is_logger:
-            return {}
-        srv = self.client.stats()
-        out = {"table_rows": int(srv[:, 0].sum()), "table_bytes": int(srv[:, 1].sum()),
-               "admitted_total": int(srv[:, 5].sum()), "ids_waiting": int(srv[:, 6].sum()),
-               "requests_rejected": int(srv[:, 8].sum()), "replies_in_flight": int(srv[:, 9].sum())}
-        if self.cfg.mode == "ssp":
-            out["ssp_max_lead"] = int(srv[:, 4].max())
-        return out
-
-    def decide(self, fn):
-        """fn() on the first worker (a Pass or None), the same answer on every worker."""
-        from mpips.stream import Pass
-        buf = np.zeros(256, np.uint8)
-        if self.is_logger:
-            p = fn()
-            if p is not None:
-                raw = p.name.encode()
-                buf[:len(raw)] = np.frombuffer(raw, np.uint8)
-        wait_collective(self.wcomm.Ibcast(buf, root=0), "Ibcast of the next pass from worker 0")
-        name = bytes(buf).rstrip(b"\0").decode()
-        if not name:
-            return None
-        return Pass(name, name[:8], os.path.join(self.cfg.stream, name))
-
-    def emit(self, rec):
-        if self.is_logger:
-            write_metrics(self.cfg.metrics_out, rec)
-
-
 def inner_table(table):
     """The SparseTable behind an admission filter (checkpoints hold the table itself)."""
     return getattr(table, "table", table)
@@ -235,7 +88,6 @@ def inner_table(table):
 
 def concat_batches(readers):
     """Zip W readers into batches of W x B (the grouping sync mode uses), closing them after."""
-    from mpips.data.reader import Batch
     its = [iter(r) for r in readers]
     try:
         while True:

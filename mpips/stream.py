@@ -21,6 +21,10 @@ import signal
 import time
 from dataclasses import dataclass
 
+from mpips.data.files import resolve_paths
+from mpips.report import epoch_record, pass_line
+from mpips.resume import resume_point
+
 POLL_MIN, POLL_MAX = 0.05, 2.0      # seconds between looks for a new pass
 STOP = {"flag": False}
 
@@ -39,7 +43,6 @@ class Pass:
     path: str
 
     def files(self):
-        from mpips.data.files import resolve_paths
         return resolve_paths(self.path)
 
 
@@ -77,26 +80,8 @@ def next_pass(root, done, timeout):
         delay = min(2 * delay, POLL_MAX)
 
 
-def resume_point(cfg):
-    """(checkpoint path or None, last pass name or None) a run continues from.
-
-    `--resume` names it; a stream also resumes by itself from the latest checkpoint in
-    `--save-dir` (restarted with the same command).
-    """
-    from mpips import checkpoint as ck
-    path = None
-    if cfg.resume:
-        path = ck.resolve(cfg.resume)
-    elif cfg.stream and cfg.save_dir and os.path.isdir(cfg.save_dir):
-        path = ck.latest(cfg.save_dir)
-    if path is None:
-        return None, None
-    return path, ck.read_manifest(path)["meta"].get("pass")
-
-
 def run_stream(cfg, backend, log):
     """The loop above; `backend` does the work (local or distributed). Returns records."""
-    from mpips.train import epoch_record
     _, done = resume_point(cfg)
     prev_day = None if done is None else done[:8]
     records = []
@@ -132,13 +117,3 @@ def run_stream(cfg, backend, log):
         done, prev_day = p.name, p.day
     return records
 
-
-def pass_line(rec):
-    s = (f"PASS {rec['pass']} --> eval auc: {rec.get('test_auc', float('nan')):.6f} "
-         f"logloss: {rec.get('test_logloss', float('nan')):.6f} | train examples: "
-         f"{rec['train_examples']} loss: {rec['train_loss']:.6f} examples/s: "
-         f"{rec['examples_per_sec']:.0f}")
-    if "table_rows" in rec:
-        s += (f" | table rows: {rec['table_rows']} bytes: {rec['table_bytes']} admitted: "
-              f"{rec['ids_admitted']} waiting: {rec['ids_waiting']} evicted: {rec['ids_evicted']}")
-    return s

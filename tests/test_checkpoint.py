@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mpips import checkpoint as ck
-from mpips.config import Config
+from mpips.config import Config, check_compatible
 from mpips.server.dense_table import DenseTable
 from mpips.server.optim import OptimizerConfig
 from mpips.server.sparse_table import SparseTable
@@ -393,12 +393,12 @@ def test_delta_without_base(tmp_path):
 def test_mismatched_config(saved):
     path, _ = saved
     m = ck.read_manifest(path)
-    ck.check_compatible(m, Config(embedding_dim=DIM, fc="3"))
+    check_compatible(m, Config(embedding_dim=DIM, fc="3"))
     for cfg, flag in ((Config(embedding_dim=8, fc="3"), "--embedding-dim 4; this run has --embedding-dim 8"),
                       (Config(embedding_dim=DIM, fc="3,2"), "--fc 3; this run has --fc 3,2"),
                       (Config(embedding_dim=DIM, fc="3", optimizer="sgd"), "--optimizer adam; this run")):
         with pytest.raises(ck.CheckpointError, match=flag):
-            ck.check_compatible(m, cfg)
+            check_compatible(m, cfg)
     with pytest.raises(ck.CheckpointError, match="saved with embedding_dim 4; the table has dim 8"):
         _load(path, dim=8)
     with pytest.raises(ck.CheckpointError, match="optimizer adam; the tables use adagrad"):

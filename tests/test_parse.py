@@ -6,7 +6,7 @@ import pytest
 
 from mpips.data import criteo, slot
 from mpips.data.criteo import (CONT_DIFF, CONT_MIN, hash_feature, make_norm, parse_tsv_bytes)
-from mpips.kernels import parse as K
+from mpips.kernels import tsv_parse as K
 
 SAMPLE = "/work/shared/data/paddle_slot_sample.txt"
 _INT = re.compile(rb"[+-]?[0-9]+\Z")

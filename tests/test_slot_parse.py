@@ -17,8 +17,9 @@ from mpips.data import criteo
 from mpips.data.criteo import (BAD_SLOT_KEY, BAD_SLOT_TOKENS, BAD_SLOT_VALUE,
                                MAX_BAD_RECORDS, N_DENSE, N_SPARSE, ParseResult, as_uint8)
 from mpips.data.slot import parse_slot_bytes, slot_feature_id
-from mpips.kernels import parse as K
+from mpips.kernels import number_parse as N
 from mpips.kernels import slot_parse as S
+from mpips.kernels import tsv_parse as K
 
 SAMPLE = "/work/shared/data/paddle_slot_sample.txt"
 N_TOKENS = 1 + N_DENSE + N_SPARSE
@@ -236,7 +237,7 @@ def _spans(tokens):
 
 def kernel_floats(tokens):
     buf, s, e = _spans(tokens)
-    res = [S.parse_float(buf, i, j) for i, j in zip(s.tolist(), e.tolist())]
+    res = [N.parse_float(buf, i, j) for i, j in zip(s.tolist(), e.tolist())]
     return np.array([r[0] for r in res], bool), np.array([r[1] for r in res])
 
 
@@ -404,7 +405,7 @@ def test_parse_uint64_matches_python_int():
     toks += [str(v).encode() for v in rng.integers(0, 2 ** 64 - 1, 500, dtype=np.uint64,
                                                    endpoint=True).tolist()]
     buf, s, e = _spans(toks)
-    res = [S.parse_uint64(buf, i, j) for i, j in zip(s.tolist(), e.tolist())]
+    res = [N.parse_uint64(buf, i, j) for i, j in zip(s.tolist(), e.tolist())]
     for t, (k_ok, k_v) in zip(toks, res):
         try:
             p = int(t)

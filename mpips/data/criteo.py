@@ -6,7 +6,7 @@ One example a line: ``label \\t I1..I13 \\t C1..C26`` (40 fields; 39 without lab
   ``(x - cont_min[k]) / cont_diff[k]`` (float64 maths, stored float32); empty -> 0.0,
   as in Paddle's CTR-DNN reader.  Defaults are Paddle's constants.
 * Categorical field ``Ck`` (any bytes but TAB/LF, usually 8 hex digits or empty):
-  id = ``hash_feature(k - 1, raw)`` — see ``mpips.kernels.parse`` for the exact hash.
+  id = ``hash_feature(k - 1, raw)`` — see ``mpips.kernels.tsv_parse`` for the exact hash.
   Empty is a value of its own.  ``hash_bucket=B`` gives ``unsigned_hash % B`` instead
   (Paddle's ``% 1000001`` bucketing; ids then collide across slots, as in Paddle).
 * Lines end in LF, optionally CRLF; a last line without LF is read.  Blank lines are
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpips.kernels import parse as K
+from mpips.kernels import tsv_parse as K
 
 N_DENSE = K.N_DENSE
 N_SPARSE = K.N_SPARSE

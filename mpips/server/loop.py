@@ -22,126 +22,25 @@ Failure handling (see docs/reliability.md):
   ``idle_timeout``, fails the job with PeerTimeout;
 - while a barrier waits for workers that still make progress, the waiting workers get a
   BARRIER_KEEPALIVE now and then, so that their own timeout measures silence, not length;
-- before a rank raises PeerTimeout it asks every rank what it is waiting for (``Watch``)
-  and prints the answers; ranks that do not answer are named as the ones that stopped.
+- before a rank raises PeerTimeout it asks every rank what it is waiting for
+  (``mpips.liveness.Watch``) and prints the answers; ranks that do not answer are named as
+  the ones that stopped.
 """
-import sys
 import time
 
 import numpy as np
 from mpi4py import MPI
 
 from mpips.kernels.embedding import sum_duplicates
-from mpips.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, TAG_CONTROL, TAG_DUMP,
-                            TAG_DUMP_REPLY, TAG_REPLY_DENSE, TAG_REPLY_SPARSE, TAG_REQUEST, Op,
-                            ProtocolError, decode)
+from mpips.liveness import WATCH, err_line
+from mpips.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, TAG_CONTROL, TAG_REPLY_DENSE,
+                            TAG_REPLY_SPARSE, TAG_REQUEST, Op, ProtocolError, decode)
 
 IDLE_MIN = 1e-5     # first back-off sleep (s) after the last message
 IDLE_MAX = 5e-4     # longest back-off sleep (s)
 CHECK_EVERY = 0.05  # seconds between liveness checks of an idle server
-POLL_EVERY = 5e-3   # seconds between looks for a status request (TAG_DUMP)
-DUMP_WAIT = 1.0     # seconds a failing rank waits for the others' status lines
 MAX_REJECT_LINES = 100  # malformed requests logged one line each; later ones only counted
 CONTROL_OPS = (Op.FINISH, Op.STATS, Op.BARRIER, Op.SAVE, Op.SHRINK)
-
-
-class PeerTimeout(RuntimeError):
-    """A peer stopped answering within --peer-timeout."""
-
-
-def err_line(text):
-    print(text, file=sys.stderr, flush=True)
-
-
-class Watch:
-    """What this rank is waiting for; answers other ranks' status requests.
-
-    One per process (``WATCH``), bound to the world communicator by the server or the
-    client.  ``waiting(state)`` records the current wait (a string or a callable giving
-    one); ``poll()`` answers TAG_DUMP requests; ``fail(text)`` asks every other rank,
-    prints the dump to stderr and raises PeerTimeout naming the ranks that did not answer.
-    """
-
-    def __init__(self):
-        self.comm, self.label = None, ""
-        self.state, self.since, self.next_poll = "starting", time.monotonic(), 0.0
-        self.timed = True           # append the time spent in this state to the line
-        self.answered_at = -1e9     # when this rank last answered a status request
-        self._sends = []        # (request, buffer) of status traffic, kept alive
-        self._token = np.zeros(1, np.int64)
-
-    def bind(self, comm, label):
-        if self.comm is None:
-            self.comm, self.label = comm, label
-        return self
-
-    def waiting(self, state, timed=True):
-        self.state, self.since, self.timed = state, time.monotonic(), timed
-
-    def line(self):
-        state = self.state() if callable(self.state) else self.state
-        since = f" [for {time.monotonic() - self.since:.1f} s]" if self.timed else ""
-        return f"rank {self.comm.rank} ({self.label}): {state}{since}"
-
-    def poll(self, force=False):
-        """Answer pending status requests (at most every POLL_EVERY s unless forced)."""
-        if self.comm is None:
-            return
-        now = time.monotonic()
-        if not force and now < self.next_poll:
-            return
-        self.next_poll = now + POLL_EVERY
-        status = MPI.Status()
-        while self.comm.Iprobe(MPI.ANY_SOURCE, TAG_DUMP, status):
-            src = status.Get_source()
-            self.comm.Recv([np.empty(1, np.int64), 1, MPI.INT64_T], src, TAG_DUMP)
-            self.answered_at = now
-            text = np.frombuffer(self.line().encode()[:1000], np.uint8).copy()
-            self._sends.append((self.comm.Isend([text, len(text), MPI.BYTE], src,
-                                                TAG_DUMP_REPLY), text))
-        self._sends = [(r, b) for r, b in self._sends if not r.Test()]
-
-    def collect(self, wait=DUMP_WAIT):
-        """Ask every other rank for its status line: (lines by rank, ranks that did not answer)."""
-        comm = self.comm
-        others = [r for r in range(comm.size) if r != comm.rank]
-        for r in others:
-            self._sends.append((comm.Isend([self._token, 1, MPI.INT64_T], r, TAG_DUMP),
-                                self._token))
-        lines, missing = {comm.rank: self.line()}, set(others)
-        status, t0 = MPI.Status(), time.monotonic()
-        while missing and time.monotonic() - t0 < wait:
-            if comm.Iprobe(MPI.ANY_SOURCE, TAG_DUMP_REPLY, status):
-                src, n = status.Get_source(), status.Get_count(MPI.BYTE)
-                buf = np.empty(n, np.uint8)
-                comm.Recv([buf, n, MPI.BYTE], src, TAG_DUMP_REPLY)
-                lines[src] = bytes(buf).decode(errors="replace")
-                missing.discard(src)
-            else:
-                self.poll(force=True)       # another failing rank may be asking us
-                time.sleep(1e-3)
-        for r in missing:
-            lines[r] = f"rank {r}: NO ANSWER within {wait:.1f} s (dead, stopped, or busy)"
-        return [lines[r] for r in sorted(lines)], sorted(missing)
-
-    def fail(self, text):
-        """Dump every rank's wait state to stderr, then raise PeerTimeout."""
-        if self.comm is None or self.comm.size == 1:
-            raise PeerTimeout(text)
-        quiet = time.monotonic() - self.answered_at < 3 * DUMP_WAIT   # the asker prints one
-        lines, missing = self.collect()
-        me = f"mpips: rank {self.comm.rank} ({self.label})"
-        if not quiet:
-            err_line(f"{me}: peer status dump (what each rank is waiting for):")
-            for line in lines:
-                err_line(f"{me}:   {line}")
-        if missing:
-            raise PeerTimeout(f"rank(s) {missing} stopped answering (no reply to a status "
-                              f"request within {DUMP_WAIT:.0f} s); seen here: {text}")
-        raise PeerTimeout(f"{text}; every rank answered a status request (see the dump above)")
-
-
-WATCH = Watch()
 
 
 class Server:

@@ -1,50 +1,26 @@
-"""Worker side of the PS: plan a batch's keys per server, pull/push with non-blocking MPI.
+"""Worker side of the PS: pull/push with non-blocking MPI.
 
-``plan_keys`` dedups a batch's ids and orders the unique keys by owning server, so that
-each server's rows are one contiguous slice of the pulled (u, dim) array: replies land in
-place, gradients leave from place.  Every call returns a :class:`Handle`; ``h.wait()``
-polls with back-off (an oversubscribed core is left to the ranks that compute) and fails
-with the rank's name when a server does not answer within the peer timeout.
+A batch's keys come planned by ``mpips.sharding.plan_keys`` (deduplicated, grouped by
+owning server), so each server's rows are one contiguous slice of the pulled (u, dim)
+array: replies land in place, gradients leave from place.  Every call returns a
+:class:`Handle`; ``h.wait()`` polls with back-off (an oversubscribed core is left to the
+ranks that compute) and fails with the rank's name when a server does not answer within
+the peer timeout.
 """
 import time
-from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
 
-from mpips.kernels.embedding import unique_inverse
+from mpips.liveness import WATCH
 from mpips.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, STATS_LEN, TAG_CONTROL,
                             TAG_REPLY_DENSE, TAG_REPLY_SPARSE, TAG_REQUEST, Op, encode,
                             message_nbytes)
-from mpips.server.loop import WATCH
-from mpips.sharding import owners
 
 WAIT_MIN = 1e-5     # first poll sleep (s) while waiting for a reply
 WAIT_MAX = 2e-4     # longest poll sleep (s)
 WORKER_GRACE = 1.0  # s a worker waits beyond --peer-timeout: a server, which knows which
                     # worker holds the others up, gets to report first
-
-
-@dataclass
-class KeyPlan:
-    """A batch's unique keys grouped by server."""
-    keys: np.ndarray      # int64 (u,): unique keys, grouped by server, sorted within a group
-    inverse: np.ndarray   # int64 (n,): position in `keys` of each original id
-    offsets: np.ndarray   # int64 (S+1,): server s owns keys[offsets[s]:offsets[s+1]]
-
-
-def plan_keys(ids, n_servers):
-    """Dedup ids (any shape, int64) and group the unique keys by owning server."""
-    ukeys, inverse = unique_inverse(ids.reshape(-1))
-    if n_servers == 1:
-        return KeyPlan(ukeys, inverse, np.array([0, len(ukeys)], np.int64))
-    own = owners(ukeys, n_servers)
-    order = np.argsort(own, kind="stable")
-    rank_of = np.empty_like(order)
-    rank_of[order] = np.arange(len(order))
-    counts = np.bincount(own, minlength=n_servers)
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    return KeyPlan(ukeys[order], rank_of[inverse], offsets)
 
 
 def wait_requests(reqs, timeout, what):

@@ -17,6 +17,10 @@ import numpy as np
 
 from mpips.kernels.embedding import gather_rows, scatter_add_rows
 from mpips.metrics import BinaryMetrics
+from mpips.protocol import Op
+from mpips.server.dense_table import DenseTable
+from mpips.server.optim import OptimizerConfig
+from mpips.server.sparse_table import SparseTable
 
 
 @dataclass
@@ -215,8 +219,6 @@ class GeoTrainer(Trainer):
     def __init__(self, cfg, model, ps, plan_fn, log=None, n_workers=1):
         super().__init__(cfg, model, ps, plan_fn, log, overlap=False)
         self.scale = np.float32(1.0 / n_workers)     # Paddle scales GEO deltas by 1/trainers
-        from mpips.server.optim import OptimizerConfig
-        from mpips.server.sparse_table import SparseTable
         self.opt = OptimizerConfig(name=cfg.optimizer, lr=cfg.lr,
                                    initial_accumulator=cfg.adagrad_init)
         self.local = SparseTable(cfg.embedding_dim, self.opt, cfg.seed, cfg.init_range)
@@ -227,7 +229,6 @@ class GeoTrainer(Trainer):
         self.touched = []
 
     def _first_pull(self):
-        from mpips.server.dense_table import DenseTable
         plan = self.plan_fn(np.empty(0, np.int64))
         self.ps.pull(plan, np.empty((0, self.dim), np.float32), self.params[0]).wait()
         self.dense_base = self.params[0].copy()
@@ -235,7 +236,6 @@ class GeoTrainer(Trainer):
 
     def _sync(self, step):
         """Send deltas of touched ids and dense, then rebase on the servers' values."""
-        from mpips.protocol import Op
         keys = np.concatenate(self.touched) if self.touched else np.empty(0, np.int64)
         self.touched = []
         plan = self.plan_fn(keys)

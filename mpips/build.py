@@ -1,0 +1,51 @@
+"""Factories: what a run is made of, built from the config.
+
+``resolve_data`` (the file lists), ``make_reader`` (a DataReader with the config's data
+settings), ``make_model`` (the CTR-DNN) and ``make_tables`` (a sparse table, behind an
+admission filter when ``--entry`` is set, and a dense slice).  Local runs, servers,
+workers and ``mpips.infer`` build their parts here.
+"""
+import os
+
+from data_prep.synth import ensure_default_dataset
+from mpips.data.files import resolve_paths
+from mpips.data.reader import DataReader
+from mpips.data.shards import load_stats
+from mpips.models.ctr_dnn import CTRDNN
+from mpips.server.admission import AdmittedTable
+from mpips.server.dense_table import DenseTable
+from mpips.server.optim import OptimizerConfig
+from mpips.server.sparse_table import SparseTable
+
+
+def resolve_data(cfg):
+    """(train_files, test_files) from the config; the embedded synthetic set if none given."""
+    if not cfg.train:
+        train_dir, test_dir = ensure_default_dataset(
+            os.path.expanduser(cfg.cache_dir), rows=cfg.synth_rows,
+            test_rows=cfg.synth_test_rows, parts=8, seed=0)
+        return resolve_paths(train_dir), resolve_paths(test_dir)
+    return resolve_paths(cfg.train), (resolve_paths(cfg.test) if cfg.test else [])
+
+
+def make_reader(cfg, files, batch_size, warn):
+    cont_min = cont_diff = None
+    if cfg.stats:
+        cont_min, cont_diff = load_stats(cfg.stats)
+    return DataReader(files, batch_size, fmt=cfg.data_format, strict=cfg.strict,
+                      hash_bucket=cfg.hash_bucket, prefetch=cfg.prefetch, warn=warn,
+                      cont_min=cont_min, cont_diff=cont_diff)
+
+
+def make_tables(cfg, model, lo=0, hi=None):
+    """The sparse table and the dense slice [lo:hi) of the initial parameters."""
+    opt = OptimizerConfig(name=cfg.optimizer, lr=cfg.lr, initial_accumulator=cfg.adagrad_init)
+    sparse = SparseTable(cfg.embedding_dim, opt, seed=cfg.seed, init_range=cfg.init_range)
+    if cfg.entry:
+        sparse = AdmittedTable(sparse, cfg.entry, cfg.seed)
+    dense = DenseTable(model.init_params(cfg.seed)[lo:hi].copy(), opt)
+    return sparse, dense
+
+
+def make_model(cfg):
+    return CTRDNN(dim=cfg.embedding_dim, hidden=cfg.hidden)

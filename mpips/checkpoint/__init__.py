@@ -1,0 +1,48 @@
+"""HDF5 checkpoints: full, base and delta saves, atomic commit, chains, re-sharding on load.
+
+Layout of a checkpoint root::
+
+    ROOT/ckpt-000001-base/shard-00000-of-00002.h5    one file per server (h5py, no pickle)
+                         /shard-00001-of-00002.h5
+                         /MANIFEST.json             written LAST: its presence commits
+    ROOT/ckpt-000002-delta/...                      parent: ckpt-000001-base
+
+Modes (Paddle's ``save_persistables(mode)`` 0/1/2):
+
+* ``full``  every row with its optimizer state and metadata; change tracking untouched;
+* ``base``  the same, then ``clear_dirty()``/``clear_evicted()``: tracking starts here;
+* ``delta`` the rows changed (dirty) and the ids evicted since the last base/delta, then
+  clear.  Its manifest names its ``parent`` (the previous base or delta) so
+  ``chain(delta)`` walks back to a base.
+The dense slice of each server and its optimizer state are saved in every mode.
+
+A shard file holds ``/sparse/<field>`` for each row field of the table but ``dirty``
+(``keys`` int64 (n,), ``values`` float32 (n, dim), optimizer state, ``unseen``,
+``seen_count``, ``seen_flag``), ``/sparse/evicted`` int64 (k,) and ``/dense/<name>``
+(``values`` and the optimizer state of the slice at ``dense_lo``).  Datasets are
+contiguous and uncompressed.  The manifest records, per shard, the file size and for
+every dataset its shape, dtype and CRC-32; all are verified on load.  Any problem
+raises :class:`CheckpointError` (a ``ValueError``) naming the directory or file and what
+is wrong.
+
+Saving is collective in the caller's hands: one rank makes the directory
+(:func:`new_checkpoint_dir`), every server calls :func:`save_shard` on its quiesced
+tables, and one rank gathers the returned dicts and calls :func:`write_manifest`.
+Loading: every server calls :func:`load_shard_into` with its own index and the new
+server count; ids are re-assigned by ``owner_of`` so S servers' files load into any S'.
+
+Known limit of deltas: row metadata that changes without marking a row dirty (``unseen``
+and ``seen_flag`` aged by ``shrink``, ``seen_count`` of pulls that were never pushed) is
+as of the row's last save.  Shrinking right before a base, as DESIGN.md's online schedule
+does, keeps base + deltas exact.
+"""
+from mpips.checkpoint.load import load_local, load_shard_into
+from mpips.checkpoint.manifest import (MANIFEST, MODES, CheckpointError, chain, latest,
+                                       list_checkpoints, load_config, new_checkpoint_dir,
+                                       read_manifest, resolve, shard_name, write_manifest)
+from mpips.checkpoint.save import save_local, save_shard
+
+__all__ = ["MANIFEST", "MODES", "CheckpointError", "chain", "latest", "list_checkpoints",
+           "load_config", "load_local", "load_shard_into", "new_checkpoint_dir",
+           "read_manifest", "resolve", "save_local", "save_shard", "shard_name",
+           "write_manifest"]

@@ -1,0 +1,300 @@
+"""Checkpoint directories and manifests: naming, discovery, validation, atomic commit.
+
+A checkpoint directory ``ROOT/ckpt-<seq>-<mode>`` is committed by its ``MANIFEST.json``,
+written last and atomically (:func:`write_manifest`); :func:`read_manifest` validates one,
+:func:`latest` / :func:`resolve` find the newest committed one and :func:`chain` walks a
+delta back to its base.  The package docstring (``mpips.checkpoint``) has the layout.
+"""
+import json
+import os
+import re
+import sys
+import time
+
+FORMAT = "mpips-checkpoint"
+VERSION = 1
+MODES = ("full", "base", "delta")      # Paddle save_persistables mode 0, 1, 2
+MANIFEST = "MANIFEST.json"
+SKIPPED_FIELDS = ("dirty",)            # save tracking, meaningless inside a checkpoint
+_DIR_RE = re.compile(r"^ckpt-(\d{6,})-(full|base|delta)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, partial, corrupted or does not fit the tables."""
+
+
+def stderr_warn(msg):
+    print(f"mpips.checkpoint: {msg}", file=sys.stderr, flush=True)
+
+
+def shard_name(server_id, n_servers):
+    return f"shard-{server_id:05d}-of-{n_servers:05d}.h5"
+
+
+def check_mode(mode):
+    if mode not in MODES:
+        raise ValueError(f"checkpoint mode must be one of {', '.join(MODES)}; got {mode!r}")
+
+
+def fsync(path):
+    """fsync a file or a directory (the latter makes a rename in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------ directories
+def _scan(root):
+    """[(seq, mode, name)] of checkpoint-like directories in root, by seq."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = _DIR_RE.match(name)
+        if m and os.path.isdir(os.path.join(root, name)):
+            found.append((int(m.group(1)), m.group(2), name))
+    return sorted(found)
+
+
+def new_checkpoint_dir(root, mode):
+    """Create and return ``ROOT/ckpt-<next seq>-<mode>`` (one rank calls this).
+
+    A delta needs an earlier committed base or delta in ``root`` to be its parent.
+    """
+    check_mode(mode)
+    os.makedirs(root, exist_ok=True)
+    if mode == "delta" and _auto_parent(root, None) is None:
+        raise CheckpointError(f"cannot save a delta in {root}: it holds no committed base "
+                              "or delta to be its parent (save mode 'base' first)")
+    while True:
+        seqs = [s for s, _, _ in _scan(root)]
+        path = os.path.join(root, f"ckpt-{(max(seqs) + 1 if seqs else 1):06d}-{mode}")
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            continue
+        fsync(root)
+        return path
+
+
+def list_checkpoints(root):
+    """Checkpoint directories of root by seq: dicts path, name, seq, mode, valid, error."""
+    out = []
+    for seq, mode, name in _scan(root):
+        path = os.path.join(root, name)
+        try:
+            read_manifest(path)
+            valid, error = True, None
+        except CheckpointError as e:
+            valid, error = False, str(e)
+        out.append({"path": path, "name": name, "seq": seq, "mode": mode, "valid": valid,
+                    "error": error})
+    return out
+
+
+def latest(root, warn=None):
+    """Path of the newest committed checkpoint in root, or None.
+
+    Newer directories without a valid manifest (interrupted saves) are skipped with a
+    warning through ``warn`` (default: stderr).
+    """
+    warn = warn or stderr_warn
+    for info in reversed(list_checkpoints(root)):
+        if info["valid"]:
+            return info["path"]
+        warn(f"ignoring {info['error']}")
+    return None
+
+
+def resolve(path, warn=None):
+    """A checkpoint directory from ``path``: itself, or the latest one if it is a root."""
+    path = os.path.normpath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint or checkpoint root")
+    if os.path.exists(os.path.join(path, MANIFEST)) or _DIR_RE.match(os.path.basename(path)):
+        return path
+    found = latest(path, warn)
+    if found is None:
+        raise CheckpointError(f"{path}: holds no committed checkpoint (no ckpt-*/{MANIFEST})")
+    return found
+
+
+# ------------------------------------------------------------------- manifest
+def _need(cond, where, what):
+    if not cond:
+        raise CheckpointError(f"{where}: invalid {MANIFEST}: {what}")
+
+
+def _is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_shard_entry(where, sh, i, n_servers):
+    _need(isinstance(sh, dict), where, f"shard {i} is not an object")
+    for key in ("bytes", "rows", "evicted", "dense_lo", "dense_size", "server_id"):
+        _need(_is_int(sh.get(key)) and sh[key] >= 0, where, f"shard {i}: bad {key!r}")
+    name = sh.get("file")
+    _need(name == shard_name(i, n_servers) and sh["server_id"] == i, where,
+          f"shard {i}: file must be {shard_name(i, n_servers)}; got {name!r}")
+    ds = sh.get("datasets")
+    _need(isinstance(ds, dict) and ds, where, f"shard {i}: no datasets")
+    for dname, d in ds.items():
+        ok = (isinstance(d, dict) and isinstance(d.get("shape"), list)
+              and all(_is_int(x) and x >= 0 for x in d["shape"])
+              and isinstance(d.get("dtype"), str) and _is_int(d.get("crc32")))
+        _need(ok, where, f"shard {i}: bad entry for dataset {dname!r}")
+
+
+def _check_manifest(path, m):
+    where = path
+    _need(isinstance(m, dict) and m.get("format") == FORMAT, where, f"format is not {FORMAT}")
+    _need(m.get("version") == VERSION, where,
+          f"format version {m.get('version')!r}; this mpips reads version {VERSION}")
+    match = _DIR_RE.match(os.path.basename(os.path.normpath(path)))
+    if match:
+        _need(m.get("seq") == int(match.group(1)) and m.get("mode") == match.group(2), where,
+              "seq/mode do not match the directory name")
+    _need(m.get("mode") in MODES and _is_int(m.get("seq")), where, "bad mode or seq")
+    _need((m.get("parent") is None) == (m["mode"] != "delta"), where,
+          "a delta needs a parent, other modes none")
+    if m["mode"] == "delta":
+        pm = _DIR_RE.match(str(m["parent"]))
+        _need(pm is not None and int(pm.group(1)) < m["seq"], where,
+              f"parent {m['parent']!r} is not an earlier checkpoint directory")
+    S = m.get("n_servers")
+    _need(_is_int(S) and S >= 1, where, "bad n_servers")
+    _need(_is_int(m.get("embedding_dim")) and m["embedding_dim"] >= 1, where, "bad embedding_dim")
+    _need(isinstance(m.get("optimizer"), dict) and "name" in m["optimizer"], where,
+          "bad optimizer")
+    _need(isinstance(m.get("config"), dict), where, "config is not an object")
+    shards = m.get("shards")
+    _need(isinstance(shards, list) and len(shards) == S, where, f"needs {S} shard entries")
+    for i, sh in enumerate(shards):
+        _check_shard_entry(where, sh, i, S)
+    bounds = m.get("dense_bounds")
+    want = [sh["dense_lo"] for sh in shards] + [shards[-1]["dense_lo"] + shards[-1]["dense_size"]]
+    _need(bounds == want and bounds[0] == 0 and bounds == sorted(bounds)
+          and bounds[-1] == m.get("n_params"), where, "dense_bounds do not tile n_params")
+
+
+def read_manifest(path):
+    """The validated manifest of checkpoint directory ``path`` (CheckpointError if none)."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    mpath = os.path.join(path, MANIFEST)
+    if not os.path.exists(mpath):
+        raise CheckpointError(f"partial checkpoint {path}: no {MANIFEST} (the save did not "
+                              "finish); use an earlier checkpoint")
+    try:
+        with open(mpath, "rb") as fh:
+            m = json.loads(fh.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable {MANIFEST} ({e})") from None
+    _check_manifest(path, m)
+    return m
+
+
+def _auto_parent(root, below_seq):
+    """Name of the newest committed base/delta in root (with seq < below_seq), or None."""
+    for info in reversed(list_checkpoints(root)):
+        if below_seq is not None and info["seq"] >= below_seq:
+            continue
+        if info["valid"] and info["mode"] in ("base", "delta"):
+            return info["name"]
+    return None
+
+
+def _config_dict(config):
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return dict(config)
+    if isinstance(config, str):
+        return json.loads(config)
+    return json.loads(config.to_json())
+
+
+def write_manifest(ckpt_dir, info):
+    """Commit ``ckpt_dir``: validate the shards and write MANIFEST.json atomically.
+
+    ``info``: ``shards`` (the dicts save_shard returned, any order), optional ``config``
+    (a Config, its JSON or a dict), ``meta`` (anything JSON: epoch, step, pass, data
+    position) and, for a delta, ``parent`` (directory name; default: the newest committed
+    base/delta before it in the same root).  Returns the manifest.
+    """
+    name = os.path.basename(os.path.normpath(ckpt_dir))
+    match = _DIR_RE.match(name)
+    if not match:
+        raise CheckpointError(f"{ckpt_dir}: not a checkpoint directory name (ckpt-NNNNNN-mode)")
+    seq, mode = int(match.group(1)), match.group(2)
+    shards = sorted(info["shards"], key=lambda s: s["server_id"])
+    S = shards[0]["n_servers"] if shards else 0
+    if [s["server_id"] for s in shards] != list(range(S)) or S < 1:
+        raise CheckpointError(f"{ckpt_dir}: need shards 0..{S - 1} exactly once; got server ids "
+                              f"{[s['server_id'] for s in shards]}")
+    first = shards[0]
+    for key, want in (("n_servers", S), ("mode", mode), ("embedding_dim", first["embedding_dim"]),
+                      ("optimizer", first["optimizer"])):
+        bad = [s["server_id"] for s in shards if s[key] != want]
+        if bad:
+            raise CheckpointError(f"{ckpt_dir}: shards {bad} disagree on {key} (want {want!r})")
+    parent = None
+    if mode == "delta":
+        root = os.path.dirname(os.path.normpath(ckpt_dir))
+        parent = info.get("parent") or _auto_parent(root, seq)
+        if parent is None:
+            raise CheckpointError(f"delta {ckpt_dir} has no committed base/delta before it")
+    entries = [{k: s[k] for k in ("file", "bytes", "server_id", "rows", "evicted", "dense_lo",
+                                  "dense_size", "datasets")} for s in shards]
+    last = shards[-1]
+    end = last["dense_lo"] + last["dense_size"]
+    manifest = {"format": FORMAT, "version": VERSION, "seq": seq, "mode": mode,
+                "parent": parent, "n_servers": S, "n_params": end,
+                "dense_bounds": [s["dense_lo"] for s in shards] + [end],
+                "embedding_dim": shards[0]["embedding_dim"], "optimizer": shards[0]["optimizer"],
+                "rows": sum(s["rows"] for s in shards), "created": time.time(),
+                "config": _config_dict(info.get("config")), "meta": info.get("meta") or {},
+                "shards": entries}
+    _check_manifest(ckpt_dir, manifest)
+    try:
+        text = json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{ckpt_dir}: meta/config is not JSON-serialisable ({e})") from None
+    tmp = os.path.join(ckpt_dir, MANIFEST + ".tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, os.path.join(ckpt_dir, MANIFEST))
+    fsync(ckpt_dir)
+    return manifest
+
+
+def chain(path):
+    """Checkpoint directories to load for ``path``, base first (``[path]`` unless a delta)."""
+    return [d for d, _ in chain_manifests(path)]
+
+
+def chain_manifests(path):
+    path = os.path.normpath(path)
+    m = read_manifest(path)
+    out = [(path, m)]
+    while m["mode"] == "delta":
+        parent = os.path.join(os.path.dirname(path), m["parent"])
+        try:
+            pm = read_manifest(parent)
+        except CheckpointError as e:
+            raise CheckpointError(f"delta {path} needs its base {m['parent']}: {e}") from None
+        if pm["mode"] == "full":
+            raise CheckpointError(f"delta {path}: parent {m['parent']} is a full save, not a "
+                                  "base or delta")
+        path, m = parent, pm
+        out.append((path, m))
+    return out[::-1]
+
+
+def load_config(path, warn=None):
+    """The run config stored in checkpoint ``path`` (a checkpoint dir or a root), as a dict."""
+    return read_manifest(resolve(path, warn))["config"]

@@ -1,0 +1,93 @@
+"""Writing a checkpoint: each server's shard file, and a one-process save.
+
+A shard file holds ``/sparse/<field>`` per row field, ``/sparse/evicted`` and
+``/dense/<name>``, written whole and contiguous, with a CRC-32 per dataset returned for
+the manifest (see ``mpips.checkpoint``).
+"""
+import dataclasses
+import os
+import zlib
+
+import h5py
+import numpy as np
+
+from mpips.checkpoint.manifest import (FORMAT, SKIPPED_FIELDS, VERSION, check_mode, fsync,
+                                       new_checkpoint_dir, shard_name, write_manifest)
+
+CHUNK_ROWS = 1 << 18                   # rows per HDF5 write (bounds the extra memory)
+
+
+def _write_whole(group, name, arr, datasets):
+    arr = np.ascontiguousarray(arr)
+    group.create_dataset(name, data=arr)
+    datasets[f"{group.name.strip('/')}/{name}"] = {
+        "shape": list(arr.shape), "dtype": arr.dtype.name, "crc32": zlib.crc32(arr)}
+
+
+def _write_rows(group, sparse, rows, n, datasets):
+    """Write the fields of n table rows (``rows`` indices, None = all) in chunks."""
+    template = sparse.export_rows(np.empty(0, np.int64))
+    fields = [f for f in template if f not in SKIPPED_FIELDS]
+    dsets = {f: group.create_dataset(f, shape=(n,) + template[f].shape[1:],
+                                     dtype=template[f].dtype) for f in fields}
+    crcs = dict.fromkeys(fields, 0)
+    for lo in range(0, n, CHUNK_ROWS):
+        hi = min(lo + CHUNK_ROWS, n)
+        idx = np.arange(lo, hi, dtype=np.int64) if rows is None else rows[lo:hi]
+        chunk = sparse.export_rows(idx)
+        for f in fields:
+            arr = np.ascontiguousarray(chunk[f])
+            dsets[f].write_direct(arr, dest_sel=np.s_[lo:hi])
+            crcs[f] = zlib.crc32(arr, crcs[f])
+    for f in fields:
+        datasets[f"sparse/{f}"] = {"shape": list(dsets[f].shape),
+                                   "dtype": template[f].dtype.name, "crc32": crcs[f]}
+
+
+def save_shard(ckpt_dir, server_id, n_servers, sparse, dense, dense_lo, mode):
+    """Write this server's shard file into ``ckpt_dir``; return its entry for the manifest.
+
+    Call on quiesced tables (no push may land during the call).  ``dense_lo`` is the
+    offset of ``dense``'s slice in the flat dense vector.  base/delta clear the table's
+    change tracking once the file is safely on disk.
+    """
+    check_mode(mode)
+    if not 0 <= server_id < n_servers:
+        raise ValueError(f"server_id must be in [0, {n_servers}); got {server_id}")
+    name = shard_name(server_id, n_servers)
+    final = os.path.join(ckpt_dir, name)
+    tmp = final + ".tmp"
+    rows = sparse.dirty_rows() if mode == "delta" else None
+    n = len(sparse) if rows is None else len(rows)
+    evicted = sparse.evicted_keys() if mode == "delta" else np.empty(0, np.int64)
+    opt = dataclasses.asdict(sparse.opt)
+    datasets = {}
+    with h5py.File(tmp, "w", locking=False) as f:
+        f.attrs.update(format=FORMAT, version=VERSION, mode=mode, server_id=server_id,
+                       n_servers=n_servers, embedding_dim=sparse.dim, optimizer=opt["name"],
+                       rows=n, evicted=len(evicted), dense_lo=int(dense_lo),
+                       dense_size=len(dense))
+        grp = f.create_group("sparse")
+        _write_rows(grp, sparse, rows, n, datasets)
+        _write_whole(grp, "evicted", evicted.astype(np.int64), datasets)
+        dgrp = f.create_group("dense")
+        for key, arr in dense.export_state().items():
+            _write_whole(dgrp, key, arr, datasets)
+    fsync(tmp)
+    os.replace(tmp, final)
+    fsync(ckpt_dir)
+    if mode in ("base", "delta"):
+        sparse.clear_dirty()
+        sparse.clear_evicted()
+    return {"file": name, "bytes": os.path.getsize(final), "server_id": int(server_id),
+            "n_servers": int(n_servers), "mode": mode, "rows": int(n),
+            "evicted": len(evicted), "dense_lo": int(dense_lo), "dense_size": len(dense),
+            "embedding_dim": sparse.dim, "optimizer": opt, "datasets": datasets}
+
+
+def save_local(root, sparse, dense, mode, config=None, meta=None):
+    """Save one process's whole tables as a one-shard checkpoint; return its directory."""
+    d = new_checkpoint_dir(root, mode)
+    info = save_shard(d, 0, 1, sparse, dense, 0, mode)
+    write_manifest(d, {"shards": [info], "config": config, "meta": meta})
+    return d

@@ -1,0 +1,62 @@
+"""What a run reports: log lines, per-epoch/pass metric records and the JSON-lines file.
+
+``epoch_record`` builds the record of one epoch or pass (the fields DESIGN.md lists under
+``--metrics-out``); ``summary_line`` / ``pass_line`` render it for the log;
+``write_metrics`` appends it to the metrics file.  Only the first worker calls these.
+"""
+import json
+import resource
+
+
+def log_line(text):
+    print(text, flush=True)
+
+
+def peak_rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def epoch_record(cfg, epoch, n_ex, seconds, loss_sum, train_m, test_m, extra):
+    rec = {"epoch": epoch, "mode": cfg.mode, "train_examples": int(n_ex),
+           "train_seconds": round(seconds, 4),
+           "examples_per_sec": round(n_ex / seconds, 1) if seconds > 0 else 0.0,
+           "train_loss": loss_sum / max(n_ex, 1), "train_auc": train_m.auc()}
+    if cfg.mode == "geo":
+        rec["geo_steps"] = cfg.geo_steps
+    if cfg.mode == "ssp":
+        rec["staleness"] = cfg.staleness
+    if cfg.mode == "async":
+        rec["dense_every"] = cfg.dense_every
+    if test_m is not None:
+        rec.update(test_examples=int(test_m.count), test_auc=test_m.auc(),
+                   test_logloss=test_m.logloss(), test_mean_pred=test_m.mean_pred(),
+                   test_ctr=test_m.observed_ctr())
+    rec.update(extra)
+    return rec
+
+
+def write_metrics(path, rec):
+    if path:
+        with open(path, "a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+
+
+def summary_line(rec):
+    s = (f"EPOCH {rec['epoch']} --> examples: {rec['train_examples']} "
+         f"seconds: {rec['train_seconds']:.2f} examples/s: {rec['examples_per_sec']:.0f} "
+         f"loss: {rec['train_loss']:.6f} auc: {rec['train_auc']:.6f}")
+    if "test_auc" in rec:
+        s += (f" | TEST examples: {rec['test_examples']} auc: {rec['test_auc']:.6f} "
+              f"logloss: {rec['test_logloss']:.6f}")
+    return s
+
+
+def pass_line(rec):
+    s = (f"PASS {rec['pass']} --> eval auc: {rec.get('test_auc', float('nan')):.6f} "
+         f"logloss: {rec.get('test_logloss', float('nan')):.6f} | train examples: "
+         f"{rec['train_examples']} loss: {rec['train_loss']:.6f} examples/s: "
+         f"{rec['examples_per_sec']:.0f}")
+    if "table_rows" in rec:
+        s += (f" | table rows: {rec['table_rows']} bytes: {rec['table_bytes']} admitted: "
+              f"{rec['ids_admitted']} waiting: {rec['ids_waiting']} evicted: {rec['ids_evicted']}")
+    return s

@@ -1,0 +1,141 @@
+"""The import graph of mpips/: no cycle, no module imports an entry point, imports at the top.
+
+The graph is read from the source with ``ast`` (nothing is imported): an edge A -> B for
+every ``import B`` / ``from B import x`` in A, and A -> B.x when x is a submodule, at any
+depth (function-level imports count too: a cycle hidden inside a function is still one).
+"""
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENTRY_POINTS = {"mpips.train", "mpips.infer"}
+# Imports allowed inside functions, each for a reason other than dodging a cycle.
+LAZY_OK = {
+    ("mpips.train", "mpi4py"),             # --local runs without MPI
+    ("mpips.train", "mpips.distributed"),  # imports mpi4py.MPI at its top (same reason)
+    ("mpips.cluster", "mpi4py"),           # role arithmetic is used (and tested) without MPI
+}
+
+
+def module_files(root, package):
+    """{module name: path} of every .py file under root/package."""
+    out = {}
+    for dirpath, _, files in os.walk(os.path.join(root, package)):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(dirpath, f), root)[:-3].split(os.sep)
+                if rel[-1] == "__init__":
+                    rel = rel[:-1]
+                out[".".join(rel)] = os.path.join(dirpath, f)
+    return out
+
+
+def imports_of(name, path, is_package):
+    """[(imported module, lineno, at module level)] of one file."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    top = set(map(id, tree.body))
+    for node in tree.body:                  # `if sys.version_info ...:` / `try:` blocks
+        if isinstance(node, (ast.If, ast.Try)):
+            top |= set(map(id, ast.walk(node)))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno, id(node) in top) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = name.split(".") if is_package else name.split(".")[:-1]
+                pkg = pkg[:len(pkg) - node.level + 1]
+                base = ".".join(pkg + ([base] if base else []))
+            out.append((base, node.lineno, id(node) in top))
+            out += [(f"{base}.{a.name}", node.lineno, id(node) in top) for a in node.names]
+    return out
+
+
+def import_graph(root, package):
+    """{module: {imported module of the package}}, and [(module, target, line)] of lazy ones."""
+    files = module_files(root, package)
+    graph, lazy = {}, []
+    for name, path in files.items():
+        graph[name] = set()
+        for target, line, at_top in imports_of(name, path, path.endswith("__init__.py")):
+            if not at_top:
+                lazy.append((name, target, line))
+            if target in files and target != name:
+                graph[name].add(target)
+    return graph, lazy
+
+
+def find_cycle(graph):
+    """One cycle [a, b, ..., a] of a {node: {successors}} graph, or None."""
+    state, stack = {}, []
+
+    def visit(n):
+        state[n] = "open"
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == "open":
+                return stack[stack.index(m):] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        stack.pop()
+        state[n] = "done"
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def test_find_cycle_on_toy_graphs():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"a"}}) == ["a", "a"]
+    assert find_cycle({"x": {"y"}, "y": set(), "a": {"b"}, "b": {"a", "y"}}) == ["a", "b", "a"]
+
+
+def test_parser_sees_a_cycle_hidden_in_a_function(tmp_path):
+    pkg = tmp_path / "toy"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from toy.b import f\n")
+    (pkg / "b.py").write_text("def f():\n    from toy import c\n    return c\n")
+    (pkg / "c.py").write_text("import toy.a\n")
+    (pkg / "d.py").write_text("from . import a\n")
+    graph, lazy = import_graph(str(tmp_path), "toy")
+    assert graph["toy.d"] == {"toy", "toy.a"}
+    assert lazy == [("toy.b", "toy", 2), ("toy.b", "toy.c", 2)]
+    assert find_cycle(graph) == ["toy.a", "toy.b", "toy.c", "toy.a"]
+
+
+@pytest.fixture(scope="module")
+def mpips_graph():
+    return import_graph(ROOT, "mpips")
+
+
+def test_mpips_has_no_import_cycle(mpips_graph):
+    graph, _ = mpips_graph
+    assert len(graph) > 30
+    assert find_cycle(graph) is None
+
+
+def test_nothing_imports_an_entry_point(mpips_graph):
+    graph, _ = mpips_graph
+    bad = sorted((m, t) for m, ts in graph.items() for t in ts & ENTRY_POINTS)
+    assert bad == []
+
+
+def test_imports_at_module_top(mpips_graph):
+    _, lazy = mpips_graph
+    def allowed(m, t):
+        parts = t.split(".")
+        return any((m, ".".join(parts[:k])) in LAZY_OK for k in range(1, len(parts) + 1))
+    bad = [(m, t, line) for m, t, line in lazy if not allowed(m, t)]
+    assert bad == []
