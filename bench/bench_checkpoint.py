@@ -27,7 +27,7 @@ from mpips.models.ctr_dnn import CTRDNN
 from mpips.server.dense_table import DenseTable
 from mpips.server.optim import OptimizerConfig
 from mpips.server.sparse_table import SparseTable
-from mpips.sharding import dense_bounds
+from mpips.ownership import dense_bounds
 
 PUSH_CHUNK = 1 << 18    # rows per push while filling the table
 

@@ -1,11 +1,11 @@
-"""Data-path throughput: raw TSV vs binary shards vs a plain-Python line parser.
+"""Data-path throughput: raw TSV vs binary data parts vs a plain-Python line parser.
 
     PYTHONPATH=. python bench/bench_data.py [--rows 1000000] [--py-rows 200000]
 
 On one synthetic Criteo file set (``data_prep.synth``, cached under bench/out/):
 1. times ``python -m data_prep.criteo`` on it (wall seconds and peak RSS of that process);
 2. reads it single-threaded (prefetch off, batch 512) with ``DataReader`` as TSV and as
-   prepared shards, and with a plain-Python parser (split on TAB, ``int()`` per integer
+   prepared binary parts, and with a plain-Python parser (split on TAB, ``int()`` per integer
    field, ``hash() % 1000001`` per categorical — what Paddle's pipe-command reader does)
    on the first ``--py-rows`` lines;
 3. prints rows/s and MB/s (of the bytes each reader consumes) per core, and ratios.
@@ -88,7 +88,7 @@ def main(argv=None):
     rows, s = time_reader(src)
     results.append(("DataReader TSV (numba)", rows, s, in_bytes / s))
     rows, s = time_reader(shard_spec)
-    results.append(("DataReader shards (mmap)", rows, s, rows * SHARD_ROW_BYTES / s))
+    results.append(("DataReader binary parts (mmap)", rows, s, rows * SHARD_ROW_BYTES / s))
     t0 = time.perf_counter()
     n = python_parse(files[0], a.py_rows)
     s = time.perf_counter() - t0

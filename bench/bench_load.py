@@ -108,7 +108,7 @@ def mpi_main(a):
     from mpips.server.dense_table import DenseTable
     from mpips.server.loop import Server
     from mpips.server.optim import OptimizerConfig
-    from mpips.sharding import plan_keys
+    from mpips.ownership import plan_keys
     from mpips.worker.client import PSClient
     comm = MPI.COMM_WORLD
     pid = np.array([os.getpid()], np.int64)

@@ -1,4 +1,4 @@
-"""Prepare raw Criteo TSV for training: split, statistics, hashed binary shards.
+"""Prepare raw Criteo TSV for training: split, statistics, hashed binary binary.
 
 ``python -m data_prep.criteo --input train.txt|DIR --out OUT [--parts 8]
 [--val-fraction 0.1] [--seed 0] [--hash-bucket 0] [--test test.txt|DIR]``
@@ -14,15 +14,15 @@ One streaming pass over the input (chunks of a few MB, never a whole file in mem
   minimum and numpy's default (linear) 95th percentile, exactly.  Values in
   [EXACT_LO, EXACT_HI) are counted exactly during the pass (a (13, ~135k) int64
   histogram); when an order statistic falls outside that range it is found by at most a
-  few extra scans of that feature's column in the written train shards, each narrowing
+  few extra scans of that feature's column in the written train parts, each narrowing
   the range by REFINE_BINS.  ``cont_diff = p95 - min`` (1 if that is 0, and min 0 / diff 1
   for a feature without values).  Extreme values are kept, not clipped.
-* **Shards.**  ``OUT/train``, ``OUT/val`` (and ``OUT/test`` from ``--test``) of ``parts``
-  parts each (see ``mpips.data.shards``): raw int32 integer features (normalised when
+* **Parts.**  ``OUT/train``, ``OUT/val`` (and ``OUT/test`` from ``--test``) of ``parts``
+  parts each (see ``mpips.data.binary``): raw int32 integer features (normalised when
   read), int64 ids from the TSV parser's hash, int8 labels.  A row goes to the part
   given by its position in the input bytes, so parts are contiguous, in input order, and
   of near-equal size.  Test input without a label column (39 fields, detected from the
-  first line) gives label-less shards; the reader yields label 0 for them.
+  first line) gives label-less parts; the reader yields label 0 for them.
 
 Bad lines are skipped, counted and reported per file (as ``DataReader`` does) and listed
 in ``OUT/manifest.json``.  A progress line is drawn on stderr when it is a terminal.
@@ -36,7 +36,7 @@ import time
 import numpy as np
 
 from mpips.data import criteo as C
-from mpips.data import shards
+from mpips.data import binary
 from mpips.data.files import resolve_paths
 from mpips.data.reader import DataReader, detect_format
 from mpips.kernels import tsv_parse as K
@@ -44,7 +44,7 @@ from mpips.kernels import tsv_parse as K
 QUANTILE = 0.95  # normalisation maximum: this quantile of the train values
 EXACT_LO, EXACT_HI = -(1 << 12), 1 << 17  # values counted exactly in the streaming pass
 REFINE_BINS = 1 << 16  # histogram bins per refinement scan
-SCAN_ROWS = 1 << 20  # rows per read when scanning written shards
+SCAN_ROWS = 1 << 20  # rows per read when scanning written parts
 PROGRESS_SECONDS = 0.5
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 RAW_NORM = np.array([[0.0] * C.N_DENSE, [1.0] * C.N_DENSE, [np.nan] * C.N_DENSE])
@@ -85,15 +85,15 @@ def parse_raw(data, has_label: bool, hash_bucket: int) -> C.ParseResult:
 
 
 def to_raw_int32(dense: np.ndarray, path: str) -> np.ndarray:
-    """(n, 13) float64 raw (NaN empty) -> int32 with ``shards.DENSE_MISSING`` for empty."""
+    """(n, 13) float64 raw (NaN empty) -> int32 with ``binary.DENSE_MISSING`` for empty."""
     empty = np.isnan(dense)
-    bad = ~empty & ~((dense > shards.DENSE_MISSING) & (dense <= INT32_MAX))
+    bad = ~empty & ~((dense > binary.DENSE_MISSING) & (dense <= INT32_MAX))
     if bad.any():
         i, j = np.argwhere(bad)[0]
         raise ValueError(f"{path}: integer feature I{j + 1} has value {dense[i, j]:.17g}, "
-                         f"outside the int32 range binary shards store; read this file as "
-                         f"TSV instead of preparing shards")
-    return np.where(empty, shards.DENSE_MISSING, dense).astype(np.int32)
+                         f"outside the int32 range binary data parts store; read this file as "
+                         f"TSV instead of preparing binary parts")
+    return np.where(empty, binary.DENSE_MISSING, dense).astype(np.int32)
 
 
 # ---------------------------------------------------------------- statistics
@@ -114,7 +114,7 @@ class IntStats:
 
     def add(self, raw: np.ndarray) -> None:
         """Count (m, 13) int32 raw values (empty = DENSE_MISSING is skipped)."""
-        K.count_int_values(raw, shards.DENSE_MISSING, EXACT_LO, self.hist, self.tails)
+        K.count_int_values(raw, binary.DENSE_MISSING, EXACT_LO, self.hist, self.tails)
         self.rows += raw.shape[0]
 
     @property
@@ -186,12 +186,12 @@ class SplitWriter:
         self.writers: list = []
         self.rows: list = []
 
-    def _advance(self, p: int) -> shards.PartWriter:
+    def _advance(self, p: int) -> binary.PartWriter:
         while len(self.writers) <= p:
             if self.writers:
                 self.rows.append(self.writers[-1].close())
-            path = os.path.join(self.dir, shards.part_name(len(self.writers)))
-            self.writers.append(shards.PartWriter(path, self.has_label))
+            path = os.path.join(self.dir, binary.part_name(len(self.writers)))
+            self.writers.append(binary.PartWriter(path, self.has_label))
         return self.writers[p]
 
     def add(self, part, dense, sparse, label) -> None:
@@ -346,25 +346,25 @@ def _prepare(files, test_files, out, parts, val_fraction, seed, hash_bucket, sho
     st, train_rows, val_rows, rstats = _write_train_val(
         files, out, parts, val_fraction, seed, hash_bucket, warn,
         Progress(total, show, "data_prep train/val"))
-    stats = st.result(shard_column_scanner(os.path.join(out, "train"), parts))
-    shards.write_json_atomic(os.path.join(out, shards.STATS), stats)
+    stats = st.result(part_column_scanner(os.path.join(out, "train"), parts))
+    binary.write_json_atomic(os.path.join(out, binary.STATS), stats)
     common = dict(hash_bucket=hash_bucket, cont_min=stats["cont_min"],
                   cont_diff=stats["cont_diff"])
     for name, rows in (("train", train_rows), ("val", val_rows)):
-        shards.write_split_manifest(os.path.join(out, name), rows, has_label=True,
+        binary.write_split_manifest(os.path.join(out, name), rows, has_label=True,
                                     extra={"split": name, "source": files}, **common)
-    report = {"format": shards.FORMAT, "version": shards.VERSION, "kind": "root",
+    report = {"format": binary.FORMAT, "version": binary.VERSION, "kind": "root",
               "inputs": files, "seed": seed, "val_fraction": val_fraction, "parts": parts,
               "hash_bucket": hash_bucket, "split_rule": "valid example i -> val iff "
               "(splitmix64(i*0x9E3779B97F4A7C15 + splitmix64(seed)) >> 11) / 2**53 < "
               "val_fraction", "rows": {"train": sum(train_rows), "val": sum(val_rows)},
               "bad_lines": rstats.bad_lines, "files": _file_report(rstats),
-              "splits": ["train", "val"], "stats": shards.STATS}
+              "splits": ["train", "val"], "stats": binary.STATS}
     if test_files:
         has_label, rows, tstats = _write_test(
             test_files, out, parts, hash_bucket, warn,
             Progress(sum(os.path.getsize(f) for f in test_files), show, "data_prep test"))
-        shards.write_split_manifest(os.path.join(out, "test"), rows, has_label=has_label,
+        binary.write_split_manifest(os.path.join(out, "test"), rows, has_label=has_label,
                                     extra={"split": "test", "source": test_files}, **common)
         report["rows"]["test"] = sum(rows)
         report["splits"].append("test")
@@ -372,30 +372,30 @@ def _prepare(files, test_files, out, parts, val_fraction, seed, hash_bucket, sho
         report["bad_lines"] += tstats.bad_lines
         report["files"].update(_file_report(tstats))
     report["seconds"] = round(time.monotonic() - t0, 3)
-    shards.write_json_atomic(os.path.join(out, shards.MANIFEST), report)
+    binary.write_json_atomic(os.path.join(out, binary.MANIFEST), report)
     return report
 
 
-def shard_column_scanner(split_dir: str, parts: int):
+def part_column_scanner(split_dir: str, parts: int):
     """scan(j) -> iterator of int64 arrays: feature j's non-empty values in the parts
     of a split being written (its manifest does not exist yet)."""
     def scan(j: int):  # plain reads, not mmap: memory stays bounded and RSS honest
         for i in range(parts):
-            with open(os.path.join(split_dir, shards.part_name(i), "dense.npy"), "rb") as fh:
+            with open(os.path.join(split_dir, binary.part_name(i), "dense.npy"), "rb") as fh:
                 np.lib.format.read_magic(fh)
                 shape = np.lib.format.read_array_header_1_0(fh)[0]  # (n, 13) int32
                 for a in range(0, shape[0], SCAN_ROWS):
                     m = min(SCAN_ROWS, shape[0] - a)
                     block = np.fromfile(fh, np.int32, m * C.N_DENSE).reshape(m, C.N_DENSE)
                     col = block[:, j].astype(np.int64)
-                    yield col[col != shards.DENSE_MISSING]
+                    yield col[col != binary.DENSE_MISSING]
     return scan
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m data_prep.criteo",
                                  description="Criteo TSV -> train/val split, stats.json and "
-                                             "memory-mappable binary shards")
+                                             "memory-mappable binary data parts")
     ap.add_argument("--input", required=True, help="train.txt, a directory of parts, a glob, "
                     "or a comma-separated list (labelled, 40 fields a line)")
     ap.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
@@ -418,7 +418,7 @@ def main(argv=None) -> int:
         return 2
     rows = ", ".join(f"{k} {v:,}" for k, v in rep["rows"].items())
     print(f"data_prep.criteo: {rows} rows in {rep['seconds']:.1f} s -> {a.out} "
-          f"({a.parts} parts per split; stats in {os.path.join(a.out, shards.STATS)})")
+          f"({a.parts} parts per split; stats in {os.path.join(a.out, binary.STATS)})")
     for path, f in rep["files"].items():
         if f["bad"]:
             print(f"  {path}: {f['bad']} bad line(s) of {f['lines']} skipped, e.g. "

@@ -10,7 +10,7 @@ import os
 from data_prep.synth import ensure_default_dataset
 from mpips.data.files import resolve_paths
 from mpips.data.reader import DataReader
-from mpips.data.shards import load_stats
+from mpips.data.binary import load_stats
 from mpips.models.ctr_dnn import CTRDNN
 from mpips.server.admission import AdmittedTable
 from mpips.server.dense_table import DenseTable

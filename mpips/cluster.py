@@ -51,7 +51,7 @@ class Cluster:
     comm: object            # the world communicator (mpi4py Comm)
     rank: int               # world rank
     is_server: bool
-    server_ranks: list      # world ranks of servers, index = server id (shard)
+    server_ranks: list      # world ranks of servers, index = server id (owner of a share of the ids)
     worker_ranks: list      # world ranks of workers, index = worker id
     role_comm: object       # communicator of this rank's role (servers or workers)
     hosts: list             # host name per world rank
@@ -76,7 +76,7 @@ class Cluster:
         for r, h in enumerate(self.hosts):
             if r in self.server_ranks:
                 out.append(f"rank {r} host {h} server {self.server_ranks.index(r)} "
-                           f"(shard {self.server_ranks.index(r)} of {self.n_servers})")
+                           f"of {self.n_servers}")
             else:
                 out.append(f"rank {r} host {h} worker {self.worker_ranks.index(r)}")
         return out

@@ -39,7 +39,7 @@ class Config:
     data_format: str = _f("auto", "input format: auto (by first line), tsv (Criteo), slot (Paddle "
                                   "slot text)", choices=FORMATS)
     stats: str = _f("", "normalisation statistics (stats.json from data_prep.criteo); default: "
-                        "Paddle's constants for text, a shard set's own stats for shards")
+                        "Paddle's constants for text, a prepared set's own stats for binary parts")
     cache_dir: str = _f("~/.cache/mpips", "where the embedded synthetic dataset is kept")
     synth_rows: int = _f(300_000, "rows of the embedded synthetic training set")
     synth_test_rows: int = _f(60_000, "rows of the embedded synthetic test set")

@@ -18,15 +18,36 @@ from mpips.config import SAVE_MODES
 from mpips.data.files import split_files
 from mpips.liveness import wait_collective
 from mpips.metrics import BinaryMetrics
+from mpips.ownership import dense_bounds, plan_keys
 from mpips.protocol import Op
 from mpips.report import log_line, peak_rss_mb, write_metrics
 from mpips.resume import resume_point
 from mpips.runner import inner_table, run_epochs
 from mpips.server.loop import Server
-from mpips.sharding import dense_bounds, plan_keys
 from mpips.stream import Pass, run_stream
 from mpips.worker.client import PSClient
-from mpips.worker.trainer import GeoTrainer, Trainer
+from mpips.worker.trainer import EpochStats, GeoTrainer, Trainer
+
+# One PROFILE row per rank, gathered to the first worker at the end of the job.
+PROFILE_DTYPE = np.dtype([
+    ("server", np.float64),          # 1 for a server rank, 0 for a worker
+    ("compute_s", np.float64),       # worker: forward/backward seconds
+    ("wait_s", np.float64),          # worker: seconds waiting for servers
+    ("server_busy_s", np.float64),   # server: seconds serving requests
+    ("requests", np.float64),        # server: requests served; worker: data requests sent
+    ("mb_sent", np.float64),         # server: MB received; worker: MB sent
+    ("peak_rss_mb", np.float64),
+    ("rows", np.float64),            # server: rows in its sparse table
+    ("cpu_s", np.float64),           # CPU seconds of this rank, all of the run
+])
+
+
+def profile_row(**fields):
+    """A PROFILE_DTYPE record; fields not given are 0."""
+    row = np.zeros(1, PROFILE_DTYPE)
+    for name, value in fields.items():
+        row[name] = value
+    return row
 
 
 def run_distributed(cfg, comm):
@@ -48,7 +69,7 @@ def run_distributed(cfg, comm):
         prof = serve(cfg, cluster, model, bounds)
     else:
         prof = work(cfg, cluster, model, bounds)
-    prof.append(time.process_time())          # CPU seconds of this rank, all of the run
+    prof["cpu_s"] = time.process_time()
     report_profile(comm, first_worker, prof)
 
 
@@ -70,8 +91,8 @@ def serve(cfg, cluster, model, bounds):
         server.on_save = on_save
     server.run()
     st = server.stats
-    return [1, 0, 0, st["busy_s"], st["requests"], st["bytes_in"] / 1e6, peak_rss_mb(),
-            len(sparse)]
+    return profile_row(server=1, server_busy_s=st["busy_s"], requests=st["requests"],
+                       mb_sent=st["bytes_in"] / 1e6, peak_rss_mb=peak_rss_mb(), rows=len(sparse))
 
 
 def work(cfg, cluster, model, bounds):
@@ -95,8 +116,9 @@ def work(cfg, cluster, model, bounds):
     else:
         run_epochs(cfg, backend, train_files, test_files)
     client.control(Op.FINISH)
-    return [0, trainer.compute_s, client.wait_s, 0, client.messages, client.bytes_sent / 1e6,
-            peak_rss_mb(), 0]
+    return profile_row(compute_s=trainer.compute_s, wait_s=client.wait_s,
+                       requests=client.messages, mb_sent=client.bytes_sent / 1e6,
+                       peak_rss_mb=peak_rss_mb())
 
 
 class DistBackend:
@@ -140,11 +162,11 @@ class DistBackend:
                                    c.messages - msgs0], np.float64))
         span = self._max(span)
         metrics = BinaryMetrics.from_state(self._sum(st.metrics.state()))
-        return {"examples": int(sums[0]), "loss_sum": sums[1], "seconds": span,
-                "metrics": metrics, "steps": st.steps, "extra": {
-                    "workers": self.W, "servers": c.n_servers,
-                    "bytes_sent_per_example": round(sums[2] / max(sums[0], 1), 1),
-                    "messages_sent": int(sums[3])}}
+        return EpochStats(examples=int(sums[0]), steps=st.steps, loss_sum=sums[1], seconds=span,
+                          metrics=metrics, extra={
+                              "workers": self.W, "servers": c.n_servers,
+                              "bytes_sent_per_example": round(sums[2] / max(sums[0], 1), 1),
+                              "messages_sent": int(sums[3])})
 
     def _max(self, value):
         out = np.empty(1, np.float64)
@@ -183,12 +205,14 @@ class DistBackend:
     def stats(self):
         if not self.is_logger:
             return {}
-        srv = self.client.stats()
-        out = {"table_rows": int(srv[:, 0].sum()), "table_bytes": int(srv[:, 1].sum()),
-               "admitted_total": int(srv[:, 5].sum()), "ids_waiting": int(srv[:, 6].sum()),
-               "requests_rejected": int(srv[:, 8].sum()), "replies_in_flight": int(srv[:, 9].sum())}
+        srv = self.client.stats()                   # (S,) STATS_DTYPE records
+        out = {"table_rows": int(srv["rows"].sum()), "table_bytes": int(srv["bytes"].sum()),
+               "admitted_total": int(srv["admitted"].sum()),
+               "ids_waiting": int(srv["waiting"].sum()),
+               "requests_rejected": int(srv["rejected"].sum()),
+               "replies_in_flight": int(srv["replies_in_flight"].sum())}
         if self.cfg.mode == "ssp":
-            out["ssp_max_lead"] = int(srv[:, 4].max())
+            out["ssp_max_lead"] = int(srv["ssp_max_lead"].max())
         return out
 
     def decide(self, fn):
@@ -211,15 +235,17 @@ class DistBackend:
 
 
 def report_profile(comm, root, prof):
-    """Gather one row per rank to `root` and print the per-rank profile there."""
-    row = np.array(prof, np.float64)
-    table = np.empty((comm.size, len(row)), np.float64) if comm.rank == root else None
-    wait_collective(comm.Igather(row, table, root=root))
+    """Gather each rank's PROFILE_DTYPE record to `root` and print the per-rank profile there."""
+    n = len(PROFILE_DTYPE.names)
+    table = np.zeros(comm.size, PROFILE_DTYPE) if comm.rank == root else None
+    wait_collective(comm.Igather(prof.view(np.float64), None if table is None else
+                                 table.view(np.float64).reshape(comm.size, n), root=root))
     if comm.rank != root:
         return
     log_line("PROFILE --> rank role compute_s wait_s server_busy_s requests MB_sent "
              "peak_rss_MB rows cpu_s")
     for r, t in enumerate(table):
-        role = "server" if t[0] else "worker"
-        log_line(f"PROFILE --> {r} {role} {t[1]:.2f} {t[2]:.2f} {t[3]:.2f} {int(t[4])} "
-                 f"{t[5]:.1f} {t[6]:.0f} {int(t[7])} {t[8]:.2f}")
+        role = "server" if t["server"] else "worker"
+        log_line(f"PROFILE --> {r} {role} {t['compute_s']:.2f} {t['wait_s']:.2f} "
+                 f"{t['server_busy_s']:.2f} {int(t['requests'])} {t['mb_sent']:.1f} "
+                 f"{t['peak_rss_mb']:.0f} {int(t['rows'])} {t['cpu_s']:.2f}")

@@ -36,7 +36,7 @@ from mpips.metrics import BinaryMetrics
 from mpips.server.dense_table import DenseTable
 from mpips.server.optim import OptimizerConfig
 from mpips.server.sparse_table import SparseTable
-from mpips.sharding import plan_keys
+from mpips.ownership import plan_keys
 from mpips.worker.local import LocalPS
 from mpips.worker.trainer import Trainer
 

@@ -4,8 +4,9 @@ Every rank (server or worker) has one ``Watch`` (``WATCH``).  A rank records wha
 waiting for (``WATCH.waiting(...)``), answers other ranks' status requests while it waits
 (``WATCH.poll()``), and when a peer stops answering within ``--peer-timeout`` it asks every
 rank for its line, prints the dump to stderr and raises ``PeerTimeout`` naming the ranks
-that did not answer (``WATCH.fail(text)``).  ``wait_collective`` completes a non-blocking
-collective in the same way.  See docs/reliability.md.
+that did not answer (``WATCH.fail(text)``).  ``wait_for`` is that wait loop (with
+back-off, ``mpips.backoff``); ``wait_requests`` and ``wait_collective`` complete MPI
+requests with it.  See docs/reliability.md.
 """
 import sys
 import time
@@ -13,11 +14,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mpips.backoff import COLLECTIVE, REPLY, Backoff
 from mpips.protocol import TAG_DUMP, TAG_DUMP_REPLY
 
 POLL_EVERY = 5e-3   # seconds between looks for a status request (TAG_DUMP)
 DUMP_WAIT = 1.0     # seconds a failing rank waits for the others' status lines
-POLL = 1e-3         # seconds between polls of a collective that may take long
 
 
 class PeerTimeout(RuntimeError):
@@ -85,6 +86,7 @@ class Watch:
                                 self._token))
         lines, missing = {comm.rank: self.line()}, set(others)
         status, t0 = MPI.Status(), time.monotonic()
+        backoff = Backoff(*COLLECTIVE)
         while missing and time.monotonic() - t0 < wait:
             if comm.Iprobe(MPI.ANY_SOURCE, TAG_DUMP_REPLY, status):
                 src, n = status.Get_source(), status.Get_count(MPI.BYTE)
@@ -94,7 +96,7 @@ class Watch:
                 missing.discard(src)
             else:
                 self.poll(force=True)       # another failing rank may be asking us
-                time.sleep(1e-3)
+                backoff.sleep()
         for r in missing:
             lines[r] = f"rank {r}: NO ANSWER within {wait:.1f} s (dead, stopped, or busy)"
         return [lines[r] for r in sorted(lines)], sorted(missing)
@@ -119,6 +121,34 @@ class Watch:
 WATCH = Watch()
 
 
+def wait_for(done, backoff, timeout=None, failure=None, since=None):
+    """Call ``done()`` until it returns true; meanwhile answer status requests and back off.
+
+    With ``timeout``: once ``timeout`` s passed since ``since()`` (default: the call), fail
+    the job with ``WATCH.fail(failure())`` (a status dump of every rank, then PeerTimeout).
+    """
+    t0 = time.monotonic()
+    while not done():
+        WATCH.poll()
+        if timeout is not None and time.monotonic() - (since() if since else t0) > timeout:
+            WATCH.fail(failure())
+        backoff.sleep()
+
+
+def wait_requests(reqs, timeout, what):
+    """Wait for all MPI requests, sleeping between polls and answering status requests.
+
+    what: text, or a callable giving it, naming the awaited op, step and peers; after
+    `timeout` seconds the job fails with it, following a status dump of every rank.
+    """
+    WATCH.poll()
+    if not reqs or MPI.Request.Testall(reqs):
+        return
+    WATCH.waiting(what)
+    wait_for(lambda: MPI.Request.Testall(reqs), Backoff(*REPLY), timeout,
+             lambda: f"no answer within {timeout:.0f} s: {what() if callable(what) else what}")
+
+
 def wait_collective(req, what="an MPI collective"):
     """Complete a non-blocking collective without burning a core.
 
@@ -127,6 +157,4 @@ def wait_collective(req, what="an MPI collective"):
     if req.Test():
         return
     WATCH.waiting(f"waiting in {what}")
-    while not req.Test():
-        WATCH.poll()
-        time.sleep(POLL)
+    wait_for(req.Test, Backoff(*COLLECTIVE))

@@ -25,7 +25,6 @@ TAG_REPLY_DENSE = 13    # server -> worker: dense slice of a pull
 TAG_CONTROL = 14        # server -> worker: small int64 replies (stats, acks)
 TAG_DUMP = 15           # any rank -> any rank: "say what you are waiting for" (int64[1])
 TAG_DUMP_REPLY = 16     # the answer: one UTF-8 status line
-STATS_LEN = 10
 BARRIER_KEEPALIVE = -1  # barrier reply meaning "not released yet, the missing workers progress"
 
 # flags
@@ -33,14 +32,28 @@ F_CREATE = 1    # pull: create missing rows (training); without it unknown ids r
 F_DENSE = 2     # pull: also return the dense slice; push/add: a dense slice follows the rows
 
 
+# The STATS reply: one int64 per field, in this order (read it by name: `STATS_DTYPE`).
+STATS_DTYPE = np.dtype([
+    ("rows", np.int64),               # rows in the sparse table
+    ("bytes", np.int64),              # bytes of the sparse and dense tables
+    ("requests", np.int64),           # requests served
+    ("busy_us", np.int64),            # microseconds spent serving them
+    ("ssp_max_lead", np.int64),       # ssp: largest lead of a pull over the slowest worker
+    ("admitted", np.int64),           # ids admitted into the table (admission filter)
+    ("waiting", np.int64),            # ids seen but not yet admitted
+    ("evicted", np.int64),            # rows removed by SHRINK
+    ("rejected", np.int64),           # malformed requests rejected
+    ("replies_in_flight", np.int64),  # replies sent, not yet taken by the workers
+])
+STATS_LEN = len(STATS_DTYPE.names)
+
+
 class Op(IntEnum):
     PULL = 1      # read rows for keys (and the dense slice with F_DENSE)
     PUSH = 2      # gradients for keys (and dense); the server's optimizer applies them
     ADD = 3       # GEO-SGD deltas: values += delta for keys (and dense)
     FINISH = 4    # this worker sends no more requests for the current phase
-    STATS = 5     # reply int64[STATS_LEN] on TAG_CONTROL: rows, bytes, requests, busy_us,
-                  # ssp max lead, ids admitted, ids waiting for admission, ids evicted,
-                  # malformed requests rejected, replies in flight (sent, not yet taken)
+    STATS = 5     # reply int64[STATS_LEN] on TAG_CONTROL: one STATS_DTYPE record
     BARRIER = 6   # reply int64[1] = phase version once every active worker has sent BARRIER
                   # (phase boundary); meanwhile BARRIER_KEEPALIVE while the others progress
     SAVE = 7      # write this server's checkpoint shard: keys = [seq], flags = mode index,

@@ -16,11 +16,13 @@ def peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def epoch_record(cfg, epoch, n_ex, seconds, loss_sum, train_m, test_m, extra):
+def epoch_record(cfg, epoch, st, test_m):
+    """The record of one epoch/pass from its EpochStats ``st`` (all workers') and test metrics."""
+    n_ex, seconds = st.examples, st.seconds
     rec = {"epoch": epoch, "mode": cfg.mode, "train_examples": int(n_ex),
            "train_seconds": round(seconds, 4),
            "examples_per_sec": round(n_ex / seconds, 1) if seconds > 0 else 0.0,
-           "train_loss": loss_sum / max(n_ex, 1), "train_auc": train_m.auc()}
+           "train_loss": st.loss_sum / max(n_ex, 1), "train_auc": st.metrics.auc()}
     if cfg.mode == "geo":
         rec["geo_steps"] = cfg.geo_steps
     if cfg.mode == "ssp":
@@ -31,7 +33,7 @@ def epoch_record(cfg, epoch, n_ex, seconds, loss_sum, train_m, test_m, extra):
         rec.update(test_examples=int(test_m.count), test_auc=test_m.auc(),
                    test_logloss=test_m.logloss(), test_mean_pred=test_m.mean_pred(),
                    test_ctr=test_m.observed_ctr())
-    rec.update(extra)
+    rec.update(st.extra)
     return rec
 
 

@@ -3,8 +3,9 @@
 A *backend* does one step of the job — train on files, evaluate on files, save, shrink,
 report table statistics — either in one process (`LocalBackend`, tables in-process) or as
 one of W workers (`mpips.distributed.DistBackend`, results reduced over the worker
-communicator, the first worker talking to the servers for saves and shrinks).  `run_epochs` (batch training) and
-`mpips.stream.run_stream` (online training) are written once against that interface.
+communicator, the first worker talking to the servers for saves and shrinks).
+`run_epochs` (batch training) and `mpips.stream.run_stream` (online training) are written
+once against that interface, ``mpips.interfaces.Backend``.
 """
 import numpy as np
 
@@ -34,7 +35,7 @@ def step_saver(cfg, backend, epoch):
 
 
 class LocalBackend:
-    """One process: `local_workers` file shards read side by side (batch W x B)."""
+    """One process: `local_workers` file parts read side by side (batch W x B)."""
     is_logger = True
 
     def __init__(self, cfg, trainer, ps):
@@ -42,13 +43,12 @@ class LocalBackend:
 
     def train(self, files, epoch, skip=0):
         W = min(self.cfg.local_workers, max(len(files), 1))
-        shards = [split_files(files, W, i) for i in range(W)] if files else []
-        readers = [make_reader(self.cfg, s, self.cfg.batch_size, log_line) for s in shards]
+        parts = [split_files(files, W, i) for i in range(W)] if files else []
+        readers = [make_reader(self.cfg, p, self.cfg.batch_size, log_line) for p in parts]
         st = self.trainer.train_epoch(concat_batches(readers), epoch, self.cfg.max_steps, skip)
-        return {"examples": st.examples, "loss_sum": st.loss_sum, "seconds": st.seconds,
-                "metrics": st.metrics, "steps": st.steps, "extra": {
-                    "workers": 0, "servers": 0, "local_workers": self.cfg.local_workers,
-                    "compute_seconds": round(self.trainer.compute_s, 3)}}
+        st.extra = {"workers": 0, "servers": 0, "local_workers": self.cfg.local_workers,
+                    "compute_seconds": round(self.trainer.compute_s, 3)}
+        return st
 
     def evaluate(self, files):
         if not files:
@@ -113,11 +113,10 @@ def run_epochs(cfg, backend, train_files, test_files):
         backend.trainer.on_step = step_saver(cfg, backend, epoch)
         st = backend.train(train_files, epoch, skip if epoch == first else 0)
         if should_save(cfg, epoch):
-            backend.save(cfg.save_mode, {"epoch": epoch, "steps": st["steps"], "complete": True})
+            backend.save(cfg.save_mode, {"epoch": epoch, "steps": st.steps, "complete": True})
         test_m = backend.evaluate(test_files)
-        extra = dict(st["extra"], **backend.stats())
-        rec = epoch_record(cfg, epoch, st["examples"], st["seconds"], st["loss_sum"],
-                           st["metrics"], test_m, extra)
+        st.extra.update(backend.stats())
+        rec = epoch_record(cfg, epoch, st, test_m)
         if backend.is_logger:
             log_line(summary_line(rec))
             backend.emit(rec)

@@ -21,11 +21,11 @@ import signal
 import time
 from dataclasses import dataclass
 
+from mpips.backoff import PASS, Backoff
 from mpips.data.files import resolve_paths
 from mpips.report import epoch_record, pass_line
 from mpips.resume import resume_point
 
-POLL_MIN, POLL_MAX = 0.05, 2.0      # seconds between looks for a new pass
 STOP = {"flag": False}
 
 
@@ -69,15 +69,14 @@ def ready_passes(root):
 
 def next_pass(root, done, timeout):
     """The first ready pass after `done` (name or None), waiting up to `timeout` s; or None."""
-    delay, t0 = POLL_MIN, time.monotonic()
+    backoff, t0 = Backoff(*PASS), time.monotonic()
     while True:
         for p in ready_passes(root):
             if done is None or p.name > done:
                 return p
         if STOP["flag"] or time.monotonic() - t0 >= timeout:
             return None
-        time.sleep(min(delay, max(0.0, timeout - (time.monotonic() - t0))))
-        delay = min(2 * delay, POLL_MAX)
+        backoff.sleep(at_most=timeout - (time.monotonic() - t0))
 
 
 def run_stream(cfg, backend, log):
@@ -102,13 +101,12 @@ def run_stream(cfg, backend, log):
         if cfg.save_dir:
             backend.save("base" if new_day else "delta", {"pass": p.name, "epoch": -1})
         audit = backend.stats()
-        extra = dict(st["extra"], **audit)
+        st.extra.update(audit)
         if audit:
-            extra.update(ids_admitted=audit["admitted_total"] - admitted_before,
-                         ids_evicted=int(evicted))
+            st.extra.update(ids_admitted=audit["admitted_total"] - admitted_before,
+                            ids_evicted=int(evicted))
             admitted_before = audit["admitted_total"]
-        rec = epoch_record(cfg, len(records), st["examples"], st["seconds"], st["loss_sum"],
-                           st["metrics"], test_m, extra)
+        rec = epoch_record(cfg, len(records), st, test_m)
         rec["pass"] = p.name
         if backend.is_logger:
             log(pass_line(rec))

@@ -18,7 +18,7 @@ from mpips.config import check_compatible, parse_args
 from mpips.report import log_line, peak_rss_mb
 from mpips.resume import resume_point
 from mpips.runner import LocalBackend, inner_table, run_epochs
-from mpips.sharding import plan_keys
+from mpips.ownership import plan_keys
 from mpips.stream import install_sigterm, run_stream
 from mpips.worker.local import LocalPS
 from mpips.worker.trainer import GeoTrainer, Trainer

@@ -16,7 +16,7 @@ from mpips.config import Config, check_compatible
 from mpips.server.dense_table import DenseTable
 from mpips.server.optim import OptimizerConfig
 from mpips.server.sparse_table import SparseTable
-from mpips.sharding import dense_bounds, owners
+from mpips.ownership import dense_bounds, owners
 
 DIM, P = 4, 37
 OPT = OptimizerConfig(name="adam", lr=0.05)

@@ -7,7 +7,7 @@ import pytest
 
 from data_prep import criteo as P
 from data_prep.synth import generate
-from mpips.data import shards
+from mpips.data import binary
 from mpips.data.files import resolve_paths
 from mpips.data.reader import DataReader
 
@@ -68,8 +68,8 @@ def _heavy_ints(rng, n):
     v[:, 4] = rng.integers(-(2 ** 31) + 1, 2 ** 31 - 1, n)  # full int32 range
     v[:, 6] = 5  # constant
     raw = v.clip(-(2 ** 31) + 1, 2 ** 31 - 1).astype(np.int32)
-    raw[rng.random((n, 13)) < 0.2] = shards.DENSE_MISSING
-    raw[:, 7] = shards.DENSE_MISSING  # no values at all
+    raw[rng.random((n, 13)) < 0.2] = binary.DENSE_MISSING
+    raw[:, 7] = binary.DENSE_MISSING  # no values at all
     return raw
 
 
@@ -88,11 +88,11 @@ def test_stats_equal_numpy_percentile(monkeypatch, lo, hi, bins):
     def scan(j):
         for a in range(0, raw.shape[0], 700):
             c = raw[a:a + 700, j].astype(np.int64)
-            yield c[c != shards.DENSE_MISSING]
+            yield c[c != binary.DENSE_MISSING]
 
     res = st.result(scan)
     for j in range(13):
-        v = raw[:, j][raw[:, j] != shards.DENSE_MISSING]
+        v = raw[:, j][raw[:, j] != binary.DENSE_MISSING]
         assert res["count"][j] == v.size
         if j == 7:
             assert (res["cont_min"][j], res["cont_diff"][j]) == (0.0, 1.0)
@@ -103,14 +103,14 @@ def test_stats_equal_numpy_percentile(monkeypatch, lo, hi, bins):
         want = np.percentile(v, 95) - v.min()
         assert res["cont_diff"][j] == (want if want > 0 else 1.0)
     for q in (0.0, 0.5, 0.999, 1.0):
-        assert st.quantile(0, q, scan) == np.percentile(raw[:, 0][raw[:, 0] != shards.DENSE_MISSING],
+        assert st.quantile(0, q, scan) == np.percentile(raw[:, 0][raw[:, 0] != binary.DENSE_MISSING],
                                                         q * 100)
 
 
 def test_split_disjoint_union_and_stats(prepared):
     root, rep, _ = prepared
     out, train = root / "out", root / "syn" / "train"
-    lo, diff = shards.load_stats(str(out))
+    lo, diff = binary.load_stats(str(out))
     full = read_all(str(train), cont_min=lo, cont_diff=diff)
     val = P.val_mask(7, 0, len(full), 0.1)
     for name, sel in (("train", ~val), ("val", val)):
@@ -129,7 +129,7 @@ def test_split_disjoint_union_and_stats(prepared):
 
 def test_parts_balanced_and_bad_lines_reported(prepared):
     root, rep, messages = prepared
-    man = shards.read_manifest(str(root / "out" / "train"))
+    man = binary.read_manifest(str(root / "out" / "train"))
     rows = [p["rows"] for p in man["parts"]]
     assert len(rows) == 4 and max(rows) - min(rows) < 0.05 * max(rows)
     f1 = [v for k, v in rep["files"].items() if k.endswith("part-00001.txt")][0]
@@ -144,10 +144,10 @@ def test_parts_balanced_and_bad_lines_reported(prepared):
 def test_test_set_without_label(prepared):
     root, rep, _ = prepared
     assert rep["test_has_label"] is False and rep["rows"]["test"] == 500
-    man = shards.read_manifest(str(root / "out" / "test"))
+    man = binary.read_manifest(str(root / "out" / "test"))
     assert "label" not in man["columns"] and not man["has_label"]
     assert not os.path.exists(root / "out" / "test" / "part-00000" / "label.npy")
-    lo, diff = shards.load_stats(str(root / "out"))
+    lo, diff = binary.load_stats(str(root / "out"))
     want = read_all(str(root / "test"), has_label=False, cont_min=lo, cont_diff=diff)
     got = read_all(str(root / "out" / "test"))
     np.testing.assert_array_equal(got.dense, want.dense)
@@ -214,7 +214,7 @@ def test_cli(prepared, tmp_path, capsys):
 
 
 def test_refinement_scans_written_shards(prepared, tmp_path, monkeypatch):
-    """With a tiny exact range every statistic comes from re-scanning the train shards."""
+    """With a tiny exact range every statistic comes from re-scanning the train binary."""
     root, _, _ = prepared
     monkeypatch.setattr(P, "EXACT_LO", -1)
     monkeypatch.setattr(P, "EXACT_HI", 2)

@@ -11,7 +11,7 @@ from mpips import checkpoint as ck
 from mpips import infer
 from mpips.build import make_model, make_reader, make_tables
 from mpips.config import Config
-from mpips.sharding import plan_keys
+from mpips.ownership import plan_keys
 from mpips.worker.local import LocalPS
 from mpips.worker.trainer import Trainer
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from mpips.checkpoint.manifest import (MANIFEST, SKIPPED_FIELDS, CheckpointError,
                                        chain_manifests, resolve)
-from mpips.sharding import owners
+from mpips.ownership import owners
 
 LOAD_ROWS = 1 << 16                    # rows per read + import_rows call (its np.unique
                                        # is ~4x faster per row on cache-sized pieces)

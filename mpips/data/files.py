@@ -5,7 +5,7 @@ start with '.' or '_' such as ``_SUCCESS``), or a glob pattern; several specs ma
 given as a list or comma-separated.  The result keeps the order of the specs, each
 spec's matches sorted, duplicates removed.
 
-Binary shards (``mpips.data.shards``) count as files: a split directory (one with an
+Binary data parts (``mpips.data.binary``) count as files: a split directory (one with an
 mpips ``manifest.json``, e.g. ``OUT/train``) expands to its part directories in manifest
 order, and a part directory (or a glob such as ``OUT/train/part-000*``) stands for
 itself, so ``split_files`` hands whole parts to workers.  A prep root (``OUT``) is an
@@ -14,7 +14,7 @@ error that names the split directories to use instead.
 import glob
 import os
 
-from mpips.data import shards
+from mpips.data import binary
 
 
 def _split_spec(spec) -> list[str]:
@@ -30,17 +30,17 @@ def _visible(name: str) -> bool:
 
 
 def _is_input(path: str) -> bool:
-    return os.path.isfile(path) or shards.is_part_dir(path)
+    return os.path.isfile(path) or binary.is_part_dir(path)
 
 
 def _resolve_one(part: str) -> list[str]:
     if os.path.isdir(part):
-        if shards.is_split_dir(part):
-            return shards.list_parts(part)
-        if shards.is_part_dir(part):
+        if binary.is_split_dir(part):
+            return binary.list_parts(part)
+        if binary.is_part_dir(part):
             return [part]
-        if shards.is_prep_root(part):
-            subs = sorted(n for n in os.listdir(part) if shards.is_split_dir(os.path.join(part, n)))
+        if binary.is_prep_root(part):
+            subs = sorted(n for n in os.listdir(part) if binary.is_split_dir(os.path.join(part, n)))
             raise FileNotFoundError(
                 f"input path {part!r} is a data_prep output root; give one of its split "
                 f"directories instead: {', '.join(os.path.join(part, n) for n in subs)}")

@@ -1,4 +1,4 @@
-"""Stream batches from Criteo TSV, Paddle slot files or binary shards, with prefetch.
+"""Stream batches from Criteo TSV, Paddle slot files or binary data parts, with prefetch.
 
 Files are read in chunks of ``chunk_bytes`` that end on a newline (never a whole file
 in memory), parsed by ``mpips.data.criteo`` (numba, releases the GIL) or
@@ -8,11 +8,11 @@ boundaries, as if the files were one stream.  Bad lines are skipped, counted in
 first ``max_warnings`` of each file individually, then one summary line per file);
 ``strict=True`` raises ``ValueError`` with that message instead.
 
-Binary shard parts (directories from ``resolve_paths`` of a ``data_prep.criteo`` output,
-see ``mpips.data.shards``) are read memory-mapped in pieces of ``shards.PIECE_ROWS`` rows
+Binary data parts (directories from ``resolve_paths`` of a ``data_prep.criteo`` output,
+see ``mpips.data.binary``) are read memory-mapped in pieces of ``binary.PIECE_ROWS`` rows
 and batched in the same stream, so text files and parts can even be mixed.  Their dense
 values are normalised at read time with the reader's ``cont_min``/``cont_diff`` when
-given, else with the statistics in the shard manifest; their ``hash_bucket`` must equal
+given, else with the statistics in the split manifest; their ``hash_bucket`` must equal
 the reader's.
 """
 import os
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpips.data import criteo, shards, slot
+from mpips.data import binary, criteo, slot
 from mpips.data.files import resolve_paths
 
 CHUNK_BYTES = 4 << 20  # read size; a chunk is cut at its last newline
@@ -245,10 +245,10 @@ class DataReader:
                       f"({fst.bad} in this file)")
 
     def _iter_part(self, path: str):
-        """Yield (dense, sparse, label) pieces of one binary shard part, counting rows."""
+        """Yield (dense, sparse, label) pieces of one binary data part, counting rows."""
         fst = self.stats.files.setdefault(path, FileStats())
         norm = self.norm if self.explicit_norm else None
-        for dense, sparse, label in shards.iter_part(path, norm, self.hash_bucket):
+        for dense, sparse, label in binary.iter_part(path, norm, self.hash_bucket):
             n = label.shape[0]
             fst.rows += n
             fst.lines += n

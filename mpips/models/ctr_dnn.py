@@ -11,7 +11,7 @@ Network, for a batch of B examples::
 
 (FC 2 + softmax in Paddle's version is the same maths.)
 
-All dense parameters live in ONE flat vector so they can be sharded over servers as
+All dense parameters live in ONE flat vector so they can be split over servers as
 contiguous slices; ``layout`` lists ``(name, offset, shape)`` in storage order:
 ``fc0.w (n_in, h0), fc0.b (h0,), fc1.w, fc1.b, ..., out.w (h_last,), out.b (1,)``.
 Weights are stored (in, out), row-major, so ``fc0.w``'s first ``n_sparse*dim`` rows (the

@@ -10,8 +10,8 @@ Ordering rules per mode (steps count from 0 within a phase; a phase ends with BA
   only after steps 0..t-1 were applied.
 - ssp: pushes apply on arrival; a pull of step t waits until every active worker has pushed
   at least t - staleness steps.
-An idle server sleeps with exponential back-off (IDLE_MIN..IDLE_MAX) instead of spinning,
-so that on an oversubscribed node the workers get the cores.
+An idle server sleeps with exponential back-off (``mpips.backoff.IDLE``) instead of
+spinning, so that on an oversubscribed node the workers get the cores.
 
 Failure handling (see docs/reliability.md):
 - every request is validated (header by ``decode``, then against this server's tables and
@@ -31,27 +31,27 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mpips.backoff import IDLE, Backoff
 from mpips.kernels.embedding import sum_duplicates
-from mpips.liveness import WATCH, err_line
-from mpips.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, TAG_CONTROL, TAG_REPLY_DENSE,
-                            TAG_REPLY_SPARSE, TAG_REQUEST, Op, ProtocolError, decode)
+from mpips.liveness import WATCH, err_line, wait_for
+from mpips.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, STATS_DTYPE, TAG_CONTROL,
+                            TAG_REPLY_DENSE, TAG_REPLY_SPARSE, TAG_REQUEST, Op, ProtocolError,
+                            decode)
 
-IDLE_MIN = 1e-5     # first back-off sleep (s) after the last message
-IDLE_MAX = 5e-4     # longest back-off sleep (s)
 CHECK_EVERY = 0.05  # seconds between liveness checks of an idle server
 MAX_REJECT_LINES = 100  # malformed requests logged one line each; later ones only counted
 CONTROL_OPS = (Op.FINISH, Op.STATS, Op.BARRIER, Op.SAVE, Op.SHRINK)
 
 
 class Server:
-    """Serves one shard: a sparse table and a slice of the dense parameters.
+    """Serves the ids this server owns (a sparse table) and a slice of the dense parameters.
 
     timeout: seconds a worker that holds others up may stay silent (--peer-timeout);
     idle_timeout: seconds without any request before failing (default: timeout).
     """
 
     def __init__(self, comm, worker_ranks, sparse, dense, mode="async", staleness=0,
-                 timeout=120.0, idle_max=IDLE_MAX, idle_timeout=None, label="server"):
+                 timeout=120.0, idle_max=IDLE[1], idle_timeout=None, label="server"):
         self.comm, self.sparse, self.dense = comm, sparse, dense
         self.workers = list(worker_ranks)
         self.mode = "sync" if (mode == "ssp" and staleness == 0) else mode
@@ -84,7 +84,7 @@ class Server:
     # ---- main loop
     def run(self):
         """Serve until every worker sent FINISH."""
-        delay, next_check = IDLE_MIN, 0.0
+        backoff, next_check = Backoff(IDLE[0], self.idle_max), 0.0
         status = MPI.Status()
         self.watch.waiting(self.describe, timed=False)
         while len(self.finished) < len(self.workers):
@@ -96,12 +96,10 @@ class Server:
                     self._check(now)
                     next_check = now + CHECK_EVERY
                 self.watch.poll()
-                if self.idle_max > 0:
-                    time.sleep(delay)
-                    delay = min(delay * 2, self.idle_max)
+                backoff.sleep()
                 continue
             self._receive(msg, status)
-            delay = IDLE_MIN
+            backoff.reset()
         self._drain_sends()
 
     def _receive(self, msg, status):
@@ -249,12 +247,22 @@ class Server:
             self._send(np.array([removed], np.int64), source, TAG_CONTROL)
         elif req.op == Op.STATS:
             self._progress_sends()
-            out = np.array([len(self.sparse), self.sparse.nbytes + self.dense.nbytes,
-                            self.stats["requests"], int(self.stats["busy_s"] * 1e6),
-                            self.max_lead, getattr(self.sparse, "admitted", 0),
-                            self.sparse.waiting() if hasattr(self.sparse, "waiting") else 0,
-                            self.evicted, self.rejected, len(self.sends)], np.int64)
-            self._send(out, source, TAG_CONTROL)
+            self._send(self._stats_record().view(np.int64), source, TAG_CONTROL)
+
+    def _stats_record(self):
+        """This server's STATS reply, a STATS_DTYPE record."""
+        rec = np.zeros(1, STATS_DTYPE)
+        rec["rows"] = len(self.sparse)
+        rec["bytes"] = self.sparse.nbytes + self.dense.nbytes
+        rec["requests"] = self.stats["requests"]
+        rec["busy_us"] = int(self.stats["busy_s"] * 1e6)
+        rec["ssp_max_lead"] = self.max_lead
+        rec["admitted"] = getattr(self.sparse, "admitted", 0)
+        rec["waiting"] = self.sparse.waiting() if hasattr(self.sparse, "waiting") else 0
+        rec["evicted"] = self.evicted
+        rec["rejected"] = self.rejected
+        rec["replies_in_flight"] = len(self.sends)
+        return rec
 
     @staticmethod
     def _copy(req):
@@ -352,13 +360,11 @@ class Server:
             self.sends = [(r, a) for r, a in self.sends if not r.Test()]
 
     def _drain_sends(self):
-        t0 = time.monotonic()
         self.watch.waiting(f"FINISH: {len(self.sends)} replies not yet taken by the workers")
-        while self.sends:
+
+        def drained():
             self._progress_sends()
-            if self.sends:
-                self.watch.poll()
-                if time.monotonic() - t0 > self.timeout:
-                    self.watch.fail(f"server rank {self.comm.rank}: replies not taken by the "
-                                    f"workers within {self.timeout:.0f} s (--peer-timeout)")
-                time.sleep(IDLE_MIN)
+            return not self.sends
+        wait_for(drained, Backoff(*IDLE), self.timeout,
+                 lambda: f"server rank {self.comm.rank}: replies not taken by the workers "
+                 f"within {self.timeout:.0f} s (--peer-timeout)")

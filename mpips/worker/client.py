@@ -1,6 +1,6 @@
 """Worker side of the PS: pull/push with non-blocking MPI.
 
-A batch's keys come planned by ``mpips.sharding.plan_keys`` (deduplicated, grouped by
+A batch's keys come planned by ``mpips.ownership.plan_keys`` (deduplicated, grouped by
 owning server), so each server's rows are one contiguous slice of the pulled (u, dim)
 array: replies land in place, gradients leave from place.  Every call returns a
 :class:`Handle`; ``h.wait()`` polls with back-off (an oversubscribed core is left to the
@@ -12,35 +12,14 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpips.liveness import WATCH
-from mpips.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, STATS_LEN, TAG_CONTROL,
-                            TAG_REPLY_DENSE, TAG_REPLY_SPARSE, TAG_REQUEST, Op, encode,
-                            message_nbytes)
+from mpips.backoff import REPLY, Backoff
+from mpips.liveness import WATCH, wait_for, wait_requests
+from mpips.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, STATS_DTYPE, STATS_LEN,
+                            TAG_CONTROL, TAG_REPLY_DENSE, TAG_REPLY_SPARSE, TAG_REQUEST, Op,
+                            encode, message_nbytes)
 
-WAIT_MIN = 1e-5     # first poll sleep (s) while waiting for a reply
-WAIT_MAX = 2e-4     # longest poll sleep (s)
 WORKER_GRACE = 1.0  # s a worker waits beyond --peer-timeout: a server, which knows which
                     # worker holds the others up, gets to report first
-
-
-def wait_requests(reqs, timeout, what):
-    """Wait for all MPI requests, sleeping between polls and answering status requests.
-
-    what: text, or a callable giving it, naming the awaited op, step and peers; after
-    `timeout` seconds the job fails with it, following a status dump of every rank.
-    """
-    WATCH.poll()
-    if not reqs or MPI.Request.Testall(reqs):
-        return
-    WATCH.waiting(what)
-    delay, t0 = WAIT_MIN, time.monotonic()
-    while not MPI.Request.Testall(reqs):
-        WATCH.poll()
-        if time.monotonic() - t0 > timeout:
-            text = what() if callable(what) else what
-            WATCH.fail(f"no answer within {timeout:.0f} s: {text}")
-        time.sleep(delay)
-        delay = min(2 * delay, WAIT_MAX)
 
 
 class Handle:
@@ -72,7 +51,7 @@ class Handle:
 
 
 class PSClient:
-    """Pull/push against the servers of `server_ranks` (world ranks in shard order)."""
+    """Pull/push against the servers of `server_ranks` (world ranks in server-id order)."""
 
     def __init__(self, comm, server_ranks, dim, dense_bounds, timeout=120.0, label="worker"):
         self.comm, self.servers, self.dim = comm, list(server_ranks), dim
@@ -162,8 +141,8 @@ class PSClient:
         waiting = lambda: ("BARRIER: waiting for server rank(s) "  # noqa: E731
                            f"{[self.servers[s] for s in sorted(recvs)]} to release it")
         WATCH.waiting(waiting)
-        delay = WAIT_MIN
-        while recvs:
+
+        def released():
             now = time.monotonic()
             for s, r in list(recvs.items()):
                 if not r.Test():
@@ -173,13 +152,10 @@ class PSClient:
                     heard[s] = now
                 else:
                     del recvs[s]
-            if not recvs:
-                return
-            WATCH.poll()
-            if any(now - heard[s] > self.timeout for s in recvs):
-                WATCH.fail(f"no word within {self.timeout:.0f} s: {waiting()}")
-            time.sleep(delay)
-            delay = min(2 * delay, WAIT_MAX)
+            return not recvs
+        wait_for(released, Backoff(*REPLY), self.timeout,
+                 lambda: f"no word within {self.timeout:.0f} s: {waiting()}",
+                 since=lambda: min(heard[s] for s in recvs))
 
     def _ask(self, op, width, step=0):
         """Send a bodyless op to every server and collect int64[width] replies (S, width)."""
@@ -190,8 +166,8 @@ class PSClient:
         return out
 
     def stats(self):
-        """Per server int64 (S, STATS_LEN), the fields listed at Op.STATS."""
-        return self._ask(Op.STATS, STATS_LEN)
+        """One STATS_DTYPE record per server (S,): read fields by name, e.g. ``st["rows"]``."""
+        return self._ask(Op.STATS, STATS_LEN).view(STATS_DTYPE).reshape(self.n_servers)
 
     def shrink(self, threshold):
         """Every server ages and evicts its rows; returns the rows removed in all."""
@@ -209,18 +185,15 @@ class PSClient:
                 for s in range(self.n_servers)]
         Handle(self, [r for r, _ in sent], list(self.servers), [b for _, b in sent],
                "SAVE", seq).wait()
-        out = []
-        for srv in self.servers:
-            status = MPI.Status()
-            t0 = time.monotonic()
-            WATCH.waiting(f"SAVE checkpoint {seq}: waiting for server rank {srv} to confirm")
-            while not self.comm.Iprobe(srv, TAG_CONTROL, status):
-                WATCH.poll()
-                if time.monotonic() - t0 > self.timeout:
-                    WATCH.fail(f"server rank {srv} did not confirm its checkpoint shard "
-                               f"within {self.timeout:.0f} s")
-                time.sleep(WAIT_MAX)
-            buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
-            self.comm.Recv(buf, srv, TAG_CONTROL)
-            out.append(bytes(buf))
-        return out
+        return [self._confirmation(srv, seq) for srv in self.servers]
+
+    def _confirmation(self, srv, seq):
+        """The JSON reply of server rank `srv` to SAVE `seq` (a message of unknown size)."""
+        status = MPI.Status()
+        WATCH.waiting(f"SAVE checkpoint {seq}: waiting for server rank {srv} to confirm")
+        wait_for(lambda: self.comm.Iprobe(srv, TAG_CONTROL, status), Backoff(*REPLY),
+                 self.timeout, lambda: f"server rank {srv} did not confirm its checkpoint "
+                 f"shard within {self.timeout:.0f} s")
+        buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+        self.comm.Recv(buf, srv, TAG_CONTROL)
+        return bytes(buf)

@@ -1,5 +1,7 @@
 """In-process stand-in for PSClient: the same tables and optimizers, no MPI messages.
 
+Both follow ``mpips.interfaces.ParamStore``; here every call is complete on return.
+
 `python -m mpips.train --local` trains through this object; it is the yardstick that
 distributed runs are compared with.
 """

@@ -1,6 +1,7 @@
 """The worker's training and evaluation loops, the same for local and distributed runs.
 
-`ps` is a PSClient (MPI) or a LocalPS (one process); the loop does not know which.
+`ps` is a PSClient (MPI) or a LocalPS (one process); the loop does not know which: both
+follow ``mpips.interfaces.ParamStore``.
 
 Step ordering (step t uses batch t):
 - async (distributed): the pull of batch t+1 is sent before batch t is computed, so the
@@ -32,6 +33,7 @@ class EpochStats:
     compute_s: float = 0.0
     metrics: BinaryMetrics = field(default_factory=BinaryMetrics)
     t0: float = field(default_factory=time.perf_counter)
+    extra: dict = field(default_factory=dict)   # facts of the run for the record (the backend's)
 
 
 class _Prepared:

@@ -1,4 +1,4 @@
-"""Binary shards: memory-mappable .npy parts written by ``data_prep.criteo``.
+"""Binary data parts: memory-mappable .npy parts written by ``data_prep.criteo``.
 
 Layout of one split directory (e.g. ``OUT/train``)::
 
@@ -22,7 +22,7 @@ import numpy as np
 
 from mpips.data.criteo import N_DENSE, N_SPARSE, make_norm
 
-FORMAT = "mpips-shards"
+FORMAT = "mpips-shards"   # on-disk name, kept: prepared sets written before still read
 VERSION = 1
 MANIFEST = "manifest.json"
 STATS = "stats.json"
@@ -36,8 +36,8 @@ COLUMNS = {  # name -> (file, dtype, shape of one row)
 }
 
 
-class ShardError(ValueError):
-    """A shard directory or manifest that cannot be read as written by data_prep."""
+class PartError(ValueError):
+    """A binary data directory or manifest that cannot be read as written by data_prep."""
 
 
 # ---------------------------------------------------------------- writing
@@ -128,7 +128,7 @@ def _read_json(path: str):
         with open(path) as fh:
             return json.load(fh)
     except json.JSONDecodeError as exc:
-        raise ShardError(f"{path}: not valid JSON ({exc}); re-run data_prep.criteo") from None
+        raise PartError(f"{path}: not valid JSON ({exc}); re-run data_prep.criteo") from None
 
 
 def _manifest_kind(directory: str):
@@ -157,20 +157,20 @@ def is_part_dir(path: str) -> bool:
 
 
 def read_manifest(split_dir: str) -> dict:
-    """The validated split manifest of ``split_dir``; ShardError says what is wrong."""
+    """The validated split manifest of ``split_dir``; PartError says what is wrong."""
     path = os.path.join(split_dir, MANIFEST)
     if not os.path.isfile(path):
-        raise ShardError(f"{split_dir}: no {MANIFEST} (not a shard directory, or its "
+        raise PartError(f"{split_dir}: no {MANIFEST} (not a binary data directory, or its "
                          f"preparation did not finish; re-run data_prep.criteo)")
     man = _read_json(path)
     if not isinstance(man, dict) or man.get("format") != FORMAT:
-        raise ShardError(f"{path}: not an {FORMAT} manifest")
+        raise PartError(f"{path}: not an {FORMAT} manifest")
     if man.get("version") != VERSION:
-        raise ShardError(f"{path}: shard format version {man.get('version')!r}; this mpips "
+        raise PartError(f"{path}: binary data format version {man.get('version')!r}; this mpips "
                          f"reads version {VERSION} (re-run data_prep.criteo)")
     for key in ("parts", "columns", "hash_bucket", "stats", "has_label"):
         if key not in man:
-            raise ShardError(f"{path}: manifest lacks {key!r}; re-run data_prep.criteo")
+            raise PartError(f"{path}: manifest lacks {key!r}; re-run data_prep.criteo")
     return man
 
 
@@ -180,7 +180,7 @@ def list_parts(split_dir: str) -> list[str]:
     parts = [os.path.join(split_dir, p["name"]) for p in man["parts"]]
     missing = [p for p in parts if not os.path.isdir(p)]
     if missing:
-        raise ShardError(f"{split_dir}: {len(missing)} part(s) listed in {MANIFEST} are "
+        raise PartError(f"{split_dir}: {len(missing)} part(s) listed in {MANIFEST} are "
                          f"missing, e.g. {missing[0]} (copy them back or re-run data_prep)")
     return parts
 
@@ -198,19 +198,19 @@ def open_part(part: str):
     man = read_manifest(split_dir)
     entry = next((p for p in man["parts"] if p["name"] == name), None)
     if entry is None:
-        raise ShardError(f"{part}: not listed in {os.path.join(split_dir, MANIFEST)}")
+        raise PartError(f"{part}: not listed in {os.path.join(split_dir, MANIFEST)}")
     arrays = {}
     for col, spec in man["columns"].items():
         path = os.path.join(part, spec["file"])
         if not os.path.isfile(path):
-            raise ShardError(f"{path}: missing column file of shard part {part}")
+            raise PartError(f"{path}: missing column file of part {part}")
         try:
             arr = np.load(path, mmap_mode="r", allow_pickle=False)
         except (ValueError, OSError) as exc:
-            raise ShardError(f"{path}: unreadable .npy ({exc})") from None
+            raise PartError(f"{path}: unreadable .npy ({exc})") from None
         want = (int(entry["rows"]),) + tuple(spec["shape"])
         if arr.dtype != np.dtype(spec["dtype"]) or arr.shape != want:
-            raise ShardError(f"{path}: {arr.dtype} {arr.shape}, manifest says "
+            raise PartError(f"{path}: {arr.dtype} {arr.shape}, manifest says "
                              f"{spec['dtype']} {want} (truncated or foreign file? "
                              f"re-run data_prep.criteo)")
         arrays[col] = arr
@@ -230,11 +230,11 @@ def iter_part(part: str, norm=None, hash_bucket=None, piece_rows: int = PIECE_RO
     """Yield ``(dense f32, sparse i64, label f32)`` pieces of one part (fresh arrays).
 
     ``norm`` (2, 13) defaults to the manifest's statistics.  ``hash_bucket``, if given,
-    must equal the one the shards were hashed with.  Label is 0 when the split has none.
+    must equal the one the parts were hashed with.  Label is 0 when the split has none.
     """
     man, arrays = open_part(part)
     if hash_bucket is not None and int(hash_bucket) != int(man["hash_bucket"]):
-        raise ShardError(f"{part}: shards were hashed with hash_bucket={man['hash_bucket']}, "
+        raise PartError(f"{part}: parts were hashed with hash_bucket={man['hash_bucket']}, "
                          f"the reader asked for {hash_bucket} (pass --hash-bucket "
                          f"{man['hash_bucket']}, or re-run data_prep with the bucket you want)")
     norm = manifest_norm(man) if norm is None else norm
@@ -260,9 +260,9 @@ def load_stats(path: str):
                                 f"writes OUT/{STATS})")
     st = _read_json(path)
     if not isinstance(st, dict) or "cont_min" not in st or "cont_diff" not in st:
-        raise ShardError(f"{path}: needs 'cont_min' and 'cont_diff' lists of {N_DENSE} numbers")
+        raise PartError(f"{path}: needs 'cont_min' and 'cont_diff' lists of {N_DENSE} numbers")
     try:
         norm = make_norm(st["cont_min"], st["cont_diff"])
     except (ValueError, TypeError) as exc:
-        raise ShardError(f"{path}: {exc}") from None
+        raise PartError(f"{path}: {exc}") from None
     return norm[0].copy(), norm[1].copy()

@@ -8,7 +8,7 @@ import pytest
 
 from data_prep.criteo import prepare, val_mask
 from data_prep.synth import generate
-from mpips.data import shards
+from mpips.data import binary
 from mpips.data.criteo import CONT_DIFF, CONT_MIN
 from mpips.data.files import resolve_paths, split_files
 from mpips.data.reader import Batch, DataReader
@@ -44,7 +44,7 @@ def copy(data, tmp_path):
 
 def test_npy_appender_roundtrip(tmp_path):
     path = str(tmp_path / "a.npy")
-    w = shards.NpyAppender(path, np.int32, (13,))
+    w = binary.NpyAppender(path, np.int32, (13,))
     chunks = [np.arange(13 * k, dtype=np.int32).reshape(k, 13) for k in (0, 3, 1000)]
     for c in chunks:
         w.append(c)
@@ -54,7 +54,7 @@ def test_npy_appender_roundtrip(tmp_path):
     got = np.load(path, mmap_mode="r")
     assert isinstance(got, np.memmap) and got.shape == (1003, 13)
     np.testing.assert_array_equal(got, np.concatenate(chunks))
-    w = shards.NpyAppender(str(tmp_path / "e.npy"), np.int8, ())
+    w = binary.NpyAppender(str(tmp_path / "e.npy"), np.int8, ())
     w.close()
     assert np.load(str(tmp_path / "e.npy")).shape == (0,)
 
@@ -73,7 +73,7 @@ def test_resolve_and_split_parts(data):
 
 def test_roundtrip_equals_tsv_reader(data):
     out = data / "out"
-    lo, diff = shards.load_stats(str(out))
+    lo, diff = binary.load_stats(str(out))
     tsv = concat(DataReader(str(data / "syn" / "train"), 4096, cont_min=lo, cont_diff=diff,
                             prefetch=False))
     val = val_mask(1, 0, len(tsv), 0.2)
@@ -102,26 +102,26 @@ def test_mixed_text_and_parts_and_stats(data):
 
 def test_load_stats_sources(data, tmp_path):
     out = data / "out"
-    lo, diff = shards.load_stats(str(out))
+    lo, diff = binary.load_stats(str(out))
     st = json.loads((out / "stats.json").read_text())
     np.testing.assert_array_equal(lo, st["cont_min"])
     np.testing.assert_array_equal(diff, st["cont_diff"])
     for p in (out / "stats.json", out / "train"):
-        a, b = shards.load_stats(str(p))
+        a, b = binary.load_stats(str(p))
         np.testing.assert_array_equal(a, lo)
         np.testing.assert_array_equal(b, diff)
     bad = tmp_path / "s.json"
     bad.write_text(json.dumps({"cont_min": [0] * 12, "cont_diff": [1] * 13}))
-    with pytest.raises(shards.ShardError, match="13 values"):
-        shards.load_stats(str(bad))
+    with pytest.raises(binary.PartError, match="13 values"):
+        binary.load_stats(str(bad))
     bad.write_text(json.dumps({"cont_min": [0] * 13, "cont_diff": [0] * 13}))
-    with pytest.raises(shards.ShardError, match="non-zero"):
-        shards.load_stats(str(bad))
+    with pytest.raises(binary.PartError, match="non-zero"):
+        binary.load_stats(str(bad))
     bad.write_text("{")
-    with pytest.raises(shards.ShardError, match="not valid JSON"):
-        shards.load_stats(str(bad))
+    with pytest.raises(binary.PartError, match="not valid JSON"):
+        binary.load_stats(str(bad))
     with pytest.raises(FileNotFoundError, match="stats"):
-        shards.load_stats(str(tmp_path / "none.json"))
+        binary.load_stats(str(tmp_path / "none.json"))
 
 
 def read(path, **kw):
@@ -130,51 +130,51 @@ def read(path, **kw):
 
 def test_missing_part_is_clear(copy):
     shutil.rmtree(copy / "part-00001")
-    with pytest.raises(shards.ShardError,
+    with pytest.raises(binary.PartError,
                        match="1 part.*missing.*part-00001"):
         resolve_paths(str(copy))
 
 
 def test_missing_column_file(copy):
     os.remove(copy / "part-00002" / "sparse.npy")
-    with pytest.raises(shards.ShardError, match="sparse.npy: missing column"):
+    with pytest.raises(binary.PartError, match="sparse.npy: missing column"):
         read(copy)
 
 
 def test_wrong_dtype_and_shape(copy):
     p = copy / "part-00000" / "label.npy"
     np.save(p, np.load(p).astype(np.int64))
-    with pytest.raises(shards.ShardError, match="label.npy: int64.*manifest says int8"):
+    with pytest.raises(binary.PartError, match="label.npy: int64.*manifest says int8"):
         read(copy)
     p = copy / "part-00001" / "dense.npy"
     np.save(copy / "part-00000" / "label.npy", np.zeros(3, np.int8))
-    with pytest.raises(shards.ShardError, match=r"label.npy: int8 \(3,\), manifest says int8"):
+    with pytest.raises(binary.PartError, match=r"label.npy: int8 \(3,\), manifest says int8"):
         read(copy)
     np.save(p, np.zeros((5, 12), np.int32))
-    with pytest.raises(shards.ShardError, match="dense.npy"):
-        list(shards.iter_part(str(copy / "part-00001")))
+    with pytest.raises(binary.PartError, match="dense.npy"):
+        list(binary.iter_part(str(copy / "part-00001")))
 
 
 def test_manifest_problems(copy):
     man = json.loads((copy / "manifest.json").read_text())
     (copy / "manifest.json").write_text(json.dumps(dict(man, version=99)))
-    with pytest.raises(shards.ShardError, match="version 99"):
+    with pytest.raises(binary.PartError, match="version 99"):
         read(copy / "part-00000")
     (copy / "manifest.json").write_text(json.dumps({k: v for k, v in man.items()
                                                     if k != "stats"}))
-    with pytest.raises(shards.ShardError, match="lacks 'stats'"):
+    with pytest.raises(binary.PartError, match="lacks 'stats'"):
         read(copy / "part-00000")
     (copy / "manifest.json").write_text(json.dumps(dict(man, parts=man["parts"][:1])))
-    with pytest.raises(shards.ShardError, match="not listed"):
+    with pytest.raises(binary.PartError, match="not listed"):
         read(copy / "part-00002")
     (copy / "manifest.json").write_text(json.dumps(man))
-    with pytest.raises(shards.ShardError, match="hash_bucket=0.*--hash-bucket 0"):
+    with pytest.raises(binary.PartError, match="hash_bucket=0.*--hash-bucket 0"):
         read(copy, hash_bucket=1000001)
-    with pytest.raises(shards.ShardError, match="no manifest.json"):
-        shards.read_manifest(str(copy / "part-00000"))
+    with pytest.raises(binary.PartError, match="no manifest.json"):
+        binary.read_manifest(str(copy / "part-00000"))
     bad = np.load(copy / "part-00000" / "dense.npy")
     with open(copy / "part-00000" / "dense.npy", "wb") as fh:  # truncated file
         fh.write(open(copy / "part-00001" / "dense.npy", "rb").read()[:200])
-    with pytest.raises(shards.ShardError, match="dense.npy"):
+    with pytest.raises(binary.PartError, match="dense.npy"):
         read(copy)
     assert bad.shape[1] == 13
