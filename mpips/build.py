@@ -28,13 +28,18 @@ def resolve_data(cfg):
     return resolve_paths(cfg.train), (resolve_paths(cfg.test) if cfg.test else [])
 
 
-def make_reader(cfg, files, batch_size, warn):
+def make_reader(cfg, files, batch_size, warn, shuffle=None):
+    """A DataReader of `files`; shuffle=(epoch, worker) shuffles rows with --shuffle."""
     cont_min = cont_diff = None
     if cfg.stats:
         cont_min, cont_diff = load_stats(cfg.stats)
+    window, seed = 0, None
+    if cfg.shuffle and shuffle is not None:
+        window, seed = cfg.shuffle_window, [cfg.seed, *shuffle]
     return DataReader(files, batch_size, fmt=cfg.data_format, strict=cfg.strict,
                       hash_bucket=cfg.hash_bucket, prefetch=cfg.prefetch, warn=warn,
-                      cont_min=cont_min, cont_diff=cont_diff)
+                      cont_min=cont_min, cont_diff=cont_diff, shuffle_window=window,
+                      shuffle_seed=seed)
 
 
 def make_tables(cfg, model, lo=0, hi=None):

@@ -66,7 +66,12 @@ class Config:
     init_range: float = _f(0.05, "new embedding rows start uniform in [-r, r] from (seed, id)")
     batch_size: int = _f(512, "examples per worker step")
     epochs: int = _f(1, "passes over the training data")
-    seed: int = _f(0, "seed of all initialisation")
+    seed: int = _f(0, "seed of all initialisation (and of --shuffle)")
+    shuffle: bool = _f(False, "reshuffle every epoch, from (seed, epoch): which files or shard "
+                              "parts each worker reads, and rows inside a worker's window "
+                              "(default: file order)")
+    shuffle_window: int = _f(100_000, "with --shuffle: rows shuffled together in memory inside "
+                                      "a worker (0 = reshuffle only the files)")
     # --- online (streaming) training
     stream: str = _f("", "train online on the passes of this folder: DIR/YYYYMMDD/HH/ (or "
                          "DIR/YYYYMMDD/), each ready when it holds a _SUCCESS file")
@@ -88,6 +93,8 @@ class Config:
     resume: str = _f("", "continue from this checkpoint, or the latest valid one in this root")
     # --- output and robustness
     print_every: int = _f(100, "log a TRAIN line every N batches (first worker)")
+    progress_every: float = _f(10.0, "print a PROGRESS line (position in the epoch or pass, "
+                                     "ex/s, ETA) every this many seconds (first worker; 0 = off)")
     metrics_out: str = _f("", "write JSON lines (one per epoch) to this file")
     peer_timeout: float = _f(120.0, "seconds without an answer from a peer before failing")
     prefetch: bool = _f(True, "parse data in a background thread")
@@ -133,8 +140,8 @@ class Config:
                              "its training data)")
         if self.stream_timeout < 0 or self.shrink_threshold < 0:
             raise ValueError("--stream-timeout and --shrink-threshold must be >= 0")
-        if self.idle_sleep < 0:
-            raise ValueError("--idle-sleep must be >= 0")
+        if self.idle_sleep < 0 or self.progress_every < 0 or self.shuffle_window < 0:
+            raise ValueError("--idle-sleep, --progress-every and --shuffle-window must be >= 0")
         if self.lr <= 0 or self.peer_timeout <= 0:
             raise ValueError("--lr and --peer-timeout must be positive")
         if self.staleness < 0 or self.servers < 0 or self.hash_bucket < 0 or self.max_steps < 0:

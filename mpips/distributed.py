@@ -15,10 +15,11 @@ from mpips import checkpoint as ck
 from mpips.build import make_model, make_reader, make_tables, resolve_data
 from mpips.cluster import Cluster, default_servers
 from mpips.config import SAVE_MODES
-from mpips.data.files import split_files
+from mpips.data.files import worker_files
 from mpips.liveness import wait_collective
 from mpips.metrics import BinaryMetrics
 from mpips.ownership import dense_bounds, plan_keys
+from mpips.progress import make_progress
 from mpips.protocol import Op
 from mpips.report import log_line, peak_rss_mb, write_metrics
 from mpips.resume import resume_point
@@ -136,26 +137,33 @@ class DistBackend:
                         "Iallreduce(sum) of the workers")
         return out
 
-    def _mine(self, files):
-        return split_files(files, self.W, self.wi) if len(files) >= self.W else files[self.wi::self.W]
-
-    def train(self, files, epoch, skip=0):
+    def train(self, files, epoch, skip=0, label=None, lag=None):
         wait_collective(self.wcomm.Ibarrier(), "Ibarrier of the workers (epoch start)")
         c = self.client
         sent0, msgs0 = c.bytes_sent, c.messages
         t0 = time.perf_counter()
-        mine = self._mine(files)
+        mine = worker_files(files, self.W, self.wi, self.cfg.seed if self.cfg.shuffle else None,
+                            epoch)
         if not mine and not self.warned:
             self.warned = True
             log_line(f"mpips: warning: worker {self.wi} has no training files ({len(files)} "
                      f"file(s) for {self.W} workers); split the data into at least {self.W} "
                      f"files (e.g. python -m data_prep.criteo --parts {self.W})")
-        reader = make_reader(self.cfg, mine, self.cfg.batch_size, log_line) if mine else None
+        reader = make_reader(self.cfg, mine, self.cfg.batch_size, log_line,
+                             (epoch, self.wi)) if mine else None
+        prog = None
+        if reader is not None and self.is_logger:
+            prog = make_progress(self.cfg, [reader], label or f"epoch {epoch}",
+                                 offset_batches=skip, lag=lag, write=log_line,
+                                 worker=(self.wi, self.W) if self.W > 1 else None)
+        self.trainer.progress = prog
         try:
             st = self.trainer.train_epoch(reader or [], epoch, self.cfg.max_steps, skip)
         finally:
             if reader is not None:
                 reader.close()
+        if prog is not None:
+            prog.finish(st.examples, st.loss_sum)
         self.client.barrier()                      # every worker's pushes are applied
         span = time.perf_counter() - t0
         sums = self._sum(np.array([st.examples, st.loss_sum, c.bytes_sent - sent0,

@@ -66,9 +66,12 @@ class Backend(Protocol):
     trainer: object      # the Trainer/GeoTrainer (run_epochs sets its on_step hook)
     is_logger: bool      # this process logs, writes metrics and saves (the first worker)
 
-    def train(self, files: list, epoch: int, skip: int = 0) -> object:
+    def train(self, files: list, epoch: int, skip: int = 0, label: Optional[str] = None,
+              lag: Optional[Callable[[], str]] = None) -> object:
         """Train on ``files`` (skipping ``skip`` batches trained before a resume); return the
-        EpochStats of all workers, with the run's facts for the record in ``extra``."""
+        EpochStats of all workers, with the run's facts for the record in ``extra``.
+        The first worker's PROGRESS line names the phase ``label`` (default "epoch N")
+        and, for a stream, appends ``lag()`` (how far it is behind the newest pass)."""
 
     def evaluate(self, files: list) -> Optional[BinaryMetrics]:
         """Metrics of the current model on ``files`` over all workers (None if no files)."""

@@ -7,12 +7,15 @@ communicator, the first worker talking to the servers for saves and shrinks).
 `run_epochs` (batch training) and `mpips.stream.run_stream` (online training) are written
 once against that interface, ``mpips.interfaces.Backend``.
 """
+import sys
+
 import numpy as np
 
 from mpips import checkpoint as ck
 from mpips.build import make_reader
-from mpips.data.files import split_files
+from mpips.data.files import worker_files
 from mpips.data.reader import Batch
+from mpips.progress import make_progress
 from mpips.report import epoch_record, log_line, summary_line, write_metrics
 from mpips.resume import start_point
 
@@ -41,11 +44,19 @@ class LocalBackend:
     def __init__(self, cfg, trainer, ps):
         self.cfg, self.trainer, self.ps = cfg, trainer, ps
 
-    def train(self, files, epoch, skip=0):
-        W = min(self.cfg.local_workers, max(len(files), 1))
-        parts = [split_files(files, W, i) for i in range(W)] if files else []
-        readers = [make_reader(self.cfg, p, self.cfg.batch_size, log_line) for p in parts]
-        st = self.trainer.train_epoch(concat_batches(readers), epoch, self.cfg.max_steps, skip)
+    def train(self, files, epoch, skip=0, label=None, lag=None):
+        cfg = self.cfg
+        W = min(cfg.local_workers, max(len(files), 1))
+        seed = cfg.seed if cfg.shuffle else None
+        parts = [worker_files(files, W, i, seed, epoch) for i in range(W)] if files else []
+        readers = [make_reader(cfg, p, cfg.batch_size, log_line, (epoch, i))
+                   for i, p in enumerate(parts)]
+        prog = self.trainer.progress = make_progress(
+            cfg, readers, label or f"epoch {epoch}", redraw=sys.stdout.isatty(),
+            offset_batches=skip, lag=lag, write=log_line)
+        st = self.trainer.train_epoch(concat_batches(readers), epoch, cfg.max_steps, skip)
+        if prog is not None:
+            prog.finish(st.examples, st.loss_sum)
         st.extra = {"workers": 0, "servers": 0, "local_workers": self.cfg.local_workers,
                     "compute_seconds": round(self.trainer.compute_s, 3)}
         return st

@@ -79,6 +79,18 @@ def next_pass(root, done, timeout):
         backoff.sleep(at_most=timeout - (time.monotonic() - t0))
 
 
+def passes_behind(root, name):
+    """For the PROGRESS line: how far pass `name` is behind the newest ready pass."""
+    try:
+        later = [p.name for p in ready_passes(root) if p.name > name]
+    except OSError:
+        return ""
+    if not later:
+        return "at the newest ready pass"
+    n = len(later)
+    return f"{n} pass{'es' if n > 1 else ''} behind the newest ready one ({later[-1]})"
+
+
 def run_stream(cfg, backend, log):
     """The loop above; `backend` does the work (local or distributed). Returns records."""
     _, done = resume_point(cfg)
@@ -97,7 +109,8 @@ def run_stream(cfg, backend, log):
             evicted = backend.shrink(cfg.shrink_threshold)
         files = p.files()
         test_m = backend.evaluate(files)
-        st = backend.train(files, len(records))
+        st = backend.train(files, len(records), label=f"pass {p.name}",
+                           lag=lambda name=p.name: passes_behind(cfg.stream, name))
         if cfg.save_dir:
             backend.save("base" if new_day else "delta", {"pass": p.name, "epoch": -1})
         audit = backend.stats()

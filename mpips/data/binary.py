@@ -185,6 +185,15 @@ def list_parts(split_dir: str) -> list[str]:
     return parts
 
 
+def part_rows(part: str) -> int:
+    """Rows of one part directory, from its split's manifest."""
+    split_dir, name = os.path.split(os.path.normpath(part))
+    entry = next((p for p in read_manifest(split_dir)["parts"] if p["name"] == name), None)
+    if entry is None:
+        raise PartError(f"{part}: not listed in {os.path.join(split_dir, MANIFEST)}")
+    return int(entry["rows"])
+
+
 def manifest_norm(man: dict) -> np.ndarray:
     st = man["stats"]
     return make_norm(st["cont_min"], st["cont_diff"])

@@ -14,6 +14,8 @@ error that names the split directories to use instead.
 import glob
 import os
 
+import numpy as np
+
 from mpips.data import binary
 
 
@@ -101,3 +103,21 @@ def split_files(files: list[str], n_workers: int, index: int) -> list[str]:
     start = index * base + min(index, extra)
     stop = start + base + (1 if index < extra else 0)
     return list(files[start:stop])
+
+
+def worker_files(files: list[str], n_workers: int, index: int, shuffle_seed=None,
+                 epoch: int = 0) -> list[str]:
+    """Worker ``index``'s files for one epoch.
+
+    In file order (``shuffle_seed`` None): ``split_files``, or one file in ``n_workers``
+    (``files[index::n_workers]``) when there are fewer files than workers.  With a seed,
+    the list is first permuted by a generator seeded with ``(shuffle_seed, epoch)`` — the
+    same permutation on every worker, so the blocks still partition the files, and a new
+    one each epoch.
+    """
+    if shuffle_seed is not None and len(files) > 1:
+        order = np.random.default_rng([int(shuffle_seed), int(epoch)]).permutation(len(files))
+        files = [files[i] for i in order]
+    if len(files) >= n_workers:
+        return split_files(files, n_workers, index)
+    return list(files[index::n_workers])

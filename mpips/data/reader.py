@@ -14,6 +14,11 @@ and batched in the same stream, so text files and parts can even be mixed.  Thei
 values are normalised at read time with the reader's ``cont_min``/``cont_diff`` when
 given, else with the statistics in the split manifest; their ``hash_bucket`` must equal
 the reader's.
+
+``shuffle_window=N`` (with ``shuffle_seed``) shuffles rows in memory before batching: the
+stream is cut into consecutive windows of at least N rows (at most N plus one chunk or
+part piece), each permuted by a generator seeded with ``shuffle_seed`` afresh at every
+pass, so every row comes out exactly once and the same seed gives the same order.
 """
 import os
 import queue
@@ -61,6 +66,8 @@ class ReaderStats:
     rows: int = 0
     bad_lines: int = 0
     files: dict = field(default_factory=dict)  # path -> FileStats
+    text_rows: int = 0  # rows parsed from text files (with text_bytes: rows per byte)
+    text_bytes: int = 0  # bytes of text parsed
 
 
 def _stderr_warn(msg: str) -> None:
@@ -164,6 +171,32 @@ class _Batcher:
         return out
 
 
+class _Shuffler:
+    """Collects pieces into windows of >= ``window`` rows and yields each permuted."""
+
+    def __init__(self, window: int, seed):
+        self.window, self.rng = window, np.random.default_rng(seed)
+        self.pieces: list = []
+        self.count = 0
+
+    def add(self, dense, sparse, label):
+        if label.shape[0]:
+            self.pieces.append((dense, sparse, label))
+            self.count += label.shape[0]
+        if self.count >= self.window:
+            yield self._mix()
+
+    def flush(self):
+        if self.count:
+            yield self._mix()
+
+    def _mix(self):
+        cols = [np.concatenate(c) for c in zip(*self.pieces)]
+        perm = self.rng.permutation(self.count)
+        self.pieces, self.count = [], 0
+        return tuple(c[perm] for c in cols)
+
+
 class DataReader:
     """Iterable of ``Batch`` over ``files`` (a path spec or list; see ``resolve_paths``).
 
@@ -176,7 +209,8 @@ class DataReader:
     def __init__(self, files, batch_size: int, *, fmt: str = "auto", strict: bool = False,
                  hash_bucket: int = 0, cont_min=None, cont_diff=None, has_label: bool = True,
                  prefetch: bool = True, drop_last: bool = False, warn=None,
-                 chunk_bytes: int = CHUNK_BYTES, max_warnings: int = 10):
+                 chunk_bytes: int = CHUNK_BYTES, max_warnings: int = 10,
+                 shuffle_window: int = 0, shuffle_seed=None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1; got {batch_size}")
         if fmt not in ("auto", "tsv", "slot"):
@@ -193,6 +227,7 @@ class DataReader:
         self.has_label, self.prefetch, self.drop_last = has_label, prefetch, drop_last
         self.warn = warn or _stderr_warn
         self.chunk_bytes, self.max_warnings = int(chunk_bytes), int(max_warnings)
+        self.shuffle_window, self.shuffle_seed = int(shuffle_window), shuffle_seed
         self.stats = ReaderStats()
         self._stop = threading.Event()
         self._thread = None
@@ -239,6 +274,8 @@ class DataReader:
             fst.rows += res.n_rows
             self.stats.rows += res.n_rows
             self.stats.bad_lines += len(too_long) + res.n_bad
+            self.stats.text_rows += res.n_rows
+            self.stats.text_bytes += len(data)
             yield res, len(data)
         if fst.bad > self.max_warnings:
             self.warn(f"{path}: {fst.bad - self.max_warnings} more malformed lines not shown "
@@ -255,16 +292,38 @@ class DataReader:
             self.stats.rows += n
             yield dense, sparse, label
 
+    def size(self):
+        """(rows of the binary parts, bytes of the text files) this reader will read."""
+        rows = nbytes = 0
+        for path in self.files:
+            if os.path.isdir(path):
+                rows += binary.part_rows(path)
+            else:
+                nbytes += os.path.getsize(path)
+        return rows, nbytes
+
+    def _iter_pieces(self):
+        """(dense, sparse, label) pieces of all files in order."""
+        for path in self.files:
+            if os.path.isdir(path):
+                yield from self._iter_part(path)
+                continue
+            for res, _ in self.iter_parsed(path):
+                yield res.dense, res.sparse, res.label
+
     def _iter_batches(self):
         self.stats = ReaderStats()
         batcher = _Batcher(self.batch_size)
-        for path in self.files:
-            if os.path.isdir(path):
-                for piece in self._iter_part(path):
-                    yield from batcher.add(*piece)
-                continue
-            for res, _ in self.iter_parsed(path):
-                yield from batcher.add(res.dense, res.sparse, res.label)
+        if self.shuffle_window > 0:
+            mixer = _Shuffler(self.shuffle_window, self.shuffle_seed)
+            for piece in self._iter_pieces():
+                for mixed in mixer.add(*piece):
+                    yield from batcher.add(*mixed)
+            for mixed in mixer.flush():
+                yield from batcher.add(*mixed)
+        else:
+            for piece in self._iter_pieces():
+                yield from batcher.add(*piece)
         if not self.drop_last:
             yield from batcher.flush()
 

@@ -10,7 +10,6 @@ Step ordering (step t uses batch t):
   decide when to answer it (sync: after step t was applied by all workers).
 Dense weights are pulled every step, or every --dense-every steps in async mode.
 """
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -32,7 +31,6 @@ class EpochStats:
     seconds: float = 0.0
     compute_s: float = 0.0
     metrics: BinaryMetrics = field(default_factory=BinaryMetrics)
-    t0: float = field(default_factory=time.perf_counter)
     extra: dict = field(default_factory=dict)   # facts of the run for the record (the backend's)
 
 
@@ -63,27 +61,22 @@ class Trainer:
         self.grad_dense = np.zeros(P, np.float32)
         self.compute_s = 0.0
         self.step_delay = 0.0      # seconds slept per step: slows one worker in tests
-        self._tty = sys.stdout.isatty()
         self.on_step = None        # callable(done, phase_steps) after each push (mid-epoch saves)
+        self.progress = None       # mpips.progress.Progress of this phase (first worker) or None
         self._emb = self._grad_emb = None
         # async: dense gradients are averaged over --dense-every steps, then pushed
         self.dense_k = cfg.dense_every if overlap else 1
         self.dense_acc = np.zeros(P, np.float32) if self.dense_k > 1 else None
 
     def _report(self, epoch, step, st):
-        """TRAIN line every --print-every steps; a progress line on a terminal."""
-        if not self.log:
-            return
-        if step % self.cfg.print_every == 0:
-            if self._tty:
-                sys.stdout.write("\r\033[K")
+        """TRAIN line every --print-every steps; the PROGRESS line when it is due."""
+        if self.progress is not None:
+            self.progress.tick(st.examples, st.loss_sum)
+        if self.log and step % self.cfg.print_every == 0:
+            if self.progress is not None:
+                self.progress.clear()
             self.log(f"TRAIN --> pass: {epoch} batch: {step} loss: {st.loss_sum / st.examples:.6f}"
                      f" auc: {st.metrics.auc():.6f}")
-        elif self._tty and step % 10 == 0:
-            rate = st.examples / max(time.perf_counter() - st.t0, 1e-9)
-            sys.stdout.write(f"\r  pass {epoch} batch {step} loss {st.loss_sum / st.examples:.4f} "
-                             f"({rate:,.0f} examples/s on this worker)")
-            sys.stdout.flush()
 
     def _prepare(self, batch):
         if batch is None:
@@ -161,8 +154,6 @@ class Trainer:
             cur = nxt
         if push is not None:
             push.wait()
-        if self.log and self._tty:
-            sys.stdout.write("\r\033[K")                # clear the progress line
         st.steps = step
         st.seconds = time.perf_counter() - t_start
         return st
@@ -290,8 +281,6 @@ class GeoTrainer(Trainer):
                 break
         if step % K:
             self._sync(step)
-        if self.log and self._tty:
-            sys.stdout.write("\r\033[K")                # clear the progress line
         st.steps = step
         st.seconds = time.perf_counter() - t_start
         return st

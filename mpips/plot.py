@@ -1,0 +1,169 @@
+"""`python -m mpips.plot METRICS.jsonl [more.jsonl ...] [--out run.png]`: plot a run.
+
+Reads the JSON lines `--metrics-out` writes and draws, with matplotlib (the `plot`
+extra: `pip install 'mpips[plot]'`):
+- epoch runs: train/test AUC, train/test logloss and examples/s per epoch;
+- stream runs (records with a `pass`): progressive AUC per pass (evaluated before the
+  pass trains), table rows, ids admitted / waiting / evicted per pass, examples/s;
+- several files: the runs overlaid (one colour each), to compare modes or configs.
+The default output is the first file with `.png` instead of its suffix.  An empty file,
+a file that is not mpips metrics, or epoch and stream files mixed is an error that says
+which file and line.
+"""
+import argparse
+import json
+import os
+import sys
+
+try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+except ImportError:       # the optional `plot` extra
+    plt = None
+
+REQUIRED = ("epoch", "train_examples")
+
+
+class PlotError(ValueError):
+    pass
+
+
+def load_run(path):
+    """The records of one metrics file; PlotError names the file (and line) if it is not one."""
+    try:
+        with open(path) as fh:
+            lines = fh.readlines()
+    except OSError as e:
+        raise PlotError(f"{path}: cannot read ({e.strerror})")
+    recs = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise PlotError(f"{path}:{i}: not a JSON line; mpips.plot reads the file "
+                            f"`--metrics-out` writes")
+        if not isinstance(rec, dict) or any(k not in rec for k in REQUIRED):
+            raise PlotError(f"{path}:{i}: not an mpips metrics record (needs the fields "
+                            f"{' and '.join(REQUIRED)}); mpips.plot reads the file "
+                            f"`--metrics-out` writes")
+        recs.append(rec)
+    if not recs:
+        raise PlotError(f"{path}: no metrics records (empty file; did the run finish an "
+                        f"epoch or pass?)")
+    kinds = {"pass" in r for r in recs}
+    if len(kinds) > 1:
+        raise PlotError(f"{path}: mixes epoch and stream records; plot them from separate files")
+    return recs
+
+
+def run_label(path, recs, paths):
+    stem = os.path.splitext(os.path.basename(path))[0]
+    if sum(os.path.splitext(os.path.basename(p))[0] == stem for p in paths) > 1:
+        stem = path
+    modes = {r.get("mode") for r in recs} - {None}
+    return f"{stem} ({modes.pop()})" if len(modes) == 1 else stem
+
+
+def _series(ax, x, recs, key, **kw):
+    pts = [(xi, r[key]) for xi, r in zip(x, recs) if isinstance(r.get(key), (int, float))]
+    if pts:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], **kw)
+    return bool(pts)
+
+
+def _finish(ax, title, xlabel, drew):
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    if not drew:
+        ax.text(0.5, 0.5, "not in these records", ha="center", va="center",
+                transform=ax.transAxes, color="gray")
+
+
+def plot_epochs(runs):
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    drew = [False] * 3
+    for i, (label, recs) in enumerate(runs):
+        c = f"C{i}"
+        x = [r["epoch"] for r in recs]
+        m = "o" if len(recs) < 30 else None
+        drew[0] |= _series(axes[0], x, recs, "test_auc", color=c, marker=m, label=f"{label} test")
+        drew[0] |= _series(axes[0], x, recs, "train_auc", color=c, marker=m, ls="--",
+                           label=f"{label} train")
+        drew[1] |= _series(axes[1], x, recs, "test_logloss", color=c, marker=m,
+                           label=f"{label} test")
+        drew[1] |= _series(axes[1], x, recs, "train_loss", color=c, marker=m, ls="--",
+                           label=f"{label} train")
+        drew[2] |= _series(axes[2], x, recs, "examples_per_sec", color=c, marker=m, label=label)
+    for ax, title, d in zip(axes, ("AUC", "logloss", "train examples/s"), drew):
+        _finish(ax, title, "epoch", d)
+    axes[0].legend(fontsize=7)
+    return fig
+
+
+def plot_stream(runs):
+    fig, axes = plt.subplots(2, 2, figsize=(11, 6), sharex=True)
+    ax = axes.ravel()
+    drew = [False] * 4
+    for i, (label, recs) in enumerate(runs):
+        c = f"C{i}"
+        x = list(range(len(recs)))
+        drew[0] |= _series(ax[0], x, recs, "test_auc", color=c, label=label)
+        drew[1] |= _series(ax[1], x, recs, "table_rows", color=c, label=label)
+        for key, ls in (("ids_admitted", "-"), ("ids_waiting", "--"), ("ids_evicted", ":")):
+            drew[2] |= _series(ax[2], x, recs, key, color=c, ls=ls)
+        drew[3] |= _series(ax[3], x, recs, "examples_per_sec", color=c, label=label)
+    titles = ("progressive AUC (before training on the pass)", "table rows",
+              "ids admitted (-) / waiting (--) / evicted (:)", "train examples/s")
+    for a, title, d in zip(ax, titles, drew):
+        _finish(a, title, "pass", d)
+    ax[0].legend(fontsize=7)
+    return fig
+
+
+def plot_files(paths, out, title=""):
+    """Draw the runs in `paths` into `out` (PNG); return out."""
+    if plt is None:
+        raise PlotError("mpips.plot needs matplotlib: pip install 'mpips[plot]' "
+                        "(or pip install matplotlib)")
+    loaded = [(p, load_run(p)) for p in paths]
+    kinds = {"pass" in recs[0] for _, recs in loaded}
+    if len(kinds) > 1:
+        raise PlotError("cannot overlay epoch runs and stream runs: "
+                        + ", ".join(f"{p} ({'stream' if 'pass' in r[0] else 'epochs'})"
+                                    for p, r in loaded))
+    runs = [(run_label(p, recs, paths), recs) for p, recs in loaded]
+    fig = plot_stream(runs) if kinds.pop() else plot_epochs(runs)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m mpips.plot",
+                                description="Plot the --metrics-out JSON lines of runs.")
+    p.add_argument("metrics", nargs="+", help="metrics JSONL files; several are overlaid")
+    p.add_argument("--out", default="", help="PNG to write (default: the first file's name "
+                                             "with .png)")
+    p.add_argument("--title", default="", help="figure title")
+    a = p.parse_args(argv)
+    out = a.out or os.path.splitext(a.metrics[0])[0] + ".png"
+    try:
+        plot_files(a.metrics, out, a.title)
+    except PlotError as e:
+        print(f"mpips.plot: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
