@@ -214,6 +214,9 @@ def _fc(value):
     return tuple(int(x) for x in value)
 
 
+ORDER_KEYS = ("shuffle", "shuffle_window", "seed", "batch_size", "local_workers")
+
+
 def check_compatible(manifest, cfg):
     """Raise CheckpointError naming the first field where ``cfg`` cannot use the checkpoint."""
     now = cfg if isinstance(cfg, dict) else json.loads(cfg.to_json())
@@ -227,3 +230,12 @@ def check_compatible(manifest, cfg):
             raise CheckpointError(
                 f"checkpoint seq {manifest['seq']} was saved with {flag} {saved[key]}; this "
                 f"run has {flag} {now[key]} (use the same {flag}, or do not resume from it)")
+    if (manifest.get("meta") or {}).get("complete", True):
+        return
+    for key in ORDER_KEYS:      # a mid-epoch resume skips batches: their order must match
+        if key in saved and key in now and saved[key] != now[key]:
+            flag = "--" + key.replace("_", "-")
+            raise CheckpointError(
+                f"checkpoint seq {manifest['seq']} was saved mid-epoch with {flag} "
+                f"{saved[key]}; this run has {flag} {now[key]}, so skipping the batches "
+                f"done would skip other rows (use the same {flag})")
