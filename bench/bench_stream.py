@@ -1,12 +1,13 @@
 """Online-training benchmark: a 3-day x 24-hour synthetic stream, 2 servers x 2 workers.
 
-    pip install matplotlib
+    pip install -e '.[plot]'
     python bench/bench_stream.py                   # writes bench/stream.png and prints a table
 
 Runs the same stream twice, with eviction (`--shrink-every pass --shrink-threshold 6`: rows
 unseen for 6 hours go) and without (`--shrink-every never`), both with `--entry count:2` and a
 base/delta save per pass.  Prints per-day progressive AUC, table rows and wall time per pass,
-and plots progressive AUC and table size over the passes.
+and plots them per pass with `mpips.plot` (progressive AUC, table rows, ids admitted /
+waiting / evicted, examples/s).
 """
 import argparse
 import json
@@ -18,6 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ENV, ROOT, mpiexec  # noqa: E402
+
+from mpips.plot import PlotError, plot_files  # noqa: E402
 
 
 
@@ -66,24 +69,12 @@ def main():
               f"{e[-1]['table_rows']:>10} | {k[-1]['table_rows']:>9} | "
               f"{mean(e, 'train_seconds'):.3f}        | {mean(k, 'train_seconds'):.3f}")
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install matplotlib)")
+        plot_files([str(base / "evict" / "m.jsonl"), str(base / "keep" / "m.jsonl")],
+                   str(ROOT / "bench" / "stream.png"), labels=["with eviction", "without eviction"],
+                   title=f"{a.days} days x {a.hours} passes, {a.rows_per_pass} rows/pass, 2x2 async")
+    except PlotError as e:       # matplotlib missing
+        print(e)
         return
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    for name, recs in runs.items():
-        x = range(len(recs))
-        ax1.plot(x, [r["test_auc"] for r in recs], label=name)
-        ax2.plot(x, [r["table_rows"] for r in recs], label=name)
-    ax1.set_ylabel("progressive AUC")
-    ax2.set_ylabel("table rows")
-    ax2.set_xlabel("pass (hour)")
-    ax1.legend()
-    ax1.set_title(f"{a.days} days x {a.hours} passes, {a.rows_per_pass} rows/pass, 2x2 async")
-    fig.tight_layout()
-    fig.savefig(ROOT / "bench" / "stream.png", dpi=80)
     print("wrote bench/stream.png")
 
 

@@ -126,8 +126,9 @@ def plot_stream(runs):
     return fig
 
 
-def plot_files(paths, out, title=""):
-    """Draw the runs in `paths` into `out` (PNG); return out."""
+def plot_files(paths, out, title="", labels=None):
+    """Draw the runs in `paths` into `out` (PNG), named `labels` (default: the file
+    names); return out."""
     if plt is None:
         raise PlotError("mpips.plot needs matplotlib: pip install 'mpips[plot]' "
                         "(or pip install matplotlib)")
@@ -137,7 +138,10 @@ def plot_files(paths, out, title=""):
         raise PlotError("cannot overlay epoch runs and stream runs: "
                         + ", ".join(f"{p} ({'stream' if 'pass' in r[0] else 'epochs'})"
                                     for p, r in loaded))
-    runs = [(run_label(p, recs, paths), recs) for p, recs in loaded]
+    if labels and len(labels) != len(paths):
+        raise PlotError(f"{len(labels)} labels for {len(paths)} files")
+    runs = [(labels[i] if labels else run_label(p, recs, paths), recs)
+            for i, (p, recs) in enumerate(loaded)]
     fig = plot_stream(runs) if kinds.pop() else plot_epochs(runs)
     if title:
         fig.suptitle(title, fontsize=11)
@@ -154,10 +158,13 @@ def main(argv=None):
     p.add_argument("--out", default="", help="PNG to write (default: the first file's name "
                                              "with .png)")
     p.add_argument("--title", default="", help="figure title")
+    p.add_argument("--labels", default="", help="comma-separated names of the runs "
+                                                "(default: the file names and mode)")
     a = p.parse_args(argv)
     out = a.out or os.path.splitext(a.metrics[0])[0] + ".png"
+    labels = [x.strip() for x in a.labels.split(",")] if a.labels else None
     try:
-        plot_files(a.metrics, out, a.title)
+        plot_files(a.metrics, out, a.title, labels)
     except PlotError as e:
         print(f"mpips.plot: error: {e}", file=sys.stderr)
         return 2

@@ -53,6 +53,7 @@ def test_epoch_runs_overlaid(tmp_path):
     out = tmp_path / "run.png"
     assert plot.main([a, b, "--out", str(out)]) == 0
     check_png(out, 12 * 80, round(3.4 * 80))
+    assert plot.main([a, b, "--out", str(out), "--labels", "only-one"]) == 2
 
 
 def test_stream_file_default_output(tmp_path):
