@@ -53,12 +53,15 @@ class Progress:
         self.t0 = clock()
         self.next_t = self.t0 + self.every
         self.steps = 0
+        self.first = None         # (time, rows) at the first step
         self.shown = 0            # highest percentage printed (never goes down)
         self.drawn = False        # a redrawn line is on the terminal
 
     def tick(self, rows, loss_sum):
         """After a step: `rows` trained in this phase so far, `loss_sum` their summed loss."""
         self.steps += 1
+        if self.first is None:               # rates count from the first step done, so
+            self.first = (self.clock(), rows)   # start-up and JIT compilation do not skew them
         if self.every_steps:
             if self.steps % self.every_steps:
                 return
@@ -102,6 +105,8 @@ class Progress:
         total, est = (done, False) if final else self.total()
         sec = max(now - self.t0, 1e-9)
         rate = rows / sec
+        if not final and self.first is not None and now > self.first[0] and rows > self.first[1]:
+            rate = (rows - self.first[1]) / (now - self.first[0])
         loss = loss_sum / max(rows, 1)
         who = f", worker {self.worker[0]} of {self.worker[1]}" if self.worker else ""
         if total is None:
