@@ -71,6 +71,8 @@ class LocalBackend:
             reader.close()
 
     def save(self, mode, meta, step=0):
+        if self.trainer.progress is not None:      # a mid-epoch save: clear a redrawn line
+            self.trainer.progress.clear()
         path = ck.save_local(self.cfg.save_dir, inner_table(self.ps.sparse), self.ps.dense, mode,
                              self.cfg.to_json(), meta)
         log_line(f"SAVE --> {path} ({mode}, {len(self.ps.sparse)} rows)")
