@@ -67,7 +67,7 @@ class Config:
     batch_size: int = _f(512, "examples per worker step")
     epochs: int = _f(1, "passes over the training data")
     seed: int = _f(0, "seed of all initialisation (and of --shuffle)")
-    shuffle: bool = _f(False, "reshuffle every epoch, from (seed, epoch): which files or shard "
+    shuffle: bool = _f(False, "reshuffle every epoch, from (seed, epoch): which files or binary "
                               "parts each worker reads, and rows inside a worker's window "
                               "(default: file order)")
     shuffle_window: int = _f(100_000, "with --shuffle: rows shuffled together in memory inside "

@@ -2,7 +2,7 @@
 
     PROGRESS --> epoch 0 42% (420,000 / 1,000,000 rows) 61.2k ex/s  loss 0.4512  ETA 0:00:09
 
-The total is the first worker's share of the data: the rows of its binary shard parts
+The total is the first worker's share of the data: the rows of its binary parts
 (from their manifests) plus, for text files, whose row count is not known before reading
 them, an estimate from their size in bytes and the rows per byte parsed so far; the line
 then says so (`~42%`, `~1,000,000 rows est. from bytes`).  Percentages never go down
@@ -37,7 +37,7 @@ def fmt_seconds(s):
 class Progress:
     """Progress of one epoch or pass; `tick` after every step, `finish` at the end.
 
-    known_rows: rows whose count is exact (shard parts); text_bytes: bytes of text files;
+    known_rows: rows whose count is exact (binary parts); text_bytes: bytes of text files;
     parsed(): (text rows, text bytes) parsed so far, for the estimate; limit: at most this
     many rows in this phase (--max-steps), 0 = all; offset: rows skipped on a resume
     (counted as done); lag(): text naming the passes waiting, or None.
