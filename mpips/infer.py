@@ -1,20 +1,28 @@
-"""`python -m mpips.infer`: evaluate a checkpoint on a data set in one process.
+"""`python -m mpips.infer`: score a data set with a checkpoint, in one process or under mpirun.
 
     python -m mpips.infer --model ckpts/ --data data/test --metrics-out m.json
-    python -m mpips.infer --model ckpts/ckpt-000004-delta --data day_2/ --predictions-out p.txt
+    mpirun -n 4 python -m mpips.infer --model ckpts/ --data data/test --predictions-out p.txt
 
-``--model`` is a checkpoint directory or a root (its latest committed checkpoint).  The
-base..delta chain is loaded into one sparse and one dense table, the model is rebuilt
-from the stored config, and the data are read with the stored data settings (format,
-``hash_bucket``).  Ids the checkpoint does not hold read as zeros (no rows are created).
-The evaluation loop is the trainer's (``Trainer.evaluate``); this module only observes
-its predictions for the running ``TEST --> batch: ...`` lines and the predictions file.
+``--model`` is a checkpoint directory or a root (its latest committed checkpoint).  Every
+rank reads the checkpoint's shard files itself — keys, embedding values and dense
+weights, never the optimizer state — and folds the base..delta chain into one read-only
+table (``mpips.serving.ServingModel``; ids the checkpoint does not hold read zeros).  No
+server ranks: scoring needs no messages, and a rank's load time does not grow with N
+(docs/serving.md has the measurement and the memory this costs).
 
-Output: ``TEST --> batch: B loss: L auc: A`` every ``--print-every`` batches and a
-summary line; ``--metrics-out`` gets one JSON object (test_examples, test_auc,
-test_logloss, test_mean_pred, test_ctr, seconds, examples_per_sec, checkpoint, meta);
-``--predictions-out`` one probability per line, in data order.  On failure: one line on
-stderr and exit code 1 (2 for usage errors).
+Data parallel: the files are split over the ranks in contiguous blocks as in training
+(``split_files``; with fewer files than ranks, rank r takes file r).  Each file is scored
+in batches from its own start, so a prediction does not depend on N: the predictions and
+the AUC histograms are the ones a single process computes, and the histograms are
+summed exactly (``BinaryMetrics`` states hold integer counts) into one global AUC.
+
+Output: ``TEST --> batch: B loss: L auc: A`` every ``--print-every`` batches (rank 0's
+running metrics) and a summary line; ``--metrics-out`` gets one JSON object (test_examples,
+test_auc, test_logloss, test_mean_pred, test_ctr, seconds, examples_per_sec,
+load_seconds, ranks, checkpoint, meta); ``--predictions-out`` one probability per line,
+files in order and lines in order whatever N is (each rank writes its part, then copies
+it into the file at its offset).  On failure: one line on stderr naming the rank, exit
+code 1 (2 for usage errors).
 """
 import argparse
 import contextlib
@@ -22,29 +30,26 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import time
-import traceback
-from collections import deque
 
 import numpy as np
 
-from mpips import checkpoint as ck
-from mpips.build import make_model, make_reader
-from mpips.config import Config, check_compatible
+from mpips.build import make_reader
+from mpips.bundle import Snapshot
+from mpips.config import Config
+from mpips.data.files import resolve_paths, split_files
 from mpips.metrics import BinaryMetrics
-from mpips.server.dense_table import DenseTable
-from mpips.server.optim import OptimizerConfig
-from mpips.server.sparse_table import SparseTable
-from mpips.ownership import plan_keys
-from mpips.worker.local import LocalPS
-from mpips.worker.trainer import Trainer
+from mpips.scoring import ServingModel
 
 PROG = "python -m mpips.infer"
+MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+POLL = 1e-3        # seconds between tests of a pending collective (idle ranks sleep)
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog=PROG, description="Evaluate a mpips checkpoint on data.")
+    p = argparse.ArgumentParser(prog=PROG, description="Score data with a mpips checkpoint.")
     p.add_argument("--model", required=True, help="checkpoint directory, or a root holding "
                    "ckpt-* directories (the latest committed one is used)")
     p.add_argument("--data", required=True, help="data: file, folder, glob or comma list")
@@ -66,96 +71,152 @@ def config_from_manifest(manifest):
     return Config(**stored).validate()
 
 
-def load_model(path, warn=None):
-    """(cfg, model, LocalPS, manifest, checkpoint dir) for checkpoint dir or root ``path``."""
-    ckpt_dir = ck.resolve(path, warn)
-    elements = ck.chain(ckpt_dir)
-    manifest = ck.read_manifest(ckpt_dir)
-    cfg = config_from_manifest(manifest)
-    check_compatible(manifest, cfg)
-    model = make_model(cfg)
-    opt = OptimizerConfig(**manifest["optimizer"])
-    rows = sum(ck.read_manifest(d)["rows"] for d in elements)   # upper bound: no regrowth
-    sparse = SparseTable(cfg.embedding_dim, opt, seed=cfg.seed, init_range=cfg.init_range,
-                         capacity=max(rows, 1))
-    dense = DenseTable(np.zeros(model.n_params, np.float32), opt)
-    ck.load_shard_into(ckpt_dir, sparse, dense, 0, 1, [0, model.n_params])
-    return cfg, model, LocalPS(sparse, dense), manifest, ckpt_dir
+def my_files(files, n_ranks, rank):
+    """Rank's contiguous block of files (as training splits them); [] if none is left."""
+    if len(files) >= n_ranks:
+        return split_files(files, n_ranks, rank)
+    return files[rank:rank + 1]
 
 
-class _Tap:
-    """Stands in for the model inside Trainer.evaluate and observes each batch's output.
+class Group:
+    """The few collectives infer needs; one process when comm is None."""
 
-    evaluate() prepares batch t+1 before predicting batch t, so labels queue up in the
-    order batches were drawn and predictions come back in that same order.
-    """
+    def __init__(self, comm):
+        self.comm = comm
+        self.rank, self.size = (comm.rank, comm.size) if comm is not None else (0, 1)
 
-    def __init__(self, model, print_every, pred_file, log):
-        self.model, self.print_every = model, print_every
-        self.pred_file, self.log = pred_file, log
-        self.labels = deque()
-        self.metrics = BinaryMetrics()
-        self.batches = 0
+    def _wait(self, req):
+        while not req.Test():
+            time.sleep(POLL)
 
-    @property
-    def n_params(self):
-        return self.model.n_params
+    def allreduce(self, arr, op="sum"):
+        if self.comm is None:
+            return arr.copy()
+        from mpi4py import MPI
+        out = np.empty_like(arr)
+        self._wait(self.comm.Iallreduce(arr, out, op=MPI.SUM if op == "sum" else MPI.MAX))
+        return out
 
-    def batches_of(self, reader):
-        for batch in reader:
-            self.labels.append(batch.label)
-            yield batch
+    def allgather(self, value):
+        arr = np.array([value], np.int64)
+        if self.comm is None:
+            return arr
+        out = np.empty(self.size, np.int64)
+        self._wait(self.comm.Iallgather(arr, out))
+        return out
 
-    def predict(self, params, emb, dense, out):
-        self.model.predict(params, emb, dense, out)         # out (B,) probabilities
-        self.metrics.update(out, self.labels.popleft())
-        self.batches += 1
-        if self.pred_file is not None:
-            self.pred_file.write(("%.7g\n" * len(out)) % tuple(out.tolist()))
-        if self.batches % self.print_every == 0:
-            self.log(f"TEST --> batch: {self.batches} loss: {self.metrics.logloss():.6f} "
-                     f"auc: {self.metrics.auc():.6f}")
+    def barrier(self):
+        if self.comm is not None:
+            self._wait(self.comm.Ibarrier())
 
 
 def _finite(x):
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
-def run(args, log=print):
-    """Evaluate; return the metrics record."""
-    cfg, model, ps, manifest, ckpt_dir = load_model(args.model, warn=log)
+def score_files(cfg, model, files, batch_size, sink, on_batch):
+    """Score files one by one (batches from each file's start); return BinaryMetrics."""
+    m = BinaryMetrics()
+    for path in files:
+        with contextlib.closing(make_reader(cfg, [path], batch_size, on_batch.warn)) as reader:
+            for batch in reader:
+                probs = model.predict(batch.dense, batch.sparse)          # (B,)
+                m.update(probs, batch.label)
+                if sink is not None:
+                    sink.write(("%.7g\n" * len(probs)) % tuple(probs.tolist()))
+                on_batch(m)
+    return m
+
+
+class _Progress:
+    def __init__(self, every, log):
+        self.every, self.log, self.batches = every, log, 0
+
+    def warn(self, msg):
+        self.log(msg)
+
+    def __call__(self, m):
+        self.batches += 1
+        if self.batches % self.every == 0:
+            self.log(f"TEST --> batch: {self.batches} loss: {m.logloss():.6f} auc: {m.auc():.6f}")
+
+
+def gather_predictions(group, part, out):
+    """Copy every rank's part file into ``out`` at its offset (rank order), then commit."""
+    sizes = group.allgather(os.path.getsize(part))
+    offset = int(sizes[:group.rank].sum())
+    tmp = out + ".tmp"
+    if group.rank == 0:
+        with open(tmp, "wb") as fh:
+            fh.truncate(int(sizes.sum()))
+    group.barrier()
+    with open(part, "rb") as src, open(tmp, "r+b") as dst:
+        dst.seek(offset)
+        shutil.copyfileobj(src, dst, 1 << 20)
+    os.remove(part)
+    group.barrier()
+    if group.rank == 0:
+        os.replace(tmp, out)
+
+
+def run(args, log=print, comm=None):
+    """Score; return the metrics record (the same on every rank)."""
+    group = Group(comm)
+    say = log if group.rank == 0 else (lambda s: None)
+    t0 = time.perf_counter()
+    snap = Snapshot(args.model, warn=say)
+    cfg = config_from_manifest(snap.manifest)
+    model = ServingModel.from_snapshot(snap)
+    load_s = time.perf_counter() - t0
     batch_size = args.batch_size or cfg.batch_size
-    print_every = args.print_every or cfg.print_every
-    log(f"mpips infer: checkpoint {ckpt_dir} ({manifest['mode']}, {len(ps.sparse)} rows, "
-        f"{model.n_params} dense parameters), batch {batch_size}")
+    files = resolve_paths(args.data)
+    mine = my_files(files, group.size, group.rank)
+    say(f"mpips infer: checkpoint {snap.path} ({snap.manifest['mode']}, {len(model)} rows, "
+        f"{len(model.params)} dense parameters), batch {batch_size}, {group.size} rank(s), "
+        f"{len(files)} file(s); loaded in {load_s:.2f} s")
+    part = None
+    if args.predictions_out:
+        part = args.predictions_out + (f".part-{group.rank:05d}" if group.size > 1 else ".tmp")
+    t1 = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        reader = make_reader(cfg, args.data, batch_size, log)
-        stack.callback(reader.close)
-        pred_file = None
-        if args.predictions_out:
-            pred_file = stack.enter_context(open(args.predictions_out, "w"))
-        tap = _Tap(model, print_every, pred_file, log)
-        trainer = Trainer(cfg, tap, ps, lambda ids: plan_keys(ids, 1))
-        t0 = time.perf_counter()
-        m = trainer.evaluate(tap.batches_of(reader))
-        seconds = time.perf_counter() - t0
+        sink = stack.enter_context(open(part, "w")) if part else None
+        local = score_files(cfg, model, mine, batch_size, sink,
+                            _Progress(args.print_every or cfg.print_every, say))
+    score_s = time.perf_counter() - t1
+    m = BinaryMetrics.from_state(group.allreduce(local.state()))
+    seconds = float(group.allreduce(np.array([score_s]), op="max")[0])
+    load_s = float(group.allreduce(np.array([load_s]), op="max")[0])
+    if part:
+        if group.size > 1:
+            gather_predictions(group, part, args.predictions_out)
+        else:
+            os.replace(part, args.predictions_out)
     if m.count == 0:
         raise ValueError(f"--data {args.data}: no examples")
-    rec = {"checkpoint": ckpt_dir, "data": args.data, "batches": tap.batches,
+    rec = {"checkpoint": snap.path, "data": args.data, "ranks": group.size,
            "test_examples": int(m.count), "test_auc": _finite(m.auc()),
            "test_logloss": _finite(m.logloss()), "test_mean_pred": _finite(m.mean_pred()),
            "test_ctr": _finite(m.observed_ctr()), "seconds": round(seconds, 4),
+           "load_seconds": round(load_s, 4),
            "examples_per_sec": round(m.count / seconds, 1) if seconds > 0 else 0.0,
-           "meta": manifest["meta"]}
-    log(f"TEST --> examples: {rec['test_examples']} auc: {m.auc():.6f} logloss: "
+           "meta": snap.manifest["meta"]}
+    say(f"TEST --> examples: {rec['test_examples']} auc: {m.auc():.6f} logloss: "
         f"{m.logloss():.6f} mean_pred: {m.mean_pred():.6f} ctr: {m.observed_ctr():.6f} "
         f"seconds: {seconds:.2f} examples/s: {rec['examples_per_sec']:.0f}")
-    if args.metrics_out:
+    if args.metrics_out and group.rank == 0:
         tmp = args.metrics_out + ".tmp"
         with open(tmp, "w") as fh:
             fh.write(json.dumps(rec) + "\n")
         os.replace(tmp, args.metrics_out)
     return rec
+
+
+def _world():
+    """COMM_WORLD when started by an MPI launcher, else None (no MPI import)."""
+    if not any(k in os.environ for k in MPI_ENV):
+        return None
+    from mpi4py import MPI
+    return MPI.COMM_WORLD if MPI.COMM_WORLD.size > 1 else None
 
 
 def main(argv=None):
@@ -164,15 +225,21 @@ def main(argv=None):
         if getattr(args, name) < 0:
             print(f"mpips.infer: error: --{name.replace('_', '-')} must be >= 0", file=sys.stderr)
             return 2
+    comm = _world()
     try:
-        run(args, log=lambda s: print(s, flush=True))
+        run(args, log=lambda s: print(s, flush=True), comm=comm)
         return 0
     except KeyboardInterrupt:
         raise
     except Exception as e:  # noqa: BLE001 - the boundary of the program
-        print(f"mpips.infer: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        who = "" if comm is None else f"rank {comm.rank}: "
+        print(f"mpips.infer: {who}error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         if os.environ.get("MPIPS_TRACEBACK"):
+            import traceback
             traceback.print_exc()
+        if comm is not None:
+            time.sleep(0.2)    # let the line reach the launcher before the job is torn down
+            comm.Abort(1)
         return 1
 
 

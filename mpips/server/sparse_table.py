@@ -48,7 +48,7 @@ META_FIELDS = (('unseen', np.uint16), ('seen_count', np.uint32), ('dirty', np.ui
                ('seen_flag', np.uint8))
 
 
-def _slots_for(n_rows):
+def slots_for(n_rows):
     """Smallest power-of-two slot count holding ``n_rows`` at <= LOAD_FACTOR."""
     need = max(int(np.ceil(n_rows / LOAD_FACTOR)), MIN_CAPACITY)
     return 1 << (need - 1).bit_length()
@@ -97,7 +97,7 @@ class SparseTable:
             self._spec[name] = (dtype, False, 0)
         self._n = 0
         self._cols = self._alloc(max(int(capacity), MIN_CAPACITY))
-        self._slots = np.full(_slots_for(self.capacity), -1, np.int32)
+        self._slots = np.full(slots_for(self.capacity), -1, np.int32)
         self._rows_buf = np.empty(1024, np.int64)
         self._evicted = []
 
@@ -121,7 +121,7 @@ class SparseTable:
         if need > self.capacity:
             self._resize(max(need, int(self.capacity * ROW_GROWTH) + 1))
         if need > LOAD_FACTOR * self._slots.shape[0]:
-            self._slots = np.empty(_slots_for(need), np.int32)
+            self._slots = np.empty(slots_for(need), np.int32)
             rebuild_slots(self._cols['keys'], self._n, self._slots)
 
     def _init_new(self, lo, hi):
@@ -325,6 +325,6 @@ class SparseTable:
         self._resize(max(kept + int(kept * SHRINK_SLACK), MIN_CAPACITY),
                      rows=np.flatnonzero(keep))
         self._n = kept
-        self._slots = np.empty(_slots_for(self.capacity), np.int32)
+        self._slots = np.empty(slots_for(self.capacity), np.int32)
         rebuild_slots(self._cols['keys'], kept, self._slots)
         return n - kept

@@ -1,0 +1,299 @@
+"""Serving bundles: the values a predictor needs, from a checkpoint, in one HDF5 file.
+
+A bundle (``kind`` ``full``) holds::
+
+    /sparse/keys     int64 (n,)          ids with a row
+    /sparse/values   float32|16 (n, dim) their embeddings (no optimizer state)
+    /sparse/evicted  int64 (0,)
+    /dense/values    float32 (n_params,) the dense network, flat (CTRDNN layout)
+
+A *patch* (``kind`` ``patch``) has the same datasets: the rows changed since the bundle
+it names in ``since`` (its checkpoint), the ids evicted since then, and the whole dense
+vector.  Applying it is :func:`merge_rows`, the same step that folds a checkpoint's
+base..delta chain into one table, so a chain of patches equals a bundle of the last
+checkpoint (a test holds it to that).
+
+The manifest is the JSON attribute ``manifest`` of the file: format, version, kind,
+dtype, the model config, the data settings (format, ``hash_bucket``, normalisation
+``cont_min``/``cont_diff`` resolved at export time), the checkpoint it came from
+(``name``, ``seq``, ``lineage`` = its base checkpoint, and for a patch ``since``), and
+per dataset its shape, dtype and CRC-32, checked on every load with the checkpoint
+module's shard reader.  A file is written to ``.tmp`` and renamed, so a reader sees a
+whole bundle or none; any problem raises one :class:`BundleError`.
+
+Rows are read from the checkpoint's shard files directly, keys and values only: the
+optimizer state (2x the values for Adam) is never read.
+"""
+import json
+import os
+import time
+import zlib
+
+import h5py
+import numpy as np
+
+from mpips.checkpoint.load import _dense_slice, _in_sorted, _Shard, _sorted_unique
+from mpips.checkpoint.load import _schema as shard_schema
+from mpips.checkpoint.manifest import CheckpointError, chain_manifests, fsync, resolve
+from mpips.checkpoint.save import _write_whole
+from mpips.data.criteo import make_norm
+from mpips.data.shards import load_stats
+from mpips.server.dense_table import DenseTable
+from mpips.server.optim import OptimizerConfig
+from mpips.server.sparse_table import SparseTable
+
+FORMAT = "mpips-bundle"
+VERSION = 1
+KINDS = ("full", "patch")
+DTYPES = ("float32", "float16")
+MANIFEST_ATTR = "manifest"
+DATASETS = ("sparse/keys", "sparse/values", "sparse/evicted", "dense/values")
+
+
+class BundleError(ValueError):
+    """A bundle or patch is missing, truncated, corrupted or does not fit."""
+
+
+# ------------------------------------------------------------------ table algebra
+def merge_rows(keys, values, new_keys, new_values, evicted):
+    """Fold one change set into a table: drop ``evicted`` and ``new_keys``, append the new rows.
+
+    keys (n,) int64 unique, values (n, dim); new_keys (m,) unique with new_values (m, dim);
+    evicted (k,) int64 (any order).  An id both evicted and in ``new_keys`` keeps its new
+    row (within one delta, evictions come before rows).  Returns fresh (keys, values).
+    """
+    drop = _sorted_unique(np.concatenate([np.asarray(evicted, np.int64), new_keys]))
+    if len(keys) and len(drop):
+        keep = ~_in_sorted(keys, drop)
+        keys, values = keys[keep], values[keep]
+    return (np.concatenate([keys, new_keys]),
+            np.concatenate([values, new_values.astype(values.dtype, copy=False)]))
+
+
+def _fold_removed(removed, evicted, new_keys):
+    """Ids whose last event is an eviction, after one more change set."""
+    removed = _sorted_unique(np.concatenate([removed, evicted]))
+    return removed[~_in_sorted(removed, _sorted_unique(new_keys))] if len(new_keys) \
+        else removed
+
+
+# ------------------------------------------------------------- checkpoint reading
+def _ckpt_schema(manifest):
+    """The checkpoint module's dataset schema for this manifest's tables."""
+    opt = OptimizerConfig(**manifest["optimizer"])
+    return shard_schema(SparseTable(manifest["embedding_dim"], opt, 0, capacity=16),
+                      DenseTable(np.zeros(1, np.float32), opt))
+
+
+def _element_rows(ckpt_dir, manifest):
+    """(keys, values, evicted) of one checkpoint element, all shards, CRCs verified."""
+    schema = _ckpt_schema(manifest)
+    keys, values, evicted = [], [], []
+    for entry in manifest["shards"]:
+        shard = _Shard(ckpt_dir, entry, schema)
+        try:
+            keys.append(shard.read("sparse/keys"))
+            values.append(shard.read("sparse/values"))
+            evicted.append(shard.read("sparse/evicted"))
+        finally:
+            shard.close()
+    dim = manifest["embedding_dim"]
+    return (np.concatenate(keys) if keys else np.empty(0, np.int64),
+            np.concatenate(values) if values else np.empty((0, dim), np.float32),
+            np.concatenate(evicted) if evicted else np.empty(0, np.int64))
+
+
+def _dense_values(ckpt_dir, manifest):
+    schema = _ckpt_schema(manifest)
+    dense = DenseTable(np.zeros(1, np.float32), OptimizerConfig(**manifest["optimizer"]))
+    return _dense_slice(ckpt_dir, manifest, schema, dense, 0, manifest["n_params"])["values"]
+
+
+def read_changes(elements, dim):
+    """Fold checkpoint elements [(dir, manifest)] in order: (keys, values, removed ids)."""
+    keys, values = np.empty(0, np.int64), np.empty((0, dim), np.float32)
+    removed = np.empty(0, np.int64)
+    for d, m in elements:
+        k, v, e = _element_rows(d, m)
+        keys, values = merge_rows(keys, values, k, v, e)
+        removed = _fold_removed(removed, e, k)
+    return keys, values, removed
+
+
+class Snapshot:
+    """A checkpoint's serving values: ``keys``, ``values`` (float32), ``dense``, manifests."""
+
+    def __init__(self, path, warn=None):
+        self.path = resolve(path, warn)
+        self.elements = chain_manifests(self.path)
+        self.manifest = self.elements[-1][1]
+        self.dim = self.manifest["embedding_dim"]
+        self.keys, self.values, _ = read_changes(self.elements, self.dim)
+        self.dense = _dense_values(*self.elements[-1])
+
+    @property
+    def name(self):
+        return os.path.basename(os.path.normpath(self.path))
+
+    def lineage(self):
+        """Identity of the chain's base: its name and creation time."""
+        d, m = self.elements[0]
+        return f"{os.path.basename(os.path.normpath(d))}@{m['created']:.6f}"
+
+
+# ------------------------------------------------------------------ settings
+def data_settings(config, stats=""):
+    """How the predictor must parse: format, hash_bucket and the resolved normalisation."""
+    path = stats or config.get("stats", "")
+    norm = make_norm(*load_stats(path)) if path else make_norm()
+    return {"data_format": config.get("data_format", "auto"),
+            "hash_bucket": int(config.get("hash_bucket", 0)),
+            "cont_min": norm[0].tolist(), "cont_diff": norm[1].tolist()}
+
+
+def model_settings(manifest):
+    cfg = manifest["config"]
+    return {"embedding_dim": int(manifest["embedding_dim"]), "fc": cfg.get("fc", "400,400,400"),
+            "n_params": int(manifest["n_params"])}
+
+
+# ------------------------------------------------------------------ writing
+def write_bundle(path, kind, keys, values, evicted, dense, info, dtype="float32"):
+    """Write a bundle/patch file atomically (tmp + fsync + rename); return its manifest."""
+    if kind not in KINDS or dtype not in DTYPES:
+        raise ValueError(f"kind must be one of {KINDS} and dtype one of {DTYPES}; got "
+                         f"{kind!r}, {dtype!r}")
+    datasets = {}
+    tmp = path + ".tmp"
+    with h5py.File(tmp, "w", locking=False) as f:
+        sp, dn = f.create_group("sparse"), f.create_group("dense")
+        _write_whole(sp, "keys", np.asarray(keys, np.int64), datasets)
+        _write_whole(sp, "values", np.asarray(values).astype(dtype, copy=False), datasets)
+        _write_whole(sp, "evicted", np.asarray(evicted, np.int64), datasets)
+        _write_whole(dn, "values", np.asarray(dense, np.float32), datasets)
+        manifest = dict(info, format=FORMAT, version=VERSION, kind=kind, dtype=dtype,
+                        rows=len(keys), evicted=len(evicted), created=time.time(),
+                        datasets=datasets)
+        f.attrs[MANIFEST_ATTR] = json.dumps(manifest, sort_keys=True, allow_nan=False)
+    fsync(tmp)
+    os.replace(tmp, path)
+    fsync(os.path.dirname(os.path.abspath(path)))
+    return manifest
+
+
+def bundle_info(snap, stats=""):
+    """The manifest fields describing the model and where it came from."""
+    return {"model": model_settings(snap.manifest),
+            "data": data_settings(snap.manifest["config"], stats),
+            "checkpoint": {"name": snap.name, "seq": snap.manifest["seq"],
+                           "lineage": snap.lineage(), "meta": snap.manifest["meta"]}}
+
+
+def export_full(ckpt, out, dtype="float32", stats="", snap=None):
+    """Bundle of checkpoint ``ckpt`` (dir or root); returns its manifest."""
+    snap = snap or Snapshot(ckpt)
+    return write_bundle(out, "full", snap.keys, snap.values, np.empty(0, np.int64), snap.dense,
+                        bundle_info(snap, stats), dtype)
+
+
+def export_patch(ckpt, since, out, dtype="float32", stats=""):
+    """Patch from bundle/patch ``since`` (path or its manifest) to checkpoint ``ckpt``.
+
+    The rows changed and ids evicted in the delta checkpoints after the one ``since`` was
+    exported from; that checkpoint must be in ``ckpt``'s base..delta chain.
+    """
+    prev = since if isinstance(since, dict) else read_manifest(since)
+    path = resolve(ckpt)
+    elements = chain_manifests(path)
+    names = [os.path.basename(os.path.normpath(d)) for d, _ in elements]
+    want = prev["checkpoint"]
+    base = elements[0]
+    lineage = f"{names[0]}@{base[1]['created']:.6f}"
+    if want["name"] not in names or want["lineage"] != lineage:
+        raise BundleError(f"{path}: cannot patch from {want['name']} ({want['lineage']}): it is "
+                          f"not in this checkpoint's chain {names} (a new base was saved); "
+                          "export a full bundle instead")
+    after = elements[names.index(want["name"]) + 1:]
+    m = elements[-1][1]
+    keys, values, removed = read_changes(after, m["embedding_dim"])
+    info = {"model": model_settings(m), "data": data_settings(m["config"], stats),
+            "checkpoint": {"name": names[-1], "seq": m["seq"], "lineage": lineage,
+                           "meta": m["meta"]},
+            "since": {"name": want["name"], "seq": want["seq"]}}
+    if info["model"] != prev["model"]:
+        raise BundleError(f"{path}: model {info['model']} differs from {prev['model']} of the "
+                          "bundle to patch")
+    return write_bundle(out, "patch", keys, values, removed, _dense_values(*elements[-1]), info,
+                        dtype)
+
+
+# ------------------------------------------------------------------ reading
+def _open(path):
+    if not os.path.isfile(path):
+        raise BundleError(f"{path}: no such bundle file")
+    try:
+        f = h5py.File(path, "r", locking=False)
+    except OSError as e:
+        raise BundleError(f"{path}: not a readable bundle (truncated or corrupted HDF5: {e})") \
+            from None
+    try:
+        m = json.loads(f.attrs[MANIFEST_ATTR])
+    except (KeyError, OSError, TypeError, ValueError) as e:
+        f.close()
+        raise BundleError(f"{path}: no valid bundle manifest ({type(e).__name__}: {e})") from None
+    return f, m
+
+
+def _check(path, m):
+    ok = (isinstance(m, dict) and m.get("format") == FORMAT and m.get("kind") in KINDS
+          and m.get("dtype") in DTYPES and isinstance(m.get("datasets"), dict)
+          and all(k in m for k in ("model", "data", "checkpoint", "rows", "evicted")))
+    if not ok:
+        raise BundleError(f"{path}: not an {FORMAT} file (bad manifest)")
+    if m.get("version") != VERSION:
+        raise BundleError(f"{path}: bundle version {m.get('version')!r}; this mpips reads "
+                          f"version {VERSION}")
+    if m["kind"] == "patch" and not isinstance(m.get("since"), dict):
+        raise BundleError(f"{path}: a patch must name the bundle it applies to ('since')")
+
+
+def read_manifest(path):
+    """The validated manifest of a bundle or patch file (no data read)."""
+    f, m = _open(path)
+    f.close()
+    _check(path, m)
+    return m
+
+
+def _bundle_schema(m):
+    dim, n_params = m["model"]["embedding_dim"], m["model"]["n_params"]
+    return {"sparse/keys": (np.dtype(np.int64), lambda r, e, d: (r,)),
+            "sparse/values": (np.dtype(m["dtype"]), lambda r, e, d: (r, dim)),
+            "sparse/evicted": (np.dtype(np.int64), lambda r, e, d: (e,)),
+            "dense/values": (np.dtype(np.float32), lambda r, e, d: (n_params,))}
+
+
+def read_bundle(path):
+    """(manifest, {dataset: array}) of a bundle or patch, every dataset CRC-checked."""
+    m = read_manifest(path)
+    entry = {"file": os.path.basename(path), "bytes": os.path.getsize(path),
+             "rows": m["rows"], "evicted": m["evicted"],
+             "dense_size": m["model"]["n_params"], "datasets": m["datasets"]}
+    try:
+        shard = _Shard(os.path.dirname(os.path.abspath(path)), entry, _bundle_schema(m))
+        try:
+            arrays = {name: shard.read(name) for name in DATASETS}
+        finally:
+            shard.close()
+    except CheckpointError as e:
+        raise BundleError(str(e)) from None
+    return m, arrays
+
+
+def crc_of_file(path):
+    """CRC-32 of a whole file (the export folder's manifest records it)."""
+    crc = 0
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            crc = zlib.crc32(block, crc)
+    return crc

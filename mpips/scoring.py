@@ -1,0 +1,118 @@
+"""One immutable scoring model: dense network + read-only embedding table + data settings.
+
+``ServingModel`` scores with the training forward pass (``CTRDNN.predict``) on embeddings
+looked up in a read-only hash map built with the sparse table's own kernels
+(``rebuild_slots`` / ``lookup_rows`` / ``read_rows``); ids without a row read zeros, as
+in evaluation.  ``mpips.infer`` builds one from a checkpoint (``bundle.Snapshot``), the
+predictor from a bundle.  Nothing in it changes after construction: a patched model is a
+new object (``patched``), so a reader holding a reference always sees one whole model.
+Scoring is thread-safe: each thread gets its own network workspace.
+"""
+import threading
+
+import numpy as np
+
+from mpips import bundle as bd
+from mpips.data.criteo import make_norm
+from mpips.kernels.hashmap import lookup_rows, read_rows, rebuild_slots
+from mpips.models.ctr_dnn import CTRDNN
+from mpips.server.sparse_table import slots_for
+
+CHUNK_ROWS = 8192        # rows scored per forward pass in predict (bounds memory)
+
+
+class ServingModel:
+    """Dense weights + embedding rows + data settings; immutable once built.
+
+    keys (n,) int64 unique; values (n, dim) float (stored as float32); dense (n_params,);
+    model {embedding_dim, fc, n_params}; data {data_format, hash_bucket, cont_min, cont_diff};
+    version: where it came from (a bundle's ``checkpoint`` record).
+    """
+
+    def __init__(self, keys, values, dense, model, data, version=None):
+        self.dim = int(model["embedding_dim"])
+        hidden = tuple(int(x) for x in str(model["fc"]).split(",") if x.strip())
+        self.model_cfg, self.data, self.version = dict(model), dict(data), dict(version or {})
+        self._hidden = hidden
+        probe = CTRDNN(dim=self.dim, hidden=hidden)
+        self.n_sparse, self.n_dense = probe.n_sparse, probe.n_dense
+        self.params = np.ascontiguousarray(dense, np.float32)
+        if self.params.shape != (probe.n_params,):
+            raise bd.BundleError(f"dense weights have {self.params.shape[0]} values; a CTR-DNN "
+                                 f"with --fc {model['fc']} --embedding-dim {self.dim} has "
+                                 f"{probe.n_params}")
+        self.keys = np.ascontiguousarray(keys, np.int64)
+        self.values = np.ascontiguousarray(values, np.float32)
+        if self.values.shape != (len(self.keys), self.dim):
+            raise bd.BundleError(f"values {self.values.shape} do not match {len(self.keys)} "
+                                 f"keys of dim {self.dim}")
+        self.slots = np.empty(slots_for(len(self.keys)), np.int32)
+        rebuild_slots(self.keys, len(self.keys), self.slots)
+        self.norm = make_norm(data["cont_min"], data["cont_diff"])
+        self.hash_bucket = int(data["hash_bucket"])
+        self._local = threading.local()
+
+    def __len__(self):
+        return len(self.keys)
+
+    def network(self):
+        """This thread's CTRDNN (its workspace is not shareable between threads)."""
+        net = getattr(self._local, "net", None)
+        if net is None:
+            net = self._local.net = CTRDNN(dim=self.dim, hidden=self._hidden)
+        return net
+
+    def embed(self, ids):
+        """(B, n_sparse * dim) float32 pooled slot embeddings of ids (B, n_sparse)."""
+        flat = np.ascontiguousarray(ids, np.int64).reshape(-1)
+        rows = np.empty(flat.shape[0], np.int64)
+        lookup_rows(self.slots, self.keys, flat, rows)
+        emb = np.empty((flat.shape[0], self.dim), np.float32)
+        read_rows(self.values, rows, emb)
+        return emb.reshape(ids.shape[0], -1)
+
+    def predict(self, dense, ids, out=None):
+        """Probabilities (B,) float32 for normalised dense (B, 13) and ids (B, 26)."""
+        dense = np.ascontiguousarray(dense, np.float32)
+        ids = np.asarray(ids)
+        ids = ids.view(np.int64) if ids.dtype == np.uint64 else ids
+        if ids.ndim != 2 or ids.shape[1] != self.n_sparse or dense.shape != (len(ids), self.n_dense):
+            raise ValueError(f"need dense (B, {self.n_dense}) and ids (B, {self.n_sparse}); got "
+                             f"{dense.shape} and {ids.shape}")
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"ids must be integers (int64 feature ids); got {ids.dtype}")
+        ids = np.ascontiguousarray(ids, np.int64)
+        out = np.empty(len(ids), np.float32) if out is None else out
+        net = self.network()
+        for lo in range(0, len(ids), CHUNK_ROWS):
+            hi = min(lo + CHUNK_ROWS, len(ids))
+            net.predict(self.params, self.embed(ids[lo:hi]), dense[lo:hi],
+                        out[lo:hi])
+        return out
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_arrays(cls, manifest, arrays):
+        return cls(arrays["sparse/keys"], arrays["sparse/values"], arrays["dense/values"],
+                   manifest["model"], manifest["data"], manifest["checkpoint"])
+
+    @classmethod
+    def from_snapshot(cls, snap, stats=""):
+        info = bd.bundle_info(snap, stats)
+        return cls(snap.keys, snap.values, snap.dense, info["model"], info["data"],
+                   info["checkpoint"])
+
+    def patched(self, manifest, arrays):
+        """A new ServingModel: this one with patch (manifest, arrays) applied."""
+        since, mine = manifest["since"], self.version
+        if since["name"] != mine.get("name") or manifest["checkpoint"]["lineage"] != \
+                mine.get("lineage"):
+            raise bd.BundleError(f"patch to {manifest['checkpoint']['name']} applies to "
+                                 f"{since['name']}; this predictor holds {mine.get('name')} "
+                                 f"({mine.get('lineage')})")
+        if manifest["model"] != self.model_cfg:
+            raise bd.BundleError(f"patch model {manifest['model']} differs from {self.model_cfg}")
+        keys, values = bd.merge_rows(self.keys, self.values, arrays["sparse/keys"],
+                                     arrays["sparse/values"], arrays["sparse/evicted"])
+        return ServingModel(keys, values, arrays["dense/values"], self.model_cfg, manifest["data"],
+                            manifest["checkpoint"])

@@ -1,0 +1,167 @@
+"""`mpips.serving.Predictor`: score raw lines with a serving bundle, patched atomically.
+
+    p = Predictor("model.h5")                   # a bundle from `python -m mpips.export`
+    p.predict_lines([b"0\t1\t...", "..."])    # Criteo TSV or Paddle slot lines -> (n,) float32
+    p.predict_arrays(dense, ids)                # normalised (B, 13) float32, (B, 26) int64
+    p.apply("patch-000005.h5")                  # rows changed / ids evicted since the bundle
+
+    p = Predictor.follow("exports/")            # the newest state of a stream's --export-dir
+    p.refresh()                                 # catch up (True if the model changed)
+
+The lines are parsed by the training parsers (``mpips.data.criteo`` / ``mpips.data.slot``)
+with the bundle's data settings (format, ``hash_bucket``, normalisation), and scored by
+a ``mpips.scoring.ServingModel`` (the training forward pass).  The predictor holds ONE
+reference to its current model; a scoring call reads it once, and ``apply``/``refresh``
+build the new model aside and then swap the reference, so a concurrent reader sees the
+old model or the new one, never half of each.  When a patch or a followed folder's
+file is bad, one ``BundleError`` is raised and the model stays as it was.
+numpy/numba only (no MPI).
+"""
+import numpy as np
+
+from mpips import bundle as bd
+from mpips import exports
+from mpips.data import criteo, slot
+from mpips.scoring import ServingModel
+
+SLOT_PREFIX = (b"click:", b"dense_feature:")
+
+
+# ---------------------------------------------------------------------- lines
+def _as_bytes(line):
+    b = line.encode() if isinstance(line, str) else bytes(line)
+    if b.endswith(b"\n"):
+        b = b[:-1]
+    if b.endswith(b"\r"):
+        b = b[:-1]
+    if b"\n" in b:
+        raise ValueError("a line must not contain a newline inside it")
+    return b
+
+
+def _parser(data, slot_format, has_label):
+    bucket = int(data["hash_bucket"])
+    if slot_format:
+        return lambda buf: slot.parse_slot_bytes(buf, hash_bucket=bucket)
+    norm = criteo.make_norm(data["cont_min"], data["cont_diff"])
+    return lambda buf: criteo.parse_tsv_bytes(buf, has_label=has_label, hash_bucket=bucket,
+                                              norm=norm)
+
+
+def _parse_group(raw, parse):
+    """(dense, ids, ok) of lines ``raw`` parsed by ``parse``; ok marks lines with a row."""
+    ok = np.array([bool(b.strip()) for b in raw], np.bool_)
+    step = len(raw) if len(raw) <= criteo.MAX_BAD_RECORDS else criteo.MAX_BAD_RECORDS
+    res = parse(b"\n".join(raw))
+    if res.n_bad <= len(res.bad):
+        ok[res.bad[:, 0]] = False
+        return res.dense, res.sparse, ok
+    dense, ids = [], []                      # more bad lines than recorded: find them in pieces
+    for lo in range(0, len(raw), step):
+        res = parse(b"\n".join(raw[lo:lo + step]))
+        ok[lo + res.bad[:, 0]] = False
+        dense.append(res.dense)
+        ids.append(res.sparse)
+    return np.concatenate(dense), np.concatenate(ids), ok
+
+
+def parse_lines(lines, data):
+    """(dense, ids, ok) for raw lines: the parsed rows and which lines they are (bool (n,)).
+
+    Blank and malformed lines have no row (``ok`` False).  Each TSV line may come with or
+    without its label column (39 or 38 tabs); a slot line without a ``click:`` token
+    gets ``click:0``.  The format is the bundle's, or (``auto``) that of the first
+    non-blank line, as the reader decides for a file.
+    """
+    raw = [_as_bytes(x) for x in lines]
+    first = next((b for b in raw if b.strip()), b"")
+    fmt = data["data_format"]
+    slot_format = fmt == "slot" or (fmt == "auto" and first.lstrip().startswith(SLOT_PREFIX))
+    if slot_format:
+        raw = [b if b.lstrip().startswith(b"click:") else b"click:0 " + b for b in raw]
+        return _parse_group(raw, _parser(data, True, True))
+    no_label = np.array([b.count(b"\t") == criteo.N_DENSE + criteo.N_SPARSE - 1 for b in raw],
+                        np.bool_)
+    if not no_label.any() or no_label.all():
+        return _parse_group(raw, _parser(data, False, not no_label.any()))
+    dense = np.zeros((len(raw), criteo.N_DENSE), np.float32)
+    ids = np.zeros((len(raw), criteo.N_SPARSE), np.int64)
+    ok = np.zeros(len(raw), np.bool_)
+    for mask in (no_label, ~no_label):
+        idx = np.flatnonzero(mask)
+        d, i, k = _parse_group([raw[j] for j in idx], _parser(data, False, not mask[idx[0]]))
+        dense[idx[k]], ids[idx[k]], ok[idx] = d, i, k
+    return dense[ok], ids[ok], ok
+
+
+# ---------------------------------------------------------------------- predictor
+class Predictor:
+    """A serving model from a bundle, patched atomically, optionally following a folder.
+
+    ``Predictor(BUNDLE)`` loads a full bundle; ``Predictor.follow(DIR)`` starts from the
+    newest state of an export folder and ``refresh()`` catches up with it.
+    """
+
+    def __init__(self, bundle=None, *, model=None):
+        if model is None:
+            m, arrays = bd.read_bundle(bundle)
+            if m["kind"] != "full":
+                raise bd.BundleError(f"{bundle}: is a patch; load a full bundle and apply() it")
+            model = ServingModel.from_arrays(m, arrays)
+        self._model = model
+        self.folder = None
+        self.bad_lines = 0          # malformed lines seen by predict_lines (NaN outputs)
+
+    @property
+    def model(self):
+        """The current ServingModel (read it once per use)."""
+        return self._model
+
+    @property
+    def version(self):
+        return self._model.version
+
+    def predict_arrays(self, dense, ids):
+        """Probabilities (B,) float32 for dense (B, 13) normalised and ids (B, 26) int64."""
+        return self._model.predict(dense, ids)
+
+    def predict_lines(self, lines):
+        """Probabilities (n,) float32 for n raw lines (TSV or slot, str or bytes).
+
+        Blank or malformed lines give NaN (counted in ``bad_lines``).
+        """
+        model = self._model
+        dense, ids, ok = parse_lines(lines, model.data)
+        out = np.full(len(ok), np.nan, np.float32)
+        if len(ids):
+            out[ok] = model.predict(dense, ids)
+        self.bad_lines += int(len(ok) - ok.sum())
+        return out
+
+    def apply(self, patch):
+        """Apply a patch file (or (manifest, arrays)); all or nothing, one reference swap."""
+        m, arrays = bd.read_bundle(patch) if isinstance(patch, str) else patch
+        if m["kind"] != "patch":
+            raise bd.BundleError(f"{patch}: is a full bundle, not a patch")
+        self._model = self._model.patched(m, arrays)
+
+    # ------------------------------------------------------------ export folders
+    @classmethod
+    def follow(cls, folder):
+        """A predictor at the newest state of export folder ``folder``."""
+        p = cls(model=exports.load_latest(folder))
+        p.folder = folder
+        return p
+
+    def refresh(self):
+        """Catch up with the followed folder; True if the model changed.
+
+        A missing, truncated or corrupt file raises BundleError; the model stays as it was.
+        """
+        if self.folder is None:
+            raise ValueError("refresh() needs a predictor made by Predictor.follow(DIR)")
+        new = exports.catch_up(self.folder, self._model)
+        if new is self._model:
+            return False
+        self._model = new
+        return True
