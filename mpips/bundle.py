@@ -174,7 +174,9 @@ def write_bundle(path, kind, keys, values, evicted, dense, info, dtype="float32"
         manifest = dict(info, format=FORMAT, version=VERSION, kind=kind, dtype=dtype,
                         rows=len(keys), evicted=len(evicted), created=time.time(),
                         datasets=datasets)
-        f.attrs[MANIFEST_ATTR] = json.dumps(manifest, sort_keys=True, allow_nan=False)
+        text = json.dumps(manifest, sort_keys=True, allow_nan=False)
+        f.attrs[MANIFEST_ATTR] = text
+        f.attrs[MANIFEST_ATTR + "_crc32"] = zlib.crc32(text.encode())
     fsync(tmp)
     os.replace(tmp, path)
     fsync(os.path.dirname(os.path.abspath(path)))
@@ -237,8 +239,11 @@ def _open(path):
         raise BundleError(f"{path}: not a readable bundle (truncated or corrupted HDF5: {e})") \
             from None
     try:
-        m = json.loads(f.attrs[MANIFEST_ATTR])
-    except (KeyError, OSError, TypeError, ValueError) as e:
+        text = f.attrs[MANIFEST_ATTR]
+        if zlib.crc32(text.encode()) != int(f.attrs[MANIFEST_ATTR + "_crc32"]):
+            raise ValueError("checksum mismatch (the file is corrupted)")
+        m = json.loads(text)
+    except (KeyError, OSError, TypeError, ValueError, AttributeError) as e:
         f.close()
         raise BundleError(f"{path}: no valid bundle manifest ({type(e).__name__}: {e})") from None
     return f, m

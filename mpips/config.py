@@ -90,6 +90,8 @@ class Config:
     save_mode: str = _f("full", "what a save holds: full, base (and start tracking changes) or "
                                 "delta (rows changed since the last base/delta)",
                         choices=SAVE_MODES)
+    export_dir: str = _f("", "stream: after each saved pass, export it for serving into this "
+                             "folder (a full bundle after a base, a patch after a delta)")
     resume: str = _f("", "continue from this checkpoint, or the latest valid one in this root")
     # --- output and robustness
     print_every: int = _f(100, "log a TRAIN line every N batches (first worker)")
@@ -138,6 +140,9 @@ class Config:
         if self.stream and self.train:
             raise ValueError("--stream and --train exclude each other (a stream's passes are "
                              "its training data)")
+        if self.export_dir and not (self.stream and self.save_dir):
+            raise ValueError("--export-dir exports the checkpoints of a stream run: give "
+                             "--stream and --save-dir too")
         if self.stream_timeout < 0 or self.shrink_threshold < 0:
             raise ValueError("--stream-timeout and --shrink-threshold must be >= 0")
         if self.idle_sleep < 0 or self.progress_every < 0 or self.shuffle_window < 0:

@@ -33,6 +33,7 @@ import os
 import shutil
 import sys
 import time
+import traceback
 
 import numpy as np
 
@@ -235,7 +236,6 @@ def main(argv=None):
         who = "" if comm is None else f"rank {comm.rank}: "
         print(f"mpips.infer: {who}error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         if os.environ.get("MPIPS_TRACEBACK"):
-            import traceback
             traceback.print_exc()
         if comm is not None:
             time.sleep(0.2)    # let the line reach the launcher before the job is torn down

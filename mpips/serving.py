@@ -87,9 +87,9 @@ def parse_lines(lines, data):
     dense = np.zeros((len(raw), criteo.N_DENSE), np.float32)
     ids = np.zeros((len(raw), criteo.N_SPARSE), np.int64)
     ok = np.zeros(len(raw), np.bool_)
-    for mask in (no_label, ~no_label):
-        idx = np.flatnonzero(mask)
-        d, i, k = _parse_group([raw[j] for j in idx], _parser(data, False, not mask[idx[0]]))
+    for has_label in (False, True):
+        idx = np.flatnonzero(no_label != has_label)
+        d, i, k = _parse_group([raw[j] for j in idx], _parser(data, False, has_label))
         dense[idx[k]], ids[idx[k]], ok[idx] = d, i, k
     return dense[ok], ids[ok], ok
 

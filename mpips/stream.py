@@ -11,7 +11,9 @@ ready when its ``_SUCCESS`` file exists; passes are taken in name order.  For ea
 3. train on it;
 4. with ``--save-dir``: save a **base** after the first pass of a day and a **delta** after
    the others; the checkpoint records the pass, so a restart with the same command resumes
-   after the last saved pass (no pass trained twice, none skipped);
+   after the last saved pass (no pass trained twice, none skipped); with ``--export-dir``
+   also export it for serving (a full bundle after a base, a patch after a delta;
+   ``mpips.exports``), so a following predictor is at most one pass behind;
 5. log and write the audit record (ids admitted / waiting / evicted, table rows and bytes).
 When no pass is ready it polls with back-off for ``--stream-timeout`` seconds, then ends.
 SIGTERM (e.g. from Slurm before a requeue) ends the loop after the current pass.
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 from mpips.backoff import PASS, Backoff
 from mpips.data.files import resolve_paths
+from mpips.exports import export_checkpoint
 from mpips.report import epoch_record, pass_line
 from mpips.resume import resume_point
 
@@ -112,7 +115,11 @@ def run_stream(cfg, backend, log):
         st = backend.train(files, len(records), label=f"pass {p.name}",
                            lag=lambda name=p.name: passes_behind(cfg.stream, name))
         if cfg.save_dir:
-            backend.save("base" if new_day else "delta", {"pass": p.name, "epoch": -1})
+            path = backend.save("base" if new_day else "delta", {"pass": p.name, "epoch": -1})
+            if cfg.export_dir and path:                 # the saving worker exports it
+                entry = export_checkpoint(cfg.export_dir, path)
+                log(f"EXPORT --> {cfg.export_dir}/{entry['file']} ({entry['kind']}, "
+                    f"{entry['bytes']} bytes)")
         audit = backend.stats()
         st.extra.update(audit)
         if audit:

@@ -9,9 +9,11 @@ import pytest
 
 from mpips import checkpoint as ck
 from mpips import infer
+from mpips.bundle import Snapshot
 from mpips.build import make_model, make_reader, make_tables
 from mpips.config import Config
 from mpips.ownership import plan_keys
+from mpips.scoring import ServingModel
 from mpips.worker.local import LocalPS
 from mpips.worker.trainer import Trainer
 
@@ -75,11 +77,11 @@ def test_infer_matches_in_process_auc(trained, data, tmp_path, capsys):
 
 def test_infer_unknown_ids_read_zeros(trained, data):
     root, [_, (_, _, n_rows)] = trained
-    cfg, _, ps, manifest, _ = infer.load_model(root)
-    assert len(ps.sparse) == n_rows and manifest["mode"] == "delta"
-    out = np.ones((2, cfg.embedding_dim), np.float32)
-    ps.pull(plan_keys(np.array([123456789, -5], np.int64), 1), out, create=False)
-    assert not out.any() and len(ps.sparse) == n_rows
+    snap = Snapshot(root)
+    model = ServingModel.from_snapshot(snap)
+    assert len(model) == n_rows and snap.manifest["mode"] == "delta"
+    assert not model.embed(np.array([[123456789] * 26, [-5] * 26], np.int64)).any()
+    assert len(model) == n_rows
 
 
 def test_infer_errors_are_one_line(tmp_path, data, trained, capsys):
