@@ -60,12 +60,16 @@ def merge_rows(keys, values, new_keys, new_values, evicted):
 
     keys (n,) int64 unique, values (n, dim); new_keys (m,) unique with new_values (m, dim);
     evicted (k,) int64 (any order).  An id both evicted and in ``new_keys`` keeps its new
-    row (within one delta, evictions come before rows).  Returns fresh (keys, values).
+    row (within one delta, evictions come before rows).  Returns (keys, values), new arrays
+    or, when ``keys`` is empty, the new rows themselves.
     """
-    drop = _sorted_unique(np.concatenate([np.asarray(evicted, np.int64), new_keys]))
-    if len(keys) and len(drop):
-        keep = ~_in_sorted(keys, drop)
-        keys, values = keys[keep], values[keep]
+    if len(keys):
+        drop = _sorted_unique(np.concatenate([np.asarray(evicted, np.int64), new_keys]))
+        if len(drop):
+            keep = ~_in_sorted(keys, drop)
+            keys, values = keys[keep], values[keep]
+    else:                                        # nothing to drop from: no copy
+        return new_keys, new_values.astype(values.dtype, copy=False)
     return (np.concatenate([keys, new_keys]),
             np.concatenate([values, new_values.astype(values.dtype, copy=False)]))
 
@@ -109,27 +113,36 @@ def _dense_values(ckpt_dir, manifest):
     return _dense_slice(ckpt_dir, manifest, schema, dense, 0, manifest["n_params"])["values"]
 
 
-def read_changes(elements, dim):
-    """Fold checkpoint elements [(dir, manifest)] in order: (keys, values, removed ids)."""
+def read_changes(elements, dim, removed=True):
+    """Fold checkpoint elements [(dir, manifest)] in order: (keys, values, removed ids).
+
+    ``removed=False`` skips tracking the removed ids (None is returned for them).
+    """
     keys, values = np.empty(0, np.int64), np.empty((0, dim), np.float32)
-    removed = np.empty(0, np.int64)
+    gone = np.empty(0, np.int64) if removed else None
     for d, m in elements:
         k, v, e = _element_rows(d, m)
         keys, values = merge_rows(keys, values, k, v, e)
-        removed = _fold_removed(removed, e, k)
-    return keys, values, removed
+        if removed:
+            gone = _fold_removed(gone, e, k)
+    return keys, values, gone
 
 
 class Snapshot:
-    """A checkpoint's serving values: ``keys``, ``values`` (float32), ``dense``, manifests."""
+    """A checkpoint's serving values: ``keys``, ``values`` (float32), ``dense``, manifests.
 
-    def __init__(self, path, warn=None):
+    ``load=False`` reads the manifests only (the arrays stay None).
+    """
+
+    def __init__(self, path, warn=None, load=True):
         self.path = resolve(path, warn)
         self.elements = chain_manifests(self.path)
         self.manifest = self.elements[-1][1]
         self.dim = self.manifest["embedding_dim"]
-        self.keys, self.values, _ = read_changes(self.elements, self.dim)
-        self.dense = _dense_values(*self.elements[-1])
+        self.keys = self.values = self.dense = None
+        if load:
+            self.keys, self.values, _ = read_changes(self.elements, self.dim, removed=False)
+            self.dense = _dense_values(*self.elements[-1])
 
     @property
     def name(self):

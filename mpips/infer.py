@@ -3,12 +3,14 @@
     python -m mpips.infer --model ckpts/ --data data/test --metrics-out m.json
     mpirun -n 4 python -m mpips.infer --model ckpts/ --data data/test --predictions-out p.txt
 
-``--model`` is a checkpoint directory or a root (its latest committed checkpoint).  Every
-rank reads the checkpoint's shard files itself — keys, embedding values and dense
-weights, never the optimizer state — and folds the base..delta chain into one read-only
-table (``mpips.serving.ServingModel``; ids the checkpoint does not hold read zeros).  No
-server ranks: scoring needs no messages, and a rank's load time does not grow with N
-(docs/serving.md has the measurement and the memory this costs).
+``--model`` is a checkpoint directory or a root (its latest committed checkpoint).  The
+table is read straight from the checkpoint's shard files — keys, embedding values and
+dense weights, never the optimizer state — and the base..delta chain is folded into one
+read-only table (``mpips.scoring.ServingModel``; ids the checkpoint does not hold read
+zeros).  No server ranks: scoring needs no messages.  Under mpirun the first rank of each
+node loads the table into MPI shared memory and the node's other ranks map it, so a node
+holds one copy whatever N is (``--table-per-rank``: every rank loads its own;
+docs/serving.md has the measurements).
 
 Data parallel: the files are split over the ranks in contiguous blocks as in training
 (``split_files``; with fewer files than ranks, rank r takes file r).  Each file is scored
@@ -19,7 +21,8 @@ summed exactly (``BinaryMetrics`` states hold integer counts) into one global AU
 Output: ``TEST --> batch: B loss: L auc: A`` every ``--print-every`` batches (rank 0's
 running metrics) and a summary line; ``--metrics-out`` gets one JSON object (test_examples,
 test_auc, test_logloss, test_mean_pred, test_ctr, seconds, examples_per_sec,
-load_seconds, ranks, checkpoint, meta); ``--predictions-out`` one probability per line,
+load_seconds, memory_mb (sum over ranks of the proportional set size), ranks,
+checkpoint, meta); ``--predictions-out`` one probability per line,
 files in order and lines in order whatever N is (each rank writes its part, then copies
 it into the file at its offset).  On failure: one line on stderr naming the rank, exit
 code 1 (2 for usage errors).
@@ -38,7 +41,7 @@ import traceback
 import numpy as np
 
 from mpips.build import make_reader
-from mpips.bundle import Snapshot
+from mpips.bundle import Snapshot, bundle_info
 from mpips.config import Config
 from mpips.data.files import resolve_paths, split_files
 from mpips.metrics import BinaryMetrics
@@ -60,6 +63,8 @@ def build_parser():
                    "(0 = the batch size stored in the checkpoint's config)")
     p.add_argument("--print-every", type=int, default=0, help="log a TEST line every N "
                    "batches (0 = the stored print_every)")
+    p.add_argument("--table-per-rank", action="store_true", help="every rank loads its own "
+                   "copy of the table (default: one copy per node, in MPI shared memory)")
     return p
 
 
@@ -106,9 +111,80 @@ class Group:
         self._wait(self.comm.Iallgather(arr, out))
         return out
 
-    def barrier(self):
-        if self.comm is not None:
-            self._wait(self.comm.Ibarrier())
+    def barrier(self, comm=None):
+        comm = comm or self.comm
+        if comm is not None:
+            self._wait(comm.Ibarrier())
+
+    def node(self):
+        """The communicator of this node's ranks, or None when this rank is alone on it."""
+        if self.comm is None:
+            return None
+        from mpi4py import MPI
+        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        if node.size == 1:
+            node.Free()
+            return None
+        return node
+
+
+def pss_mb():
+    """This process's proportional set size (shared pages divided among their users), MB."""
+    try:
+        with open("/proc/self/smaps_rollup") as fh:
+            for line in fh:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return float("nan")
+
+
+def _carve(mem, layout):
+    """{name: array view} laid out one after the other in the uint8 buffer ``mem``."""
+    out, off = {}, 0
+    for name, dtype, shape in layout:
+        k = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        out[name] = mem[off:off + k].view(dtype).reshape(shape)
+        off += k
+    return out
+
+
+def load_model(path, group, say, share=True):
+    """(Snapshot, ServingModel, shared window or None) of checkpoint ``path``.
+
+    With several ranks on a node, the table is held ONCE per node in MPI shared memory: the
+    node's first rank reads the shards and builds the hash map, the others map its memory.
+    """
+    node = group.node() if share else None
+    if node is None:
+        snap = Snapshot(path, warn=say)
+        return snap, ServingModel.from_snapshot(snap), None
+    from mpi4py import MPI
+    leader = node.rank == 0
+    snap = Snapshot(path, warn=say, load=leader)
+    sizes = np.zeros(3, np.int64)
+    if leader:
+        arrays = ServingModel.from_snapshot(snap).arrays()
+        snap.keys = snap.values = snap.dense = None
+        sizes[:] = [len(arrays["keys"]), len(arrays["slots"]), len(arrays["params"])]
+    group._wait(node.Ibcast(sizes, root=0))
+    n, n_slots, n_params = (int(x) for x in sizes)
+    layout = [("keys", np.int64, (n,)), ("values", np.float32, (n, snap.dim)),
+              ("slots", np.int32, (n_slots,)), ("params", np.float32, (n_params,))]
+    nbytes = sum(int(np.prod(s)) * np.dtype(d).itemsize for _, d, s in layout)
+    win = MPI.Win.Allocate_shared(nbytes if leader else 0, 1, comm=node)
+    buf, _ = win.Shared_query(0)
+    views = _carve(np.frombuffer(buf, np.uint8, count=nbytes), layout)
+    if leader:
+        for name, view in views.items():
+            view[...] = arrays[name]
+        del arrays
+    group.barrier(node)
+    info = bundle_info(snap)
+    model = ServingModel(views["keys"], views["values"], views["params"], info["model"],
+                         info["data"], info["checkpoint"], slots=views["slots"])
+    return snap, model, (win, node)
 
 
 def _finite(x):
@@ -165,9 +241,10 @@ def run(args, log=print, comm=None):
     group = Group(comm)
     say = log if group.rank == 0 else (lambda s: None)
     t0 = time.perf_counter()
-    snap = Snapshot(args.model, warn=say)
+    snap, model, shared = load_model(args.model, group, say, not args.table_per_rank)
+    model.predict(np.zeros((1, model.n_dense), np.float32),      # first calls (numba) here
+                  np.zeros((1, model.n_sparse), np.int64))
     cfg = config_from_manifest(snap.manifest)
-    model = ServingModel.from_snapshot(snap)
     load_s = time.perf_counter() - t0
     batch_size = args.batch_size or cfg.batch_size
     files = resolve_paths(args.data)
@@ -187,6 +264,12 @@ def run(args, log=print, comm=None):
     m = BinaryMetrics.from_state(group.allreduce(local.state()))
     seconds = float(group.allreduce(np.array([score_s]), op="max")[0])
     load_s = float(group.allreduce(np.array([load_s]), op="max")[0])
+    pss = float(group.allreduce(np.array([pss_mb()]))[0])
+    if shared is not None:                       # every rank of the node is done with it
+        del model
+        group.barrier(shared[1])
+        shared[0].Free()
+        shared[1].Free()
     if part:
         if group.size > 1:
             gather_predictions(group, part, args.predictions_out)
@@ -198,7 +281,7 @@ def run(args, log=print, comm=None):
            "test_examples": int(m.count), "test_auc": _finite(m.auc()),
            "test_logloss": _finite(m.logloss()), "test_mean_pred": _finite(m.mean_pred()),
            "test_ctr": _finite(m.observed_ctr()), "seconds": round(seconds, 4),
-           "load_seconds": round(load_s, 4),
+           "load_seconds": round(load_s, 4), "memory_mb": round(pss, 1),
            "examples_per_sec": round(m.count / seconds, 1) if seconds > 0 else 0.0,
            "meta": snap.manifest["meta"]}
     say(f"TEST --> examples: {rec['test_examples']} auc: {m.auc():.6f} logloss: "

@@ -29,7 +29,7 @@ class ServingModel:
     version: where it came from (a bundle's ``checkpoint`` record).
     """
 
-    def __init__(self, keys, values, dense, model, data, version=None):
+    def __init__(self, keys, values, dense, model, data, version=None, slots=None):
         self.dim = int(model["embedding_dim"])
         hidden = tuple(int(x) for x in str(model["fc"]).split(",") if x.strip())
         self.model_cfg, self.data, self.version = dict(model), dict(data), dict(version or {})
@@ -46,11 +46,23 @@ class ServingModel:
         if self.values.shape != (len(self.keys), self.dim):
             raise bd.BundleError(f"values {self.values.shape} do not match {len(self.keys)} "
                                  f"keys of dim {self.dim}")
-        self.slots = np.empty(slots_for(len(self.keys)), np.int32)
-        rebuild_slots(self.keys, len(self.keys), self.slots)
+        if slots is None:                    # else: the hash map of these keys, built before
+            slots = np.empty(slots_for(len(self.keys)), np.int32)
+            rebuild_slots(self.keys, len(self.keys), slots)
+        self.slots = slots
         self.norm = make_norm(data["cont_min"], data["cont_diff"])
         self.hash_bucket = int(data["hash_bucket"])
         self._local = threading.local()
+
+    def arrays(self):
+        """The model's arrays by name (what ``with_arrays`` takes back)."""
+        return {"keys": self.keys, "values": self.values, "slots": self.slots,
+                "params": self.params}
+
+    def with_arrays(self, arrays):
+        """The same model over other storage of equal arrays (e.g. shared memory)."""
+        return ServingModel(arrays["keys"], arrays["values"], arrays["params"], self.model_cfg,
+                            self.data, self.version, arrays["slots"])
 
     def __len__(self):
         return len(self.keys)

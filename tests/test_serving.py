@@ -263,14 +263,15 @@ def test_stream_export_folder_is_followed(tmp_path):
     assert np.array_equal(p.model.params, q.model.params)
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_infer_under_mpirun_equals_one_process(root, data, tmp_path, n):
+@pytest.mark.parametrize("n,extra", [(2, ["--table-per-rank"]), (3, [])])
+def test_infer_under_mpirun_equals_one_process(root, data, tmp_path, n, extra):
+    """N ranks (one table per node in shared memory, or one per rank) == one process."""
     ref_p, ref_m = tmp_path / "p1.txt", tmp_path / "m1.json"
     assert infer.main(["--model", root, "--data", data[1], "--predictions-out", str(ref_p),
                        "--metrics-out", str(ref_m), "--batch-size", "100"]) == 0
     pf, mf = tmp_path / f"p{n}.txt", tmp_path / f"m{n}.json"
     proc = run_cmd(["-m", "mpips.infer", "--model", root, "--data", data[1], "--batch-size",
-                    "100", "--predictions-out", str(pf), "--metrics-out", str(mf)], n=n,
+                    "100", "--predictions-out", str(pf), "--metrics-out", str(mf)] + extra, n=n,
                    timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert pf.read_bytes() == ref_p.read_bytes()           # same numbers, same order

@@ -1,0 +1,194 @@
+"""Serving benchmark: bundle size and load time against the checkpoint, predictor rows/s on
+one core, the AUC cost of float16, and `mpips.infer` rows/s at N = 1, 2, 4 ranks.
+
+    python bench/bench_serving.py                         # 2M-row table; 100k-row trained model
+    python bench/bench_serving.py --rows 500000 --rounds 2 --skip-infer
+
+1. Size and load.  A table of --rows ids (lazy Adam, every row pushed once, as in
+   bench_checkpoint.py) and the 400x3 CTR-DNN, saved as a one-shard full checkpoint and
+   exported as float32 and float16 bundles.  Loads, alternated and repeated --rounds
+   times (median): the checkpoint into a training table (``load_local``, all optimizer
+   state, what the old ``mpips.infer`` did), the checkpoint's serving values
+   (``bundle.Snapshot``, what ``mpips.infer`` does now on every rank), and each bundle
+   into a ``Predictor``.  Files stay in the page cache: CPU cost, not disk.
+2. Accuracy and speed.  A model trained one epoch (--local) on the synthetic set
+   (--train-rows), exported float32 and float16; the test set is scored from raw lines by
+   both predictors (AUC, largest prediction difference); ``predict_lines`` and
+   ``predict_arrays`` rows/s on one core (OMP/NUMBA/OPENBLAS threads = 1), batches of
+   --batch lines.
+3. Scaling.  ``mpirun -n N python -m mpips.infer`` on the same model and test set (8
+   files), N = 1, 2, 4 alternated, --rounds rounds; scoring rows/s (max over ranks of the
+   scoring time, load excluded) and wall-clock seconds of the whole command.
+Timings on a shared 2-core VM are noisy: read the ratios within one run.
+"""
+import os
+
+for _v in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_v, "1")                   # one core (before numpy starts BLAS)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_checkpoint import build, dir_bytes  # noqa: E402
+from common import ENV, ROOT, mpiexec  # noqa: E402
+
+from mpips import bundle as bd  # noqa: E402
+from mpips import checkpoint as ck  # noqa: E402
+from mpips.data.files import resolve_paths  # noqa: E402
+from mpips.metrics import BinaryMetrics  # noqa: E402
+from mpips.server.dense_table import DenseTable  # noqa: E402
+from mpips.server.sparse_table import SparseTable  # noqa: E402
+from mpips.serving import Predictor, parse_lines  # noqa: E402
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def median_times(fns, rounds):
+    """{name: median seconds} of the callables, run alternately ``rounds`` times."""
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            times[k].append(timed(fn))
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def size_and_load(args, tmp):
+    sparse, dense, _, opt = build(args.rows, 10, 0)
+    root = os.path.join(tmp, "ck")
+    path = ck.save_local(root, sparse, dense, "full", config={"fc": "400,400,400"})
+    del sparse
+    b32, b16 = os.path.join(tmp, "b32.h5"), os.path.join(tmp, "b16.h5")
+    t32 = timed(lambda: bd.export_full(path, b32))
+    t16 = timed(lambda: bd.export_full(path, b16, "float16"))
+
+    def load_ckpt():
+        s = SparseTable(10, opt, 0, capacity=args.rows)
+        ck.load_local(path, s, DenseTable(np.zeros(len(dense), np.float32), opt))
+
+    t = median_times({"ckpt": load_ckpt, "snap": lambda: bd.Snapshot(path),
+                      "b32": lambda: Predictor(b32), "b16": lambda: Predictor(b16)}, args.rounds)
+    size = {"ckpt": dir_bytes(path), "snap": dir_bytes(path), "b32": os.path.getsize(b32),
+            "b16": os.path.getsize(b16)}
+    print(f"\n1. {args.rows:,} rows, dim 10, Adam; export {t32:.2f} s (float32), {t16:.2f} s "
+          f"(float16); median of {args.rounds} alternated loads")
+    print(f"{'what':<44} {'MB':>8} {'x ckpt':>7} {'load s':>8} {'x ckpt':>7}")
+    names = {"ckpt": "checkpoint -> training table (load_local)",
+             "snap": "checkpoint -> serving values (infer)",
+             "b32": "bundle float32 -> Predictor", "b16": "bundle float16 -> Predictor"}
+    for k, label in names.items():
+        print(f"{label:<44} {size[k] / 1e6:>8.1f} {size[k] / size['ckpt']:>7.2f} "
+              f"{t[k]:>8.2f} {t[k] / t['ckpt']:>7.2f}")
+
+
+def train_model(args, tmp):
+    from data_prep.synth import generate
+    data = os.path.join(tmp, "data")
+    generate(data, rows=args.train_rows, parts=8, seed=1, test_rows=args.test_rows)
+    cmd = [sys.executable, "-m", "mpips.train", "--local", "--train", f"{data}/train",
+           "--test", f"{data}/test", "--save-dir", f"{tmp}/model", "--print-every", "100000"]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, env=dict(os.environ, **ENV), cwd=str(ROOT),
+                   stdout=subprocess.DEVNULL)
+    print(f"\n2. model: 1 epoch on {args.train_rows:,} synthetic rows ({time.perf_counter() - t0:.0f}"
+          f" s), test set {args.test_rows:,} rows")
+    return data
+
+
+def lines_of(test_dir):
+    out = []
+    for f in resolve_paths(test_dir):
+        out += open(f, "rb").read().splitlines()
+    return out
+
+
+def accuracy_and_speed(args, tmp, data):
+    path = ck.latest(f"{tmp}/model")
+    b32, b16 = os.path.join(tmp, "m32.h5"), os.path.join(tmp, "m16.h5")
+    bd.export_full(path, b32)
+    bd.export_full(path, b16, "float16")
+    p32, p16 = Predictor(b32), Predictor(b16)
+    lines = lines_of(f"{data}/test")
+    labels = np.array([float(x[:1]) for x in lines], np.float32)
+    res = {}
+    for name, p in (("float32", p32), ("float16", p16)):
+        probs = np.concatenate([p.predict_lines(lines[i:i + args.batch])
+                                for i in range(0, len(lines), args.batch)])
+        m = BinaryMetrics()
+        m.update(probs, labels)
+        res[name] = (m.auc(), m.logloss(), probs)
+    d_auc = res["float16"][0] - res["float32"][0]
+    print(f"AUC float32 {res['float32'][0]:.6f}  float16 {res['float16'][0]:.6f}  difference "
+          f"{d_auc:+.2e}; logloss difference {res['float16'][1] - res['float32'][1]:+.2e}; "
+          f"largest |p16 - p32| {np.abs(res['float16'][2] - res['float32'][2]).max():.2e}")
+    batches = [lines[i:i + args.batch] for i in range(0, len(lines), args.batch)]
+    parsed = [parse_lines(b, p32.model.data)[:2] for b in batches]
+    t = median_times({
+        "lines": lambda: [p32.predict_lines(b) for b in batches],
+        "arrays": lambda: [p32.predict_arrays(d, i) for d, i in parsed]}, args.rounds)
+    n = len(lines)
+    print(f"predictor, one core, batches of {args.batch}: predict_lines {n / t['lines']:,.0f} "
+          f"rows/s, predict_arrays {n / t['arrays']:,.0f} rows/s (parsing is "
+          f"{100 * (1 - t['arrays'] / t['lines']):.0f}% of predict_lines)")
+
+
+def scaling(args, tmp, data):
+    path = ck.latest(f"{tmp}/model")
+    recs = {n: [] for n in (1, 2, 4)}
+    for _ in range(args.rounds):
+        for n in recs:
+            out = os.path.join(tmp, f"infer{n}.json")
+            cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpips.infer", "--model", path,
+                   "--data", f"{data}/test", "--metrics-out", out,
+                   "--predictions-out", os.path.join(tmp, f"p{n}.txt")]
+            t0 = time.perf_counter()
+            subprocess.run(cmd, check=True, env=dict(os.environ, **ENV), cwd=str(ROOT),
+                           stdout=subprocess.DEVNULL)
+            wall = time.perf_counter() - t0
+            rec = json.loads(open(out).read())
+            recs[n].append((rec["examples_per_sec"], wall, rec["load_seconds"], rec["test_auc"]))
+    same = len({open(os.path.join(tmp, f"p{n}.txt"), "rb").read() for n in recs}) == 1
+    print(f"\n3. mpirun -n N python -m mpips.infer, {args.test_rows:,} rows in 8 files, median of "
+          f"{args.rounds}; predictions files identical for all N: {same}")
+    print(f"{'N':>3} {'scoring rows/s':>15} {'x N=1':>6} {'wall s':>7} {'load s':>7} {'AUC':>10}")
+    base = np.median([r[0] for r in recs[1]])
+    for n, rs in recs.items():
+        rate = np.median([r[0] for r in rs])
+        print(f"{n:>3} {rate:>15,.0f} {rate / base:>6.2f} {np.median([r[1] for r in rs]):>7.2f} "
+              f"{np.median([r[2] for r in rs]):>7.2f} {rs[-1][3]:>10.6f}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=2_000_000, help="table rows for part 1")
+    p.add_argument("--train-rows", type=int, default=100_000)
+    p.add_argument("--test-rows", type=int, default=80_000)
+    p.add_argument("--batch", type=int, default=4096, help="lines per predictor call")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--skip-infer", action="store_true", help="skip part 3 (mpirun)")
+    args = p.parse_args(argv)
+    tmp = tempfile.mkdtemp(prefix="mpips-bench-serving-")
+    try:
+        size_and_load(args, tmp)
+        data = train_model(args, tmp)
+        accuracy_and_speed(args, tmp, data)
+        if not args.skip_infer:
+            scaling(args, tmp, data)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
