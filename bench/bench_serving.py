@@ -17,8 +17,9 @@ one core, the AUC cost of float16, and `mpips.infer` rows/s at N = 1, 2, 4 ranks
    ``predict_arrays`` rows/s on one core (OMP/NUMBA/OPENBLAS threads = 1), batches of
    --batch lines.
 3. Scaling.  ``mpirun -n N python -m mpips.infer`` on the same model and test set (8
-   files), N = 1, 2, 4 alternated, --rounds rounds; scoring rows/s (max over ranks of the
-   scoring time, load excluded) and wall-clock seconds of the whole command.
+   files), N = 1, 2, 4 (and 4 with --table-per-rank) alternated, --rounds rounds; scoring
+   rows/s (max over ranks of the scoring time, load excluded), wall-clock seconds of the
+   whole command, load seconds, and memory (sum over ranks of the proportional set size).
 Timings on a shared 2-core VM are noisy: read the ratios within one run.
 """
 import os
@@ -65,7 +66,19 @@ def median_times(fns, rounds):
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
-def size_and_load(args, tmp):
+def infer_run(path, data, n, extra, tmp, key):
+    """(record, wall seconds) of one `mpirun -n n python -m mpips.infer` run."""
+    out = os.path.join(tmp, "infer.json")
+    pred = os.path.join(tmp, f"p{key.replace(' ', '')}.txt")
+    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpips.infer", "--model", path,
+           "--data", data, "--metrics-out", out, "--predictions-out", pred] + extra
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, env=dict(os.environ, **ENV), cwd=str(ROOT),
+                   stdout=subprocess.DEVNULL)
+    return json.loads(open(out).read()), time.perf_counter() - t0
+
+
+def size_and_load(args, tmp, data):
     sparse, dense, _, opt = build(args.rows, 10, 0)
     root = os.path.join(tmp, "ck")
     path = ck.save_local(root, sparse, dense, "full", config={"fc": "400,400,400"})
@@ -91,12 +104,24 @@ def size_and_load(args, tmp):
     for k, label in names.items():
         print(f"{label:<44} {size[k] / 1e6:>8.1f} {size[k] / size['ckpt']:>7.2f} "
               f"{t[k]:>8.2f} {t[k] / t['ckpt']:>7.2f}")
+    one_file = resolve_paths(f"{data}/test")[:4]
+    print(f"mpirun -n 4 python -m mpips.infer on this checkpoint ({len(one_file)} small files), "
+          f"median of {args.rounds}:")
+    for key, extra in (("shared", []), ("per-rank", ["--table-per-rank"])):
+        rs = [infer_run(path, ",".join(one_file), 4, extra, tmp, key)[0]
+              for _ in range(args.rounds)]
+        print(f"  table {key:<9} load {np.median([r['load_seconds'] for r in rs]):6.2f} s  "
+              f"memory {np.median([r['memory_mb'] for r in rs]):7.0f} MB (sum of PSS, 4 ranks)")
 
 
-def train_model(args, tmp):
+def make_data(args, tmp):
     from data_prep.synth import generate
     data = os.path.join(tmp, "data")
     generate(data, rows=args.train_rows, parts=8, seed=1, test_rows=args.test_rows)
+    return data
+
+
+def train_model(args, tmp, data):
     cmd = [sys.executable, "-m", "mpips.train", "--local", "--train", f"{data}/train",
            "--test", f"{data}/test", "--save-dir", f"{tmp}/model", "--print-every", "100000"]
     t0 = time.perf_counter()
@@ -104,7 +129,6 @@ def train_model(args, tmp):
                    stdout=subprocess.DEVNULL)
     print(f"\n2. model: 1 epoch on {args.train_rows:,} synthetic rows ({time.perf_counter() - t0:.0f}"
           f" s), test set {args.test_rows:,} rows")
-    return data
 
 
 def lines_of(test_dir):
@@ -146,28 +170,24 @@ def accuracy_and_speed(args, tmp, data):
 
 def scaling(args, tmp, data):
     path = ck.latest(f"{tmp}/model")
-    recs = {n: [] for n in (1, 2, 4)}
+    runs = {"1": (1, []), "2": (2, []), "4": (4, []), "4 per-rank": (4, ["--table-per-rank"])}
+    recs = {k: [] for k in runs}
     for _ in range(args.rounds):
-        for n in recs:
-            out = os.path.join(tmp, f"infer{n}.json")
-            cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpips.infer", "--model", path,
-                   "--data", f"{data}/test", "--metrics-out", out,
-                   "--predictions-out", os.path.join(tmp, f"p{n}.txt")]
-            t0 = time.perf_counter()
-            subprocess.run(cmd, check=True, env=dict(os.environ, **ENV), cwd=str(ROOT),
-                           stdout=subprocess.DEVNULL)
-            wall = time.perf_counter() - t0
-            rec = json.loads(open(out).read())
-            recs[n].append((rec["examples_per_sec"], wall, rec["load_seconds"], rec["test_auc"]))
-    same = len({open(os.path.join(tmp, f"p{n}.txt"), "rb").read() for n in recs}) == 1
+        for key, (n, extra) in runs.items():
+            rec, wall = infer_run(path, f"{data}/test", n, extra, tmp, key)
+            recs[key].append((rec["examples_per_sec"], wall, rec["load_seconds"], rec["memory_mb"],
+                              rec["test_auc"]))
+    same = len({open(os.path.join(tmp, f"p{k.replace(' ', '')}.txt"), "rb").read()
+                for k in runs}) == 1
     print(f"\n3. mpirun -n N python -m mpips.infer, {args.test_rows:,} rows in 8 files, median of "
           f"{args.rounds}; predictions files identical for all N: {same}")
-    print(f"{'N':>3} {'scoring rows/s':>15} {'x N=1':>6} {'wall s':>7} {'load s':>7} {'AUC':>10}")
-    base = np.median([r[0] for r in recs[1]])
-    for n, rs in recs.items():
-        rate = np.median([r[0] for r in rs])
-        print(f"{n:>3} {rate:>15,.0f} {rate / base:>6.2f} {np.median([r[1] for r in rs]):>7.2f} "
-              f"{np.median([r[2] for r in rs]):>7.2f} {rs[-1][3]:>10.6f}")
+    print(f"{'N':>12} {'scoring rows/s':>15} {'x N=1':>6} {'wall s':>7} {'load s':>7} "
+          f"{'memory MB':>10} {'AUC':>10}")
+    base = np.median([r[0] for r in recs["1"]])
+    for key, rs in recs.items():
+        med = [np.median([r[i] for r in rs]) for i in range(4)]
+        print(f"{key:>12} {med[0]:>15,.0f} {med[0] / base:>6.2f} {med[1]:>7.2f} {med[2]:>7.2f} "
+              f"{med[3]:>10.0f} {rs[-1][4]:>10.6f}")
 
 
 def main(argv=None):
@@ -181,8 +201,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     tmp = tempfile.mkdtemp(prefix="mpips-bench-serving-")
     try:
-        size_and_load(args, tmp)
-        data = train_model(args, tmp)
+        data = make_data(args, tmp)
+        size_and_load(args, tmp, data)
+        train_model(args, tmp, data)
         accuracy_and_speed(args, tmp, data)
         if not args.skip_infer:
             scaling(args, tmp, data)

@@ -150,6 +150,11 @@ def _carve(mem, layout):
     return out
 
 
+def warm_up(model):
+    """Score one row: the kernels' first calls (numba) count as loading, not scoring."""
+    model.predict(np.zeros((1, model.n_dense), np.float32), np.zeros((1, model.n_sparse), np.int64))
+
+
 def load_model(path, group, say, share=True):
     """(Snapshot, ServingModel, shared window or None) of checkpoint ``path``.
 
@@ -163,11 +168,16 @@ def load_model(path, group, say, share=True):
     from mpi4py import MPI
     leader = node.rank == 0
     snap = Snapshot(path, warn=say, load=leader)
+    info = bundle_info(snap)
     sizes = np.zeros(3, np.int64)
     if leader:
         arrays = ServingModel.from_snapshot(snap).arrays()
         snap.keys = snap.values = snap.dense = None
         sizes[:] = [len(arrays["keys"]), len(arrays["slots"]), len(arrays["params"])]
+    else:                          # meanwhile, the first kernel calls on an empty model
+        warm_up(ServingModel(np.empty(0, np.int64), np.empty((0, snap.dim), np.float32),
+                             np.zeros(info["model"]["n_params"], np.float32), info["model"],
+                             info["data"]))
     group._wait(node.Ibcast(sizes, root=0))
     n, n_slots, n_params = (int(x) for x in sizes)
     layout = [("keys", np.int64, (n,)), ("values", np.float32, (n, snap.dim)),
@@ -181,7 +191,6 @@ def load_model(path, group, say, share=True):
             view[...] = arrays[name]
         del arrays
     group.barrier(node)
-    info = bundle_info(snap)
     model = ServingModel(views["keys"], views["values"], views["params"], info["model"],
                          info["data"], info["checkpoint"], slots=views["slots"])
     return snap, model, (win, node)
@@ -242,8 +251,7 @@ def run(args, log=print, comm=None):
     say = log if group.rank == 0 else (lambda s: None)
     t0 = time.perf_counter()
     snap, model, shared = load_model(args.model, group, say, not args.table_per_rank)
-    model.predict(np.zeros((1, model.n_dense), np.float32),      # first calls (numba) here
-                  np.zeros((1, model.n_sparse), np.int64))
+    warm_up(model)
     cfg = config_from_manifest(snap.manifest)
     load_s = time.perf_counter() - t0
     batch_size = args.batch_size or cfg.batch_size
