@@ -45,7 +45,8 @@ from mpips.bundle import Snapshot, bundle_info
 from mpips.config import Config
 from mpips.data.files import resolve_paths, split_files
 from mpips.metrics import BinaryMetrics
-from mpips.scoring import ServingModel
+from mpips.scoring import ServingModel, hash_slots
+from mpips.server.sparse_table import slots_for
 
 PROG = "python -m mpips.infer"
 MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
@@ -171,9 +172,7 @@ def load_model(path, group, say, share=True):
     info = bundle_info(snap)
     sizes = np.zeros(3, np.int64)
     if leader:
-        arrays = ServingModel.from_snapshot(snap).arrays()
-        snap.keys = snap.values = snap.dense = None
-        sizes[:] = [len(arrays["keys"]), len(arrays["slots"]), len(arrays["params"])]
+        sizes[:] = [len(snap.keys), slots_for(len(snap.keys)), len(snap.dense)]
     else:                          # meanwhile, the first kernel calls on an empty model
         warm_up(ServingModel(np.empty(0, np.int64), np.empty((0, snap.dim), np.float32),
                              np.zeros(info["model"]["n_params"], np.float32), info["model"],
@@ -186,10 +185,11 @@ def load_model(path, group, say, share=True):
     win = MPI.Win.Allocate_shared(nbytes if leader else 0, 1, comm=node)
     buf, _ = win.Shared_query(0)
     views = _carve(np.frombuffer(buf, np.uint8, count=nbytes), layout)
-    if leader:
-        for name, view in views.items():
-            view[...] = arrays[name]
-        del arrays
+    if leader:                     # the table goes into shared memory, the hash map is built there
+        views["keys"][:], views["values"][:], views["params"][:] = snap.keys, snap.values, \
+            snap.dense
+        snap.keys = snap.values = snap.dense = None
+        hash_slots(views["keys"], views["slots"])
     group.barrier(node)
     model = ServingModel(views["keys"], views["values"], views["params"], info["model"],
                          info["data"], info["checkpoint"], slots=views["slots"])

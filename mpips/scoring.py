@@ -21,6 +21,13 @@ from mpips.server.sparse_table import slots_for
 CHUNK_ROWS = 8192        # rows scored per forward pass in predict (bounds memory)
 
 
+def hash_slots(keys, out=None):
+    """The open-addressing slot array of ``keys`` (into ``out``, sized by ``slots_for``)."""
+    out = np.empty(slots_for(len(keys)), np.int32) if out is None else out
+    rebuild_slots(keys, len(keys), out)
+    return out
+
+
 class ServingModel:
     """Dense weights + embedding rows + data settings; immutable once built.
 
@@ -46,10 +53,7 @@ class ServingModel:
         if self.values.shape != (len(self.keys), self.dim):
             raise bd.BundleError(f"values {self.values.shape} do not match {len(self.keys)} "
                                  f"keys of dim {self.dim}")
-        if slots is None:                    # else: the hash map of these keys, built before
-            slots = np.empty(slots_for(len(self.keys)), np.int32)
-            rebuild_slots(self.keys, len(self.keys), slots)
-        self.slots = slots
+        self.slots = hash_slots(self.keys) if slots is None else slots   # else: built before
         self.norm = make_norm(data["cont_min"], data["cont_diff"])
         self.hash_bucket = int(data["hash_bucket"])
         self._local = threading.local()
