@@ -37,7 +37,7 @@ from mpips.checkpoint.load import _schema as shard_schema
 from mpips.checkpoint.manifest import CheckpointError, chain_manifests, fsync, resolve
 from mpips.checkpoint.save import _write_whole
 from mpips.data.criteo import make_norm
-from mpips.data.shards import load_stats
+from mpips.data.binary import load_stats
 from mpips.server.dense_table import DenseTable
 from mpips.server.optim import OptimizerConfig
 from mpips.server.sparse_table import SparseTable

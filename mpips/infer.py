@@ -40,6 +40,7 @@ import traceback
 
 import numpy as np
 
+from mpips.backoff import COLLECTIVE, Backoff
 from mpips.build import make_reader
 from mpips.bundle import Snapshot, bundle_info
 from mpips.config import Config
@@ -50,7 +51,6 @@ from mpips.server.sparse_table import slots_for
 
 PROG = "python -m mpips.infer"
 MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
-POLL = 1e-3        # seconds between tests of a pending collective (idle ranks sleep)
 
 
 def build_parser():
@@ -93,8 +93,9 @@ class Group:
         self.rank, self.size = (comm.rank, comm.size) if comm is not None else (0, 1)
 
     def _wait(self, req):
+        backoff = Backoff(*COLLECTIVE)          # idle ranks sleep (other ranks still score)
         while not req.Test():
-            time.sleep(POLL)
+            backoff.sleep()
 
     def allreduce(self, arr, op="sum"):
         if self.comm is None:

@@ -16,12 +16,12 @@ from mpips import checkpoint as ck
 from mpips import export, exports, infer
 from mpips.build import make_model, make_reader, make_tables
 from mpips.config import Config
+from mpips.ownership import plan_keys
 from mpips.scoring import ServingModel
 from mpips.server.dense_table import DenseTable
 from mpips.server.optim import OptimizerConfig
 from mpips.server.sparse_table import SparseTable
 from mpips.serving import Predictor
-from mpips.sharding import plan_keys
 from mpips.worker.local import LocalPS
 from mpips.worker.trainer import Trainer
 from tests.conftest import run_cmd
