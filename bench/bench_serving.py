@@ -8,9 +8,11 @@ one core, the AUC cost of float16, and `mpips.infer` rows/s at N = 1, 2, 4 ranks
    bench_checkpoint.py) and the 400x3 CTR-DNN, saved as a one-shard full checkpoint and
    exported as float32 and float16 bundles.  Loads, alternated and repeated --rounds
    times (median): the checkpoint into a training table (``load_local``, all optimizer
-   state, what the old ``mpips.infer`` did), the checkpoint's serving values
-   (``bundle.Snapshot``, what ``mpips.infer`` does now on every rank), and each bundle
-   into a ``Predictor``.  Files stay in the page cache: CPU cost, not disk.
+   state, what the old ``mpips.infer`` did), the checkpoint's serving values into a
+   ``ServingModel`` (``bundle.Snapshot``: what ``mpips.infer`` does now, once per node),
+   and each bundle into a ``Predictor``.  Then ``mpirun -n 4 python -m mpips.infer`` on
+   this checkpoint: load time and memory with the table shared per node and per rank.
+   Files stay in the page cache: CPU cost, not disk.
 2. Accuracy and speed.  A model trained one epoch (--local) on the synthetic set
    (--train-rows), exported float32 and float16; the test set is scored from raw lines by
    both predictors (AUC, largest prediction difference); ``predict_lines`` and
@@ -18,8 +20,10 @@ one core, the AUC cost of float16, and `mpips.infer` rows/s at N = 1, 2, 4 ranks
    --batch lines.
 3. Scaling.  ``mpirun -n N python -m mpips.infer`` on the same model and test set (8
    files), N = 1, 2, 4 (and 4 with --table-per-rank) alternated, --rounds rounds; scoring
-   rows/s (max over ranks of the scoring time, load excluded), wall-clock seconds of the
-   whole command, load seconds, and memory (sum over ranks of the proportional set size).
+   rows/s (max over ranks of the scoring time, load excluded), rows per CPU-second of
+   scoring (summed over ranks: the work, whatever share of the cores the ranks got),
+   wall-clock seconds of the whole command, load seconds, and memory (sum over ranks of
+   the proportional set size).
 Timings on a shared 2-core VM are noisy: read the ratios within one run.
 """
 import os
@@ -48,6 +52,7 @@ from mpips.data.files import resolve_paths  # noqa: E402
 from mpips.metrics import BinaryMetrics  # noqa: E402
 from mpips.server.dense_table import DenseTable  # noqa: E402
 from mpips.server.sparse_table import SparseTable  # noqa: E402
+from mpips.scoring import ServingModel  # noqa: E402
 from mpips.serving import Predictor, parse_lines  # noqa: E402
 
 
@@ -91,7 +96,7 @@ def size_and_load(args, tmp, data):
         s = SparseTable(10, opt, 0, capacity=args.rows)
         ck.load_local(path, s, DenseTable(np.zeros(len(dense), np.float32), opt))
 
-    t = median_times({"ckpt": load_ckpt, "snap": lambda: bd.Snapshot(path),
+    t = median_times({"ckpt": load_ckpt, "snap": lambda: ServingModel.from_snapshot(bd.Snapshot(path)),
                       "b32": lambda: Predictor(b32), "b16": lambda: Predictor(b16)}, args.rounds)
     size = {"ckpt": dir_bytes(path), "snap": dir_bytes(path), "b32": os.path.getsize(b32),
             "b16": os.path.getsize(b16)}
@@ -99,7 +104,7 @@ def size_and_load(args, tmp, data):
           f"(float16); median of {args.rounds} alternated loads")
     print(f"{'what':<44} {'MB':>8} {'x ckpt':>7} {'load s':>8} {'x ckpt':>7}")
     names = {"ckpt": "checkpoint -> training table (load_local)",
-             "snap": "checkpoint -> serving values (infer)",
+             "snap": "checkpoint -> ServingModel (infer)",
              "b32": "bundle float32 -> Predictor", "b16": "bundle float16 -> Predictor"}
     for k, label in names.items():
         print(f"{label:<44} {size[k] / 1e6:>8.1f} {size[k] / size['ckpt']:>7.2f} "
@@ -176,18 +181,19 @@ def scaling(args, tmp, data):
         for key, (n, extra) in runs.items():
             rec, wall = infer_run(path, f"{data}/test", n, extra, tmp, key)
             recs[key].append((rec["examples_per_sec"], wall, rec["load_seconds"], rec["memory_mb"],
-                              rec["test_auc"]))
+                              rec["test_examples"] / rec["cpu_seconds"], rec["test_auc"]))
     same = len({open(os.path.join(tmp, f"p{k.replace(' ', '')}.txt"), "rb").read()
                 for k in runs}) == 1
     print(f"\n3. mpirun -n N python -m mpips.infer, {args.test_rows:,} rows in 8 files, median of "
           f"{args.rounds}; predictions files identical for all N: {same}")
-    print(f"{'N':>12} {'scoring rows/s':>15} {'x N=1':>6} {'wall s':>7} {'load s':>7} "
-          f"{'memory MB':>10} {'AUC':>10}")
-    base = np.median([r[0] for r in recs["1"]])
+    print(f"{'N':>12} {'scoring rows/s':>15} {'x N=1':>6} {'rows/CPU-s':>11} {'x N=1':>6} "
+          f"{'wall s':>7} {'load s':>7} {'memory MB':>10} {'AUC':>10}")
+    base = [np.median([r[i] for r in recs["1"]]) for i in range(5)]
     for key, rs in recs.items():
-        med = [np.median([r[i] for r in rs]) for i in range(4)]
-        print(f"{key:>12} {med[0]:>15,.0f} {med[0] / base:>6.2f} {med[1]:>7.2f} {med[2]:>7.2f} "
-              f"{med[3]:>10.0f} {rs[-1][4]:>10.6f}")
+        med = [np.median([r[i] for r in rs]) for i in range(5)]
+        print(f"{key:>12} {med[0]:>15,.0f} {med[0] / base[0]:>6.2f} {med[4]:>11,.0f} "
+              f"{med[4] / base[4]:>6.2f} {med[1]:>7.2f} {med[2]:>7.2f} {med[3]:>10.0f} "
+              f"{rs[-1][5]:>10.6f}")
 
 
 def main(argv=None):

@@ -21,7 +21,8 @@ summed exactly (``BinaryMetrics`` states hold integer counts) into one global AU
 Output: ``TEST --> batch: B loss: L auc: A`` every ``--print-every`` batches (rank 0's
 running metrics) and a summary line; ``--metrics-out`` gets one JSON object (test_examples,
 test_auc, test_logloss, test_mean_pred, test_ctr, seconds, examples_per_sec,
-load_seconds, memory_mb (sum over ranks of the proportional set size), ranks,
+load_seconds, memory_mb (sum over ranks of the proportional set size), cpu_seconds
+(scoring, summed over ranks), ranks,
 checkpoint, meta); ``--predictions-out`` one probability per line,
 files in order and lines in order whatever N is (each rank writes its part, then copies
 it into the file at its offset).  On failure: one line on stderr naming the rank, exit
@@ -264,16 +265,16 @@ def run(args, log=print, comm=None):
     part = None
     if args.predictions_out:
         part = args.predictions_out + (f".part-{group.rank:05d}" if group.size > 1 else ".tmp")
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     with contextlib.ExitStack() as stack:
         sink = stack.enter_context(open(part, "w")) if part else None
         local = score_files(cfg, model, mine, batch_size, sink,
                             _Progress(args.print_every or cfg.print_every, say))
-    score_s = time.perf_counter() - t1
+    score_s, cpu_s = time.perf_counter() - t1, time.process_time() - c1
     m = BinaryMetrics.from_state(group.allreduce(local.state()))
     seconds = float(group.allreduce(np.array([score_s]), op="max")[0])
     load_s = float(group.allreduce(np.array([load_s]), op="max")[0])
-    pss = float(group.allreduce(np.array([pss_mb()]))[0])
+    pss, cpu_s = (float(x) for x in group.allreduce(np.array([pss_mb(), cpu_s])))
     if shared is not None:                       # every rank of the node is done with it
         del model
         group.barrier(shared[1])
@@ -291,6 +292,7 @@ def run(args, log=print, comm=None):
            "test_logloss": _finite(m.logloss()), "test_mean_pred": _finite(m.mean_pred()),
            "test_ctr": _finite(m.observed_ctr()), "seconds": round(seconds, 4),
            "load_seconds": round(load_s, 4), "memory_mb": round(pss, 1),
+           "cpu_seconds": round(cpu_s, 4),
            "examples_per_sec": round(m.count / seconds, 1) if seconds > 0 else 0.0,
            "meta": snap.manifest["meta"]}
     say(f"TEST --> examples: {rec['test_examples']} auc: {m.auc():.6f} logloss: "
