@@ -287,3 +287,22 @@ def test_serving_model_rejects_mismatched_weights():
         ServingModel(np.empty(0, np.int64), np.empty((0, 4), np.float32), np.zeros(3),
                      {"embedding_dim": 4, "fc": "16,8", "n_params": 3},
                      {"hash_bucket": 0, "cont_min": [0] * 13, "cont_diff": [1] * 13})
+
+
+def test_slot_lines_with_and_without_click_parse_as_the_reader_does():
+    from mpips.data.slot import parse_slot_bytes
+    from mpips.serving import parse_lines
+    rng = np.random.default_rng(3)
+    lines = []
+    for _ in range(5):
+        dense = " ".join(f"dense_feature:{x:.4f}" for x in rng.random(13))
+        ids = " ".join(f"{k}:{v}" for k, v in zip(range(1, 27), rng.integers(0, 10**6, 26)))
+        lines.append(f"click:{rng.integers(0, 2)} {dense} {ids}".encode())
+    data = {"data_format": "auto", "hash_bucket": 0, "cont_min": [0] * 13, "cont_diff": [1] * 13}
+    ref = parse_slot_bytes(b"\n".join(lines))
+    bare = [x.split(b" ", 1)[1] for x in lines]             # no click: token
+    for batch in (lines, bare, [lines[0].decode()] + bare[1:]):
+        dense, ids, ok = parse_lines(batch, data)
+        assert ok.all()
+        np.testing.assert_array_equal(dense, ref.dense)
+        np.testing.assert_array_equal(ids, ref.sparse)
