@@ -44,6 +44,7 @@ import numpy as np
 from mpips.backoff import COLLECTIVE, Backoff
 from mpips.build import make_reader
 from mpips.bundle import Snapshot, bundle_info
+from mpips.checkpoint import resolve
 from mpips.config import Config
 from mpips.data.files import resolve_paths, split_files
 from mpips.metrics import BinaryMetrics
@@ -103,7 +104,22 @@ class Group:
             return arr.copy()
         from mpi4py import MPI
         out = np.empty_like(arr)
-        self._wait(self.comm.Iallreduce(arr, out, op=MPI.SUM if op == "sum" else MPI.MAX))
+        ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+        self._wait(self.comm.Iallreduce(arr, out, op=ops[op]))
+        return out
+
+    def agree(self, fn):
+        """fn() on every rank; if it raised anywhere, the lowest such rank re-raises (one
+        error line for the job) and the others leave quietly (SystemExit 1)."""
+        try:
+            out, err = fn(), None
+        except (ValueError, OSError) as e:
+            out, err = None, e
+        first = int(self.allreduce(np.array([self.rank if err else self.size]), "min")[0])
+        if first == self.rank:
+            raise err
+        if first < self.size:
+            raise SystemExit(1)
         return out
 
     def allgather(self, value):
@@ -252,12 +268,12 @@ def run(args, log=print, comm=None):
     group = Group(comm)
     say = log if group.rank == 0 else (lambda s: None)
     t0 = time.perf_counter()
+    files = group.agree(lambda: (resolve(args.model, say), resolve_paths(args.data))[1])
     snap, model, shared = load_model(args.model, group, say, not args.table_per_rank)
     warm_up(model)
     cfg = config_from_manifest(snap.manifest)
     load_s = time.perf_counter() - t0
     batch_size = args.batch_size or cfg.batch_size
-    files = resolve_paths(args.data)
     mine = my_files(files, group.size, group.rank)
     say(f"mpips infer: checkpoint {snap.path} ({snap.manifest['mode']}, {len(model)} rows, "
         f"{len(model.params)} dense parameters), batch {batch_size}, {group.size} rank(s), "

@@ -306,3 +306,12 @@ def test_slot_lines_with_and_without_click_parse_as_the_reader_does():
         assert ok.all()
         np.testing.assert_array_equal(dense, ref.dense)
         np.testing.assert_array_equal(ids, ref.sparse)
+
+
+def test_infer_under_mpirun_fails_with_one_line(root, tmp_path):
+    proc = run_cmd(["-m", "mpips.infer", "--model", root, "--data", str(tmp_path / "nodata")],
+                   n=2, timeout=120)
+    assert proc.returncode != 0
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("mpips.infer")]
+    assert len(lines) == 1 and lines[0].startswith("mpips.infer: rank 0: error: ")
+    assert "nodata" in lines[0]
