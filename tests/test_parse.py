@@ -1,5 +1,6 @@
 """Criteo TSV / Paddle slot parsers and the feature hash, against plain-Python references."""
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ from mpips.data import criteo, slot
 from mpips.data.criteo import (CONT_DIFF, CONT_MIN, hash_feature, make_norm, parse_tsv_bytes)
 from mpips.kernels import tsv_parse as K
 
-SAMPLE = "/work/shared/data/paddle_slot_sample.txt"
+SAMPLE = str(Path(__file__).parent / "data" / "paddle_slot_sample.txt")
 _INT = re.compile(rb"[+-]?[0-9]+\Z")
 
 

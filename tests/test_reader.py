@@ -1,6 +1,7 @@
 """File resolution/splitting and the batching, prefetching DataReader."""
 import os
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from mpips.data.files import resolve_paths, split_files
 from mpips.data.reader import Batch, DataReader, detect_format, iter_chunks
 from mpips.data.slot import parse_slot_bytes
 
-SAMPLE = "/work/shared/data/paddle_slot_sample.txt"
+SAMPLE = str(Path(__file__).parent / "data" / "paddle_slot_sample.txt")
 
 
 @pytest.fixture(scope="module")

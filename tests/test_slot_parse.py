@@ -10,6 +10,7 @@ therefore use inputs without NUL bytes, and ``test_nul_in_value_is_bad`` pins th
 """
 import struct
 from decimal import Decimal
+from pathlib import Path
 
 import numpy as np
 
@@ -21,7 +22,7 @@ from mpips.kernels import number_parse as N
 from mpips.kernels import slot_parse as S
 from mpips.kernels import tsv_parse as K
 
-SAMPLE = "/work/shared/data/paddle_slot_sample.txt"
+SAMPLE = str(Path(__file__).parent / "data" / "paddle_slot_sample.txt")
 N_TOKENS = 1 + N_DENSE + N_SPARSE
 KEYS = [b"click"] + [b"dense_feature"] * N_DENSE + [str(k).encode() for k in range(1, 27)]
 MAX_VALUE_BYTES = 32
