@@ -36,7 +36,8 @@ PROFILE_DTYPE = np.dtype([
     ("wait_s", np.float64),          # worker: seconds waiting for servers
     ("server_busy_s", np.float64),   # server: seconds serving requests
     ("requests", np.float64),        # server: requests served; worker: data requests sent
-    ("mb_sent", np.float64),         # server: MB received; worker: MB sent
+    ("mb_sent", np.float64),         # MB this rank sent (requests, or replies)
+    ("mb_recv", np.float64),         # MB this rank received
     ("peak_rss_mb", np.float64),
     ("rows", np.float64),            # server: rows in its sparse table
     ("cpu_s", np.float64),           # CPU seconds of this rank, all of the run
@@ -84,16 +85,13 @@ def serve(cfg, cluster, model, bounds):
                     cfg.peer_timeout, cfg.idle_sleep, label=f"server {i}",
                     idle_timeout=cfg.peer_timeout + cfg.stream_timeout)   # workers may poll
     if cfg.save_dir:
-        def on_save(seq, mode_index):
-            mode = SAVE_MODES[mode_index]
-            path = os.path.join(cfg.save_dir, f"ckpt-{seq:06d}-{mode}")
-            info = ck.save_shard(path, i, S, inner_table(sparse), dense, int(bounds[i]), mode)
-            return json.dumps(info).encode()
-        server.on_save = on_save
+        server.on_save, server.save_check = ck.server_save_hooks(
+            cfg.save_dir, i, S, inner_table(sparse), dense, bounds[i])
     server.run()
     st = server.stats
     return profile_row(server=1, server_busy_s=st["busy_s"], requests=st["requests"],
-                       mb_sent=st["bytes_in"] / 1e6, peak_rss_mb=peak_rss_mb(), rows=len(sparse))
+                       mb_sent=st["bytes_out"] / 1e6, mb_recv=st["bytes_in"] / 1e6,
+                       peak_rss_mb=peak_rss_mb(), rows=len(sparse))
 
 
 def work(cfg, cluster, model, bounds):
@@ -119,7 +117,7 @@ def work(cfg, cluster, model, bounds):
     client.control(Op.FINISH)
     return profile_row(compute_s=trainer.compute_s, wait_s=client.wait_s,
                        requests=client.messages, mb_sent=client.bytes_sent / 1e6,
-                       peak_rss_mb=peak_rss_mb())
+                       mb_recv=client.bytes_recv / 1e6, peak_rss_mb=peak_rss_mb())
 
 
 class DistBackend:
@@ -250,10 +248,10 @@ def report_profile(comm, root, prof):
                                  table.view(np.float64).reshape(comm.size, n), root=root))
     if comm.rank != root:
         return
-    log_line("PROFILE --> rank role compute_s wait_s server_busy_s requests MB_sent "
+    log_line("PROFILE --> rank role compute_s wait_s server_busy_s requests MB_sent MB_recv "
              "peak_rss_MB rows cpu_s")
     for r, t in enumerate(table):
         role = "server" if t["server"] else "worker"
         log_line(f"PROFILE --> {r} {role} {t['compute_s']:.2f} {t['wait_s']:.2f} "
                  f"{t['server_busy_s']:.2f} {int(t['requests'])} {t['mb_sent']:.1f} "
-                 f"{t['peak_rss_mb']:.0f} {int(t['rows'])} {t['cpu_s']:.2f}")
+                 f"{t['mb_recv']:.1f} {t['peak_rss_mb']:.0f} {int(t['rows'])} {t['cpu_s']:.2f}")

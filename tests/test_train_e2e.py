@@ -47,6 +47,14 @@ def test_async_2x2(tiny_data, tmp_path):
     assert rec["workers"] == 2 and rec["servers"] == 2
     assert "worker 0" in proc.stdout and "server 1" in proc.stdout   # role map
     assert proc.stdout.count("PROFILE --> ") == 5
+    # what the servers sent is what the workers received, and the other way round
+    prof = [x.split()[2:] for x in proc.stdout.splitlines() if x.startswith("PROFILE --> ")]
+    col = {name: i for i, name in enumerate(prof[0])}
+    total = {(role, c): sum(float(r[col[c]]) for r in prof[1:] if r[col["role"]] == role)
+             for role in ("server", "worker") for c in ("MB_sent", "MB_recv")}
+    assert abs(total["server", "MB_sent"] - total["worker", "MB_recv"]) <= 0.2, total   # rounding
+    assert abs(total["server", "MB_recv"] - total["worker", "MB_sent"]) <= 0.2, total
+    assert total["server", "MB_recv"] > total["server", "MB_sent"] + 0.3, total   # keys go one way
 
 
 def test_missing_path_fails_fast(tmp_path):

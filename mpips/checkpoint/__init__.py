@@ -40,9 +40,9 @@ from mpips.checkpoint.load import load_local, load_shard_into
 from mpips.checkpoint.manifest import (MANIFEST, MODES, CheckpointError, chain, latest,
                                        list_checkpoints, load_config, new_checkpoint_dir,
                                        read_manifest, resolve, shard_name, write_manifest)
-from mpips.checkpoint.save import save_local, save_shard
+from mpips.checkpoint.save import save_local, save_shard, server_save_hooks
 
 __all__ = ["MANIFEST", "MODES", "CheckpointError", "chain", "latest", "list_checkpoints",
            "load_config", "load_local", "load_shard_into", "new_checkpoint_dir",
-           "read_manifest", "resolve", "save_local", "save_shard", "shard_name",
+           "read_manifest", "resolve", "save_local", "save_shard", "server_save_hooks", "shard_name",
            "write_manifest"]

@@ -5,14 +5,16 @@ A shard file holds ``/sparse/<field>`` per row field, ``/sparse/evicted`` and
 the manifest (see ``mpips.checkpoint``).
 """
 import dataclasses
+import json
 import os
 import zlib
 
 import h5py
 import numpy as np
 
-from mpips.checkpoint.manifest import (FORMAT, SKIPPED_FIELDS, VERSION, check_mode, fsync,
-                                       new_checkpoint_dir, shard_name, write_manifest)
+from mpips.checkpoint.manifest import (FORMAT, MANIFEST, MODES, SKIPPED_FIELDS, VERSION,
+                                       check_mode, fsync, new_checkpoint_dir, shard_name,
+                                       write_manifest)
 
 CHUNK_ROWS = 1 << 18                   # rows per HDF5 write (bounds the extra memory)
 
@@ -83,6 +85,26 @@ def save_shard(ckpt_dir, server_id, n_servers, sparse, dense, dense_lo, mode):
             "n_servers": int(n_servers), "mode": mode, "rows": int(n),
             "evicted": len(evicted), "dense_lo": int(dense_lo), "dense_size": len(dense),
             "embedding_dim": sparse.dim, "optimizer": opt, "datasets": datasets}
+
+
+def server_save_hooks(save_dir, server_id, n_servers, sparse, dense, dense_lo):
+    """(on_save, save_check) for a Server: SAVE seq/mode writes this server's shard of
+    ``save_dir/ckpt-<seq>-<mode>``; save_check says why a SAVE is refused (the worker
+    creates the directory first, and a committed checkpoint is never written again)."""
+    def path_of(seq, mode_index):
+        return os.path.join(save_dir, f"ckpt-{seq:06d}-{MODES[mode_index]}")
+
+    def on_save(seq, mode_index):
+        info = save_shard(path_of(seq, mode_index), server_id, n_servers, sparse, dense,
+                          int(dense_lo), MODES[mode_index])
+        return json.dumps(info).encode()
+
+    def save_check(seq, mode_index):
+        path = path_of(seq, mode_index)
+        if seq < 1 or not os.path.isdir(path) or os.path.exists(os.path.join(path, MANIFEST)):
+            return f"for {path}: not an uncommitted checkpoint directory"
+        return None
+    return on_save, save_check
 
 
 def save_local(root, sparse, dense, mode, config=None, meta=None):

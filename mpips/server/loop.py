@@ -32,6 +32,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpips.backoff import IDLE, Backoff
+from mpips.config import SAVE_MODES
 from mpips.kernels.embedding import sum_duplicates
 from mpips.liveness import WATCH, err_line, wait_for
 from mpips.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, STATS_DTYPE, TAG_CONTROL,
@@ -40,6 +41,9 @@ from mpips.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, STATS_DTYPE, T
 
 CHECK_EVERY = 0.05  # seconds between liveness checks of an idle server
 MAX_REJECT_LINES = 100  # malformed requests logged one line each; later ones only counted
+MAX_SHRINK_THRESHOLD = np.iinfo(np.uint16).max - 1   # rows age in a uint16 counter
+MAX_COUNT = 2.0 ** 24   # largest occurrence count per id in one pull (float32 integers)
+MAX_ABS = 1e15          # largest |gradient| or |delta| accepted: squares stay finite in float32
 CONTROL_OPS = (Op.FINISH, Op.STATS, Op.BARRIER, Op.SAVE, Op.SHRINK)
 
 
@@ -62,6 +66,7 @@ class Server:
         self.finished = set()
         self.stats = {"requests": 0, "busy_s": 0.0, "bytes_in": 0, "bytes_out": 0}
         self.on_save = None     # callable(seq, mode_index) -> JSON bytes (checkpoint shard)
+        self.save_check = None  # callable(seq, mode_index) -> None or why a SAVE is refused
         self.evicted = 0        # rows removed by SHRINK since the start
         self.max_lead = 0       # ssp: largest (pull step - slowest worker's pushes) answered
         self.rejected, self.last_reject = 0, ""
@@ -128,32 +133,73 @@ class Server:
             raise ProtocolError(f"request from rank {source}: {req.op.name} {why}")
         if source not in self.last_seen:
             bad(f"from a rank that is not a worker of this job (workers: {self.workers})")
+        if req.op in (Op.PULL, Op.PUSH, Op.ADD, Op.SAVE):
+            self._validate_step(req, source, bad)
         if req.op == Op.SAVE:
             if self.on_save is None:
                 bad("but this run has no --save-dir")
             if req.count != 1 or req.values is not None or req.dense is not None:
                 bad("must carry exactly one key (the checkpoint's sequence number)")
+            if not 0 <= req.flags < len(SAVE_MODES):
+                bad(f"mode flag {req.flags}: must be 0..{len(SAVE_MODES) - 1} ({', '.join(SAVE_MODES)})")
+            why = self.save_check(int(req.keys[0]), req.flags) if self.save_check else None
+            if why:
+                bad(why)
         elif req.op in CONTROL_OPS:
             if req.count or req.dense is not None:
                 bad(f"must have no body; got count={req.count} dense="
                     f"{len(req.dense) if req.dense is not None else 0}")
             if req.op == Op.BARRIER and source not in self.active:
                 bad("sent twice in one phase")
+            if req.op == Op.SHRINK and not 0 <= req.step <= MAX_SHRINK_THRESHOLD:
+                bad(f"threshold {req.step}: must be 0..{MAX_SHRINK_THRESHOLD} (shrink calls)")
         elif req.op == Op.PULL:
             if req.dense is not None or (req.values is not None and req.dim != 1):
                 bad(f"may carry only occurrence counts (width 1); got dim={req.dim} "
                     f"dense={0 if req.dense is None else len(req.dense)}")
+            if req.values is not None and req.count:
+                c = req.values[:, 0]
+                if not (0 <= c.min() <= c.max() <= MAX_COUNT and (c == np.floor(c)).all()):
+                    bad(f"occurrence counts must be whole numbers in 0..{MAX_COUNT:.0f}; got "
+                        f"min {c.min()} max {c.max()}")
         else:                                   # PUSH, ADD
             if req.count and req.dim != self.sparse.dim:
                 bad(f"rows of width {req.dim}; this table has dim {self.sparse.dim}")
             if req.dense is not None and len(req.dense) != self.dense.size:
                 bad(f"a dense slice of {len(req.dense)}; this server holds {self.dense.size}")
-            for arr in (req.values, req.dense):
-                if arr is not None and arr.size and not np.isfinite(arr.sum()):
-                    bad("non-finite values (NaN, inf or overflowing): they would poison the "
-                        "rows for good")
-            if req.op == Op.PUSH and self.mode == "sync" and req.step < self.version:
-                bad(f"for step {req.step}, already applied (phase at step {self.version})")
+            for arr in (req.values, req.dense):     # (min/max propagate NaN: no pass of abs)
+                if arr is not None and arr.size and not -MAX_ABS <= arr.min() <= arr.max() <= MAX_ABS:
+                    bad(f"non-finite or huge values (NaN, inf or beyond {MAX_ABS:.0e}): they would "
+                        "poison the rows for good")
+            if req.op == Op.PUSH and self.mode == "sync":
+                if source not in self.active:
+                    bad(f"for step {req.step} after this worker's BARRIER (phase step {self.version})")
+                if source in self.pending.get(req.step, ()):
+                    bad(f"for step {req.step} twice")
+
+    def _validate_step(self, req, source, bad):
+        """Steps of a phase: never negative, and never so far ahead that the request would
+        wait for a step its own sender has not pushed (it would be parked for good)."""
+        if req.step < 0:
+            bad(f"for step {req.step}: steps are >= 0")
+        if self.mode == "sync":
+            # A push of step t comes after the sender's pull of step t was answered: t is the
+            # step being collected.  A pull/save of step t+1 may come once the sender's push
+            # of step t is in (or the sender is at the barrier); anything later waits for good.
+            v, mine = self.version, source not in self.active or source in self.pending.get(
+                self.version, ())
+            if req.op == Op.PUSH and req.step != v:
+                bad(f"for step {req.step}: the phase collects step {v}"
+                    + (" (already applied)" if req.step < v else ""))
+            if req.op in (Op.PULL, Op.SAVE) and req.step > v + mine:
+                bad(f"for step {req.step}: the phase is at step {v} and this worker has "
+                    f"{'pushed' if mine else 'not pushed'} it; it would wait for good")
+        elif self.mode == "ssp" and req.op == Op.PULL and source in self.active:
+            # waits until the slowest worker has pushed step - staleness; the sender itself
+            # must not be that one for good
+            if req.step - self.staleness > self.clock[source]:
+                bad(f"for step {req.step}: this worker pushed {self.clock[source]} steps "
+                    f"(staleness {self.staleness}); it would wait for itself for good")
 
     def _reject(self, err):
         self.rejected += 1
@@ -331,6 +377,10 @@ class Server:
                     still.append((req, source))
             self.deferred = still
         if len(self.at_barrier) == len(self.workers) and not self.pending:
+            for req, source in self.deferred:       # nothing changes any more in this phase
+                self._answer_pull(req, source)
+            for save in self.deferred_saves:
+                self._save(*save)
             for w in self.at_barrier:
                 self._send(np.array([self.version], np.int64), w, TAG_CONTROL)
             self._new_phase()

@@ -61,6 +61,7 @@ class PSClient:
         self.req_id = 0
         self.wait_s = 0.0
         self.bytes_sent = 0
+        self.bytes_recv = 0       # replies posted for (pull rows, dense slices, control)
         self.messages = 0
 
     @property
@@ -94,9 +95,11 @@ class PSClient:
         for s in range(self.n_servers):
             lo, hi = plan.offsets[s], plan.offsets[s + 1]
             reqs.append(self.comm.Irecv(out[lo:hi], self.servers[s], TAG_REPLY_SPARSE))
+            self.bytes_recv += out[lo:hi].nbytes
             if dense_out is not None:
                 d = dense_out[self.bounds[s]:self.bounds[s + 1]]
                 reqs.append(self.comm.Irecv(d, self.servers[s], TAG_REPLY_DENSE))
+                self.bytes_recv += d.nbytes
             c = None if counts is None else counts[lo:hi]
             r, b = self._request(s, Op.PULL, plan.keys[lo:hi], c, step, flags, None)
             reqs.append(r)
@@ -147,6 +150,7 @@ class PSClient:
             for s, r in list(recvs.items()):
                 if not r.Test():
                     continue
+                self.bytes_recv += acks[s].nbytes
                 if acks[s, 0] == BARRIER_KEEPALIVE:     # the other workers still progress
                     recvs[s] = self.comm.Irecv(acks[s], self.servers[s], TAG_CONTROL)
                     heard[s] = now
@@ -163,6 +167,7 @@ class PSClient:
         reqs = [self.comm.Irecv(out[s], srv, TAG_CONTROL) for s, srv in enumerate(self.servers)]
         sent, peers, bufs = self._send_all(op, step)
         Handle(self, reqs + sent, self.servers + peers, bufs, Op(op).name, step).wait()
+        self.bytes_recv += out.nbytes
         return out
 
     def stats(self):
@@ -196,4 +201,5 @@ class PSClient:
                  f"shard within {self.timeout:.0f} s")
         buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
         self.comm.Recv(buf, srv, TAG_CONTROL)
+        self.bytes_recv += buf.nbytes
         return bytes(buf)
