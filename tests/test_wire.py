@@ -1,27 +1,40 @@
-"""Hostile wire input: crafted malformed requests against a real server (mpiexec -n 3).
+"""Hostile wire input: crafted and fuzzed (hypothesis) requests against real servers (mpiexec -n 5).
 
 The MPI side is tests/mpi_wire_probe.py (its docstring lists the checks); here we start it
-under a subprocess timeout and check its verdict and the server's rejection lines.
+under a subprocess timeout and check its verdict and the servers' rejection lines.
 """
+import os
 import re
 
 from tests.conftest import run_cmd
 
+N_FUZZ = int(os.environ.get("MPIPS_FUZZ_CASES", "2000"))   # more for a longer local run
 
-def test_server_rejects_bad_requests_names_sender_and_keeps_serving():
-    proc = run_cmd(["-m", "tests.mpi_wire_probe"], n=3, timeout=90)
+
+def test_servers_reject_bad_requests_name_sender_and_keep_serving(tmp_path):
+    proc = run_cmd(["-m", "tests.mpi_wire_probe", str(tmp_path), str(N_FUZZ)], n=5, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "failed checks per rank [0, 0, 0]" in proc.stdout
-    n_bad = int(re.search(r"wire probe: (\d+) bad messages", proc.stdout).group(1))
-    assert n_bad >= 20
+    assert "failed checks per rank [0, 0, 0, 0, 0]" in proc.stdout
+    m = re.search(r"(\d+) crafted bad messages, rejected per server \[(\d+), (\d+), (\d+)\]; "
+                  r"fuzz: (\d+) cases, rejected (\d+)", proc.stdout)
+    n_bad, per_server, n_fuzz, fuzz_rejected = int(m[1]), [int(m[i]) for i in (2, 3, 4)], \
+        int(m[5]), int(m[6])
+    assert sum(per_server) == n_bad >= 45 and min(per_server) >= 9
+    assert n_fuzz >= N_FUZZ * 0.9 and n_fuzz * 0.2 < fuzz_rejected < n_fuzz * 0.8   # both kinds
     lines = [x for x in proc.stderr.splitlines() if "rejected malformed request" in x]
-    # one line per bad request, each naming the sender; the stranger's too
-    assert len(lines) == n_bad + 1, proc.stderr[-3000:]
-    senders = sorted(int(re.search(r"request from rank (\d+)", x).group(1)) for x in lines)
-    assert senders == [1] * n_bad + [2]
-    assert any("not a worker of this job" in x for x in lines)
+    # one line per rejected request (up to 100 per server), each naming the sender
+    total = {int(x.split()[3].strip(":")): int(x.split()[-1])
+             for x in proc.stdout.splitlines() if x.startswith("wire probe server")}
+    assert sum(min(n, 100) for n in total.values()) == len(lines), proc.stderr[-3000:]
+    assert sum(total.values()) == n_bad + fuzz_rejected + 3      # + the outsider's, per server
+    senders = [int(re.search(r"request from rank (\d+)", x).group(1)) for x in lines]
+    assert set(senders) == {3, 4}
+    assert sum(1 for x in lines if "not a worker of this job" in x) == 3
     for reason in ("unknown op code 99", "unknown table 3", "bad sizes count=-3",
                    "dim=-1", "header says", "is not a valid message", "non-finite",
-                   "rows of width 3", "dense slice of 9", "no --save-dir"):
+                   "rows of width 3", "dense slice of 9", "no --save-dir",
+                   "mode flag 3", "mode flag -1", "not an uncommitted checkpoint directory",
+                   "threshold -1", "occurrence counts", "the phase collects step 1",
+                   "would wait for good", "wait for itself", "steps are >= 0"):
         assert any(reason in x for x in lines), reason
     assert "Traceback" not in proc.stderr

@@ -161,11 +161,12 @@ class SparseTable:
         return arr
 
     # --------------------------------------------------------------- hot path
-    def pull(self, keys, out, create=False):
+    def pull(self, keys, out, create=False, counts=None):
         """Read rows of ``keys`` into ``out`` float32 (n, dim).
 
         create=False: ids without a row read zeros and no row is made (inference,
         admission). create=True: missing rows are made; every key counts as seen.
+        counts (occurrences, for an admission filter in front) are not used here.
         """
         keys = _as_keys(keys)
         self._check_rows_arg(out, keys.shape[0], 'out', writable=True)
