@@ -28,11 +28,19 @@ import traceback
 import zlib
 
 import numpy as np
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from mpi4py import MPI
 
+from mpips import checkpoint as ck
 from mpips.protocol import (F_CREATE, F_DENSE, HEADER_BYTES, STATS_LEN, TAG_CONTROL,
                             TAG_REPLY_DENSE, TAG_REPLY_SPARSE, TAG_REQUEST, Op, encode,
                             message_nbytes)
+from mpips.server.admission import AdmittedTable
+from mpips.server.dense_table import DenseTable
+from mpips.server.loop import Server
+from mpips.server.optim import OptimizerConfig
+from mpips.server.sparse_table import SparseTable
 
 DIM, DENSE = 4, 8
 KEYS = np.arange(1, 11, dtype=np.int64)          # rows created by the first valid pull
@@ -132,12 +140,6 @@ def hostile_messages(server):
 
 # ------------------------------------------------------------------- server side
 def make_server(comm, save_dir):
-    from mpips import checkpoint as ck
-    from mpips.server.admission import AdmittedTable
-    from mpips.server.dense_table import DenseTable
-    from mpips.server.loop import Server
-    from mpips.server.optim import OptimizerConfig
-    from mpips.server.sparse_table import SparseTable
     mode, staleness, opt, entry = {ASYNC: ("async", 0, "sgd", ""),
                                    SYNC: ("sync", 0, "adagrad", "count:2"),
                                    SSP: ("ssp", 1, "adam", "probability:0.5")}[comm.rank]
@@ -318,8 +320,6 @@ def fuzz(link, n_cases, save_dir):
     Hypothesis draws the structure (server, op, whether the body is shaped as the op wants,
     which header field to corrupt, how to cut the buffer) and a seed from which numpy draws
     the keys, step, flags and payload (few draws per case keep thousands of cases fast)."""
-    from hypothesis import HealthCheck, Phase, given, settings
-    from hypothesis import strategies as st
     done = [0]
 
     @settings(max_examples=n_cases, derandomize=True, database=None, deadline=None,
