@@ -199,11 +199,19 @@ def _from_toml(path):
     return out
 
 
+def _given_flags(argv, prog):
+    """Names of the options written on the command line (even when equal to the default)."""
+    quiet = build_parser(prog)
+    for action in quiet._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(quiet.parse_args(argv)))
+
+
 def parse_args(argv=None, prog="python -m mpips.train"):
     """Parse flags (and the TOML file they name) into a validated Config."""
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    given = {k for k, v in vars(args).items() if v != parser.get_default(k)}
+    given = _given_flags(argv, prog)
     values = {}
     if args.config:
         values.update(_from_toml(args.config))

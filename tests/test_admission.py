@@ -102,3 +102,22 @@ def test_counts_are_occurrences_in_the_batch():
     assert t.rows_of(np.array([2], np.int64))[0] < 0                    # 2 so far: waiting
     t.pull(np.array([2], np.int64), out[:1], create=True, counts=np.array([1.0]))
     assert len(t) == 2
+
+
+def test_seen_count_counts_the_admitting_pull_once():
+    """A row's seen_count = training pulls since its row exists, as without admission."""
+    t, plain = table("count:2"), table("")
+    for _ in range(2):                          # sighting 1: waiting; 2: admitted
+        pull(t, [9])
+    pull(plain, [9])                            # no filter: the row is made at once
+    seen = lambda x: int(x.export_rows()["seen_count"][0])      # noqa: E731
+    assert seen(t) == seen(plain) == 1
+    pull(t, [9])
+    pull(plain, [9])
+    assert seen(t) == seen(plain) == 2
+
+
+def test_entry_counts_beyond_float32_integers_are_refused():
+    parse_entry(f"count:{2 ** 24}")
+    with pytest.raises(ValueError, match="at most 16777216"):
+        parse_entry(f"count:{2 ** 24 + 1}")

@@ -62,6 +62,11 @@ def test_config_file_and_flags(tmp_path):
     f.write_text('lr = 0.5\nbatch-size = 64\nmode = "sync"\n')
     cfg = parse_args(["--config", str(f), "--lr", "0.25"])
     assert cfg.lr == 0.25 and cfg.batch_size == 64 and cfg.mode == "sync"
+    # an explicit flag wins even when it equals the default (and a bool flag, negated too)
+    f.write_text('lr = 0.01\nmode = "sync"\nbatch-size = 64\nlocal = true\n')
+    cfg = parse_args(["--config", str(f), "--lr", "0.001", "--mode", "async", "--no-local"])
+    assert (cfg.lr, cfg.mode, cfg.batch_size, cfg.local) == (0.001, "async", 64, False)
+    assert parse_args(["--config", str(f), "--lr=1e-3"]).lr == 0.001
     f.write_text("learning_rate = 1\n")
     with pytest.raises(ValueError, match="unknown key 'learning_rate'"):
         parse_args(["--config", str(f)])

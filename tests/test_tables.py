@@ -233,3 +233,14 @@ def test_throughput_and_memory_report():
           f'pull {n_keys / pull_s:,.0f} keys/s; push {n_keys / push_s:,.0f} keys/s; '
           f'{t.nbytes / n_rows:.1f} bytes/row (payload {payload}, ratio '
           f'{t.nbytes / n_rows / payload:.2f}; capacity {t.capacity}, slots {t.n_slots})')
+
+
+def test_row_count_beyond_the_int32_slots_fails_clearly(monkeypatch):
+    from mpips.server import sparse_table
+    monkeypatch.setattr(sparse_table, "MAX_ROWS", 100)    # the real limit is 2**31 - 1 rows
+    t = SparseTable(2, OptimizerConfig(name="sgd"), seed=1)
+    out = np.empty((100, 2), np.float32)
+    t.pull(np.arange(100, dtype=np.int64), out, create=True)
+    with pytest.raises(OverflowError, match="at most 100 rows per server"):
+        t.pull(np.arange(100, 101, dtype=np.int64), out[:1], create=True)
+    assert len(t) == 100

@@ -2,8 +2,11 @@
 
 Sparse tables pass the rows named in a push; a dense table is one row of width n and
 passes ``rows = [0]``. Gradients are multiplied by ``scale`` first (e.g. 1 / n_workers).
-Arithmetic is done in float64 and stored in float32. Rows listed twice are updated
-twice (callers pass unique rows).
+Parameters and state are float32. SGD and Adagrad do each element's arithmetic in float64
+(``lr``, ``eps`` and ``scale`` come in as float64) and round once when storing; Adam does
+its element arithmetic in float32 (half the time of float64 on the wide dense row) and
+only the per-row bias correction (``b1p``, ``b2p``, ``lr_t``) in float64. Rows listed twice
+are updated twice (callers pass unique rows).
 
 Formulas (g = grad * scale), matching PaddlePaddle's operators:
 

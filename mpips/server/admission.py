@@ -17,6 +17,7 @@ from mpips.server.optim import OptimizerConfig
 from mpips.server.sparse_table import SparseTable
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+MAX_COUNT = 1 << 24       # float32 counts are exact integers up to here
 
 
 def parse_entry(spec):
@@ -29,6 +30,9 @@ def parse_entry(spec):
     except ValueError:
         value = -1.0
     if kind == "count" and value >= 1 and value == int(value):
+        if value > MAX_COUNT:
+            raise ValueError(f"--entry count:{raw}: at most {MAX_COUNT} (sightings are counted "
+                             f"in float32, whose integers end there)")
         return "count", int(value)
     if kind == "probability" and 0.0 < value <= 1.0:
         return "probability", value
@@ -56,11 +60,13 @@ class AdmittedTable:
         return self.table.nbytes + self.counts.nbytes
 
     def _admit(self, keys, counts):
-        """Count sightings of each id without a row; create the rows of admitted ones."""
-        absent = self.table.rows_of(keys) < 0
+        """Count sightings of each id without a row; return which keys have a row or are
+        admitted now (their rows are made by the caller's pull, which counts them seen)."""
+        have = self.table.rows_of(keys) >= 0
+        absent = ~have
         missing = keys[absent]
         if not len(missing):
-            return
+            return have
         n = np.ones((len(missing), 1), np.float32) if counts is None else \
             np.asarray(counts, np.float32)[absent].reshape(-1, 1)
         self.counts.add(missing, n)
@@ -74,11 +80,9 @@ class AdmittedTable:
             u = np.empty((len(missing), 1), np.float32)
             init_rows(salted, self.seed, 1.0, u)             # uniform [-1, 1) from (seed, id, n)
             ok = (u[:, 0] + 1.0) * 0.5 < self.value
-        new = missing[ok]
-        if len(new):
-            scratch = np.empty((len(new), self.table.dim), np.float32)
-            self.table.pull(new, scratch, create=True)
-            self.admitted += len(new)
+        have[np.flatnonzero(absent)[ok]] = True
+        self.admitted += int(ok.sum())
+        return have
 
     def pull(self, keys, out, create=False, counts=None):
         """counts (n,): occurrences of each id in the batch (default 1 each)."""
@@ -86,14 +90,13 @@ class AdmittedTable:
             self.table.pull(keys, out, create=create)
             return
         keys = np.ascontiguousarray(keys, np.int64)
-        self._admit(keys, counts)
-        have = self.table.rows_of(keys) >= 0
+        have = self._admit(keys, counts)
         if have.all():
             self.table.pull(keys, out, create=True)
             return
         out[~have] = 0.0                                     # not admitted: zeros
         sub = np.empty((int(have.sum()), self.table.dim), np.float32)
-        self.table.pull(keys[have], sub, create=True)        # marks the admitted ones seen
+        self.table.pull(keys[have], sub, create=True)        # makes admitted rows, marks seen
         out[have] = sub
 
     def push(self, keys, grads, scale=1.0, create=True):

@@ -43,6 +43,7 @@ LOAD_FACTOR = 0.6      # max live rows / slots
 ROW_GROWTH = 1.25      # row capacity growth: keeps Adam dim-10 state <= 1.5x payload
 SHRINK_SLACK = 0.25    # spare row capacity kept after a shrink compaction
 MIN_CAPACITY = 16
+MAX_ROWS = np.iinfo(np.int32).max     # rows are int32 indices in the slot array
 SCRATCH_MAX = 1 << 16   # calls with more keys (bulk loads) allocate instead
 META_FIELDS = (('unseen', np.uint16), ('seen_count', np.uint32), ('dirty', np.uint8),
                ('seen_flag', np.uint8))
@@ -118,6 +119,10 @@ class SparseTable:
 
     def _ensure_room(self, n_new):
         need = self._n + n_new
+        if need > MAX_ROWS:
+            raise OverflowError(f"sparse table: {need} rows would not fit its int32 slot array "
+                                f"(at most {MAX_ROWS} rows per server); use more servers "
+                                f"(--servers) or evict rows (--shrink-every)")
         if need > self.capacity:
             self._resize(max(need, int(self.capacity * ROW_GROWTH) + 1))
         if need > LOAD_FACTOR * self._slots.shape[0]:
