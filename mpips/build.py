@@ -39,7 +39,7 @@ def make_reader(cfg, files, batch_size, warn, shuffle=None):
     return DataReader(files, batch_size, fmt=cfg.data_format, strict=cfg.strict,
                       hash_bucket=cfg.hash_bucket, prefetch=cfg.prefetch, warn=warn,
                       cont_min=cont_min, cont_diff=cont_diff, shuffle_window=window,
-                      shuffle_seed=seed)
+                      shuffle_seed=seed, max_bad_fraction=cfg.max_bad_fraction)
 
 
 def make_tables(cfg, model, lo=0, hi=None):

@@ -44,6 +44,8 @@ class Config:
     synth_rows: int = _f(300_000, "rows of the embedded synthetic training set")
     synth_test_rows: int = _f(60_000, "rows of the embedded synthetic test set")
     strict: bool = _f(False, "stop at the first malformed line instead of counting and skipping it")
+    max_bad_fraction: float = _f(0.1, "fail on a data file whose share of malformed lines is "
+                                 "above this (or that has no valid line); 1 = only the latter")
     hash_bucket: int = _f(0, "0 = full 64-bit feature ids; N>0 = Paddle-style `hash %% N` buckets "
                              "(Paddle uses 1000001)")
     # --- cluster and mode
@@ -145,6 +147,8 @@ class Config:
                              "--stream and --save-dir too")
         if self.stream_timeout < 0 or self.shrink_threshold < 0:
             raise ValueError("--stream-timeout and --shrink-threshold must be >= 0")
+        if not 0 <= self.max_bad_fraction <= 1:
+            raise ValueError(f"--max-bad-fraction must be in [0, 1]; got {self.max_bad_fraction}")
         if self.idle_sleep < 0 or self.progress_every < 0 or self.shuffle_window < 0:
             raise ValueError("--idle-sleep, --progress-every and --shuffle-window must be >= 0")
         if self.lr <= 0 or self.peer_timeout <= 0:

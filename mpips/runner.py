@@ -14,7 +14,7 @@ import numpy as np
 from mpips import checkpoint as ck
 from mpips.build import make_reader
 from mpips.data.files import worker_files
-from mpips.data.reader import Batch
+from mpips.data.reader import Batch, DataError
 from mpips.progress import make_progress
 from mpips.report import epoch_record, log_line, summary_line, write_metrics
 from mpips.resume import start_point
@@ -125,6 +125,10 @@ def run_epochs(cfg, backend, train_files, test_files):
     for epoch in range(first, cfg.epochs):
         backend.trainer.on_step = step_saver(cfg, backend, epoch)
         st = backend.train(train_files, epoch, skip if epoch == first else 0)
+        if not st["examples"] and not (skip and epoch == first):
+            raise DataError(f"the training data yields no valid example ({len(train_files)} "
+                            f"file(s): {', '.join(map(str, train_files[:3]))}"
+                            f"{' ...' if len(train_files) > 3 else ''}); nothing to train on")
         if should_save(cfg, epoch):
             backend.save(cfg.save_mode, {"epoch": epoch, "steps": st.steps, "complete": True})
         test_m = backend.evaluate(test_files)

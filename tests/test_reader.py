@@ -212,3 +212,34 @@ def open_lines():
     ints = [b"1", b"-3", b"", b"7"] + [b"12"] * 9
     return [b"\t".join([b"%d" % (i % 2)] + ints + [b"%08x" % (i * 7 + k) for k in range(26)])
             + b"\n" for i in range(3)]
+
+
+GOOD = "1\t" + "\t".join(["3"] * 13) + "\t" + "\t".join(["68fd1e64"] * 26) + "\n"
+
+
+@pytest.mark.parametrize("n_bad,limit,fails", [(15, 0.1, True), (5, 0.1, False), (15, 0.2, False),
+                                               (1, 0.0, True), (15, None, False)])
+def test_malformed_share_above_the_limit_fails_naming_file_count_and_reason(tmp_path, n_bad, limit,
+                                                                           fails):
+    p = tmp_path / "part.txt"
+    p.write_text(GOOD * (100 - n_bad) + "1\t2\t3\n" * n_bad)
+    reader = DataReader(str(p), 32, prefetch=False, warn=lambda m: None, max_bad_fraction=limit)
+    if not fails:
+        assert sum(len(b) for b in reader) == 100 - n_bad
+        return
+    with pytest.raises(R.DataError) as e:
+        list(reader)
+    msg = str(e.value)
+    assert str(p) in msg and f"{n_bad} of 100 lines malformed" in msg
+    assert "found 3" in msg and "--max-bad-fraction" in msg and "--data-format slot" in msg
+
+
+def test_no_valid_line_fails_even_at_limit_one_with_a_hint(tmp_path):
+    no_label = tmp_path / "nolabel.txt"
+    no_label.write_text(GOOD.split("\t", 1)[1] * 20)               # 39 fields
+    binary = tmp_path / "random.bin"
+    binary.write_bytes(np.random.default_rng(0).integers(0, 256, 50000).astype(np.uint8).tobytes())
+    for path, hint in ((no_label, "39-field file without labels"), (binary, "binary or compressed")):
+        with pytest.raises(R.DataError, match=hint) as e:
+            list(DataReader(str(path), 8, prefetch=False, warn=lambda m: None, max_bad_fraction=1.0))
+        assert str(path) in str(e.value) and "(100%)" in str(e.value)

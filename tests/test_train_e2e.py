@@ -137,3 +137,43 @@ def test_fewer_files_than_workers_warns_and_trains(tiny_data, tmp_path):
     assert "worker 1 has no training files (1 file(s) for 2 workers)" in proc.stdout
     rec = read_metrics(tmp_path / "m.jsonl")[0]
     assert rec["train_examples"] == rec["test_examples"] == 2000
+
+
+def test_garbage_input_fails_with_one_line_naming_file_and_reason(tmp_path):
+    """Random bytes, and lines of `1\\t2\\t3`, as --train: exit non-zero, one clear line."""
+    import numpy as np
+    rand = tmp_path / "random.bin"
+    rand.write_bytes(np.random.default_rng(1).integers(0, 256, 200_000).astype(np.uint8).tobytes())
+    ones = tmp_path / "ones.txt"
+    ones.write_text("1\t2\t3\n" * 3000)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    for path, want in ((rand, "binary or compressed"), (ones, "found 3"),
+                       (empty, "yields no valid example")):
+        proc = run_cmd(["-m", "mpips.train", "--local", "--train", str(path), "--test", str(path),
+                        "--fc", "16"], timeout=120)
+        assert proc.returncode != 0, proc.stdout[-1000:]
+        err = [x for x in proc.stderr.splitlines() if x.startswith("mpips: local")]
+        assert len(err) == 1 and str(path) in err[0] and want in err[0], proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
+
+
+def test_garbage_part_in_2x2_fails_the_job_naming_rank_and_file(tiny_data, tmp_path):
+    import shutil
+    train = tmp_path / "train"
+    train.mkdir()
+    shutil.copy(tiny_data[0] + "/part-00000.txt", train / "part-00000.txt")
+    good = (train / "part-00000.txt").read_text().splitlines(keepends=True)
+    # worker 1's file: 80 good lines and 20 of a 39-field file without labels (20% > 10%)
+    (train / "part-00001.txt").write_text("".join(good[:80] + [x.split("\t", 1)[1] for x in good[:20]]))
+    proc = run_cmd(["-m", "mpips.train", "--train", str(train), "--test", str(train), "--fc", "16",
+                    "--print-every", "100000"], n=4, timeout=120)
+    assert proc.returncode != 0
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("mpips: rank")]
+    assert lines and "rank 3" in lines[0] and "part-00001.txt: 20 of 100 lines malformed" in lines[0], \
+        proc.stderr[-2000:]
+    assert "39-field file without labels" in lines[0]
+    # a higher limit lets the run skip them and train
+    proc = run_cmd(["-m", "mpips.train", "--train", str(train), "--test", str(train), "--fc", "16",
+                    "--print-every", "100000", "--max-bad-fraction", "0.25"], n=4, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

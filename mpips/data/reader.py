@@ -30,6 +30,7 @@ import numpy as np
 
 from mpips.data import binary, criteo, slot
 from mpips.data.files import resolve_paths
+from mpips.kernels.tsv_parse import BAD_FIELDS
 
 CHUNK_BYTES = 4 << 20  # read size; a chunk is cut at its last newline
 MAX_LINE_BYTES = 1 << 20  # a longer "line" is garbage: reported and skipped
@@ -57,6 +58,7 @@ class FileStats:
     lines: int = 0  # lines read (incl. blank and bad)
     bad: int = 0  # bad lines skipped
     examples: list = field(default_factory=list)  # first few "file:line: reason"
+    reasons: dict = field(default_factory=dict)  # (reason, detail) -> bad lines listed with it
 
 
 @dataclass
@@ -68,6 +70,37 @@ class ReaderStats:
     files: dict = field(default_factory=dict)  # path -> FileStats
     text_rows: int = 0  # rows parsed from text files (with text_bytes: rows per byte)
     text_bytes: int = 0  # bytes of text parsed
+
+
+class DataError(ValueError):
+    """Input data that is mostly or wholly unusable."""
+
+
+def _looks_binary(path):
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.start < len(head) - 3          # (not just a character cut at the end)
+    return b"\0" in head
+
+
+def _hint(path, fmt, reason, detail, has_label):
+    """What the user most likely got wrong, from the commonest bad-line reason."""
+    n = criteo.N_DENSE + criteo.N_SPARSE
+    if reason == criteo.BAD_LINE_TOO_LONG or _looks_binary(path):
+        return "binary or compressed data? decompress it, or convert it with python -m data_prep.criteo"
+    if reason == BAD_FIELDS and has_label and detail == n:
+        return (f"a {n}-field file without labels? training needs the 0/1 label as the first "
+                f"of {n + 1} tab-separated fields")
+    if reason == BAD_FIELDS and fmt == "tsv":
+        return ("Paddle slot lines ('click:0 dense_feature:...')? use --data-format slot; "
+                f"Criteo TSV has {n + 1} tab-separated fields (label, 13 integers, 26 hex)")
+    if reason in (criteo.BAD_SLOT_TOKENS, criteo.BAD_SLOT_KEY, criteo.BAD_SLOT_VALUE):
+        return ("Criteo TSV? use --data-format tsv; slot lines are 'click:<0|1>', 13 "
+                "'dense_feature:<x>' and 26 '<slot>:<id>' tokens")
+    return "check the file's format (docs/data.md); --data-format tsv|slot forces one"
 
 
 def _stderr_warn(msg: str) -> None:
@@ -210,7 +243,7 @@ class DataReader:
                  hash_bucket: int = 0, cont_min=None, cont_diff=None, has_label: bool = True,
                  prefetch: bool = True, drop_last: bool = False, warn=None,
                  chunk_bytes: int = CHUNK_BYTES, max_warnings: int = 10,
-                 shuffle_window: int = 0, shuffle_seed=None):
+                 shuffle_window: int = 0, shuffle_seed=None, max_bad_fraction=None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1; got {batch_size}")
         if fmt not in ("auto", "tsv", "slot"):
@@ -228,6 +261,7 @@ class DataReader:
         self.warn = warn or _stderr_warn
         self.chunk_bytes, self.max_warnings = int(chunk_bytes), int(max_warnings)
         self.shuffle_window, self.shuffle_seed = int(shuffle_window), shuffle_seed
+        self.max_bad_fraction = max_bad_fraction    # None: count and skip, never fail
         self.stats = ReaderStats()
         self._stop = threading.Event()
         self._thread = None
@@ -252,6 +286,7 @@ class DataReader:
             if fst.bad < self.max_warnings:
                 self.warn(msg)
             fst.bad += 1
+            fst.reasons[reason, detail] = fst.reasons.get((reason, detail), 0) + 1
 
     def iter_parsed(self, path: str, parse=None):
         """Yield ``(ParseResult, nbytes)`` per chunk of text file ``path``.
@@ -280,6 +315,21 @@ class DataReader:
         if fst.bad > self.max_warnings:
             self.warn(f"{path}: {fst.bad - self.max_warnings} more malformed lines not shown "
                       f"({fst.bad} in this file)")
+        self._check_bad_share(path, fst, fmt)
+
+    def _check_bad_share(self, path, fst, fmt):
+        """Fail on a file with no valid line, or whose malformed share passes the limit."""
+        limit = self.max_bad_fraction
+        if limit is None or not fst.bad or (fst.rows and fst.bad <= limit * (fst.bad + fst.rows)):
+            return
+        (reason, detail), k = max(fst.reasons.items(), key=lambda x: x[1])
+        share = fst.bad / (fst.bad + fst.rows)
+        raise DataError(
+            f"{path}: {fst.bad} of {fst.bad + fst.rows} lines malformed ({100 * share:.0f}%"
+            f"{'' if not fst.rows else f', above --max-bad-fraction {limit:g}'}); most common: "
+            f"{criteo.describe_bad(reason, detail, self.has_label)} ({k} of the "
+            f"{sum(fst.reasons.values())} bad lines examined); "
+            f"hint: {_hint(path, fmt, reason, detail, self.has_label)}")
 
     def _iter_part(self, path: str):
         """Yield (dense, sparse, label) pieces of one binary data part, counting rows."""
