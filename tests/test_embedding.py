@@ -1,6 +1,4 @@
-"""Worker-side embedding kernels against numpy references."""
-import time
-
+"""Worker-side embedding kernels against numpy references (speed: bench/bench_kernels.py)."""
 import numpy as np
 import pytest
 
@@ -36,23 +34,6 @@ def test_unique_inverse_matches_numpy(case):
     u, inv = unique_inverse(ids)
     ref_u, ref_inv = np.unique(ids, return_inverse=True)
     assert np.array_equal(u, ref_u) and np.array_equal(inv, ref_inv)
-
-
-def test_unique_inverse_speed_vs_numpy():
-    ids = ctr_batch(np.random.default_rng(1))
-    unique_inverse(ids)
-
-    def best(f, reps=30):
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            f(ids)
-            times.append(time.perf_counter() - t0)
-        return min(times)
-    ours = best(unique_inverse)
-    ref = best(lambda x: np.unique(x, return_inverse=True))
-    print(f'\n[unique_inverse] n={ids.shape[0]} u={np.unique(ids).shape[0]}: '
-          f'{ours * 1e6:.0f} us vs np.unique {ref * 1e6:.0f} us ({ref / ours:.1f}x)')
 
 
 def test_gather_and_scatter_add():

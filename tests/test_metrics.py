@@ -16,12 +16,35 @@ def random_scores(n, seed, signal=1.0):
     return (1 / (1 + np.exp(-logits))).astype(np.float32), labels
 
 
-def test_auc_matches_sklearn_on_continuous_scores():
+def tie_bound(m):
+    """Largest |bucketed AUC - exact AUC|: a positive and a negative in the same bucket
+    count 1/2 instead of 0 or 1, so the error is at most half their share of all pairs."""
+    st, b = m.state(), m.n_buckets
+    pos, neg = st[:b], st[b:2 * b]
+    return float(np.dot(pos, neg)) / (2 * pos.sum() * neg.sum())
+
+
+@pytest.mark.parametrize("n_buckets", [1 << 16, 1 << 10])
+def test_auc_matches_sklearn_on_continuous_scores_to_the_tie_bound(n_buckets):
     probs, labels = random_scores(20000, 0)
-    m = BinaryMetrics()
+    m = BinaryMetrics(n_buckets)
     m.update(probs, labels)
-    assert m.auc() == pytest.approx(roc_auc_score(labels, probs), abs=1e-3)
+    bound = tie_bound(m)
+    assert abs(m.auc() - roc_auc_score(labels, probs)) <= bound + 1e-12
+    # the bound is of order 1/n_buckets (these scores spread over ~half of [0, 1])
+    assert 0 < bound < 4 / n_buckets
     assert m.count == 20000 and m.n_pos == int(labels.sum())
+
+
+def test_auc_is_sklearns_when_no_two_distinct_scores_share_a_bucket():
+    rng = np.random.default_rng(4)
+    b = 1 << 16
+    probs = ((rng.permutation(b)[:5000] + 0.5) / b).astype(np.float64)   # one score a bucket
+    labels = (rng.random(5000) < 0.5 + 0.3 * (probs - 0.5)).astype(np.float32)
+    m = BinaryMetrics(b)
+    m.update(probs.astype(np.float32), labels)
+    assert tie_bound(m) == 0.0
+    assert m.auc() == pytest.approx(roc_auc_score(labels, probs.astype(np.float32)), abs=1e-12)
 
 
 def test_auc_matches_sklearn_with_many_ties():

@@ -1,5 +1,4 @@
-"""SparseTable and DenseTable semantics (no MPI)."""
-import time
+"""SparseTable and DenseTable semantics (no MPI; throughput and bytes per row: bench/bench_load.py)."""
 
 import numpy as np
 import pytest
@@ -203,36 +202,6 @@ def test_dense_table_matches_sparse_row(name):
         (8 if name == 'adam' else 0)
     with pytest.raises(ValueError):
         d.push(np.ones(6))
-
-
-def test_throughput_and_memory_report():
-    """Prints pull/push keys/s (5k unique keys a call, 1M-row table) and bytes/row."""
-    n_rows, batch = 1_000_000, 5000
-    t = SparseTable(10, OptimizerConfig('adam'), seed=0, capacity=1024)
-    rng = np.random.default_rng(0)
-    all_keys = rng.integers(-2**63, 2**63 - 1, n_rows, dtype=np.int64)
-    t0 = time.perf_counter()
-    for part in np.array_split(all_keys, 10):        # 100k-key calls: no scratch reuse
-        t.push(part, np.zeros((part.shape[0], 10), np.float32))
-    build = time.perf_counter() - t0
-    assert len(t) == n_rows
-    calls = [np.unique(rng.choice(all_keys, batch)) for _ in range(20)]
-    out = np.empty((batch, 10), np.float32)
-    grads = np.ones((batch, 10), np.float32)
-    t0 = time.perf_counter()
-    for k in calls:
-        t.pull(k, out[:k.shape[0]], create=True)
-    pull_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for k in calls:
-        t.push(k, grads[:k.shape[0]])
-    push_s = time.perf_counter() - t0
-    n_keys = sum(k.shape[0] for k in calls)
-    payload = 8 + 10 * 4 * 3 + 8                      # key, values, m, v, beta powers
-    print(f'\n[sparse table] adam dim 10, {n_rows} rows: build {n_rows / build:,.0f} keys/s; '
-          f'pull {n_keys / pull_s:,.0f} keys/s; push {n_keys / push_s:,.0f} keys/s; '
-          f'{t.nbytes / n_rows:.1f} bytes/row (payload {payload}, ratio '
-          f'{t.nbytes / n_rows / payload:.2f}; capacity {t.capacity}, slots {t.n_slots})')
 
 
 def test_row_count_beyond_the_int32_slots_fails_clearly(monkeypatch):
