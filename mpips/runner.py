@@ -125,7 +125,7 @@ def run_epochs(cfg, backend, train_files, test_files):
     for epoch in range(first, cfg.epochs):
         backend.trainer.on_step = step_saver(cfg, backend, epoch)
         st = backend.train(train_files, epoch, skip if epoch == first else 0)
-        if not st["examples"] and not (skip and epoch == first):
+        if not st.examples and not (skip and epoch == first):
             raise DataError(f"the training data yields no valid example ({len(train_files)} "
                             f"file(s): {', '.join(map(str, train_files[:3]))}"
                             f"{' ...' if len(train_files) > 3 else ''}); nothing to train on")

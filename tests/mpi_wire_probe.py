@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 from mpips import checkpoint as ck
-from mpips.protocol import (F_CREATE, F_DENSE, HEADER_BYTES, STATS_LEN, TAG_CONTROL,
+from mpips.protocol import (F_CREATE, F_DENSE, HEADER_BYTES, STATS_DTYPE, STATS_LEN, TAG_CONTROL,
                             TAG_REPLY_DENSE, TAG_REPLY_SPARSE, TAG_REQUEST, Op, encode,
                             message_nbytes)
 from mpips.server.admission import AdmittedTable
@@ -263,7 +263,7 @@ class Link:
 
     def stats(self, server):
         got = self.request(server, message(Op.STATS, KEYS[:0]), "stats")
-        return got[0][1].view(np.int64) if got else np.zeros(STATS_LEN, np.int64)
+        return (got[0][1] if got else np.zeros(8 * STATS_LEN, np.uint8)).view(STATS_DTYPE)[0]
 
 
 def run_worker(comm, failures, save_dir, n_fuzz):
@@ -278,8 +278,8 @@ def run_worker(comm, failures, save_dir, n_fuzz):
         link.request(s, message(Op.PUSH, KEYS, grads, step=0), "valid push")
         before[s] = link.pull(s, KEYS, True, step=1, counts=ones)
     for s in SERVERS:
-        check(failures, link.stats(s)[0] > 0, f"server {s} made no rows")
-    waiting = {s: link.stats(s)[6] for s in SERVERS}
+        check(failures, link.stats(s)["rows"] > 0, f"server {s} made no rows")
+    waiting = {s: link.stats(s)["waiting"] for s in SERVERS}
     t0 = time.monotonic()
     cases = [(ASYNC, n, b) for n, b in bad_messages()]
     cases += [(s, n, b) for s in (SYNC, SSP) for n, b in hostile_messages(s)]
@@ -290,7 +290,7 @@ def run_worker(comm, failures, save_dir, n_fuzz):
         check(failures, np.array_equal(after[:len(KEYS)], before[s]),
               f"server {s}: rows changed by bad requests")
         check(failures, not after[len(KEYS):].any(), f"server {s}: a bad request created rows")
-        check(failures, link.stats(s)[6] == waiting[s],
+        check(failures, link.stats(s)["waiting"] == waiting[s],
               f"server {s}: ids waiting for admission changed by bad requests")
     crafted = {s: link.rejected[s] for s in SERVERS}
     t1 = time.monotonic()
