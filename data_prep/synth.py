@@ -26,6 +26,7 @@ import socket
 import time
 
 import numpy as np
+from numba import njit
 
 N_INT, N_CAT = 13, 26
 TARGET_CTR = 0.25
@@ -136,34 +137,73 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     return float((r[labels].sum() - npos * (npos + 1) / 2.0) / (npos * nneg))
 
 
-def _int_bytes(vals, miss):
-    """(n, w) uint8 decimal text of ``vals``, NUL-padded, all NUL where missing."""
-    w = max(1, len(str(int(np.abs(vals).max(initial=0))))) + 1
-    out = vals.astype(f"S{w}").view(np.uint8).reshape(-1, w).copy()
-    out[miss] = 0
-    return out
-
-
-def _hex_bytes(codes, empty):
-    """(n, 8) uint8 lowercase hex of uint32 ``codes``, all NUL where empty."""
-    shifts = np.arange(28, -1, -4, dtype=np.uint32)
-    out = HEX[(codes[:, None] >> shifts) & 0xF]
-    out[empty] = 0
+@njit(cache=True, nogil=True)
+def _format_kernel(labels, ints, imiss, empty, hexes):
+    """TSV bytes of the rows: label, ints (decimal, nothing where missing), 8-hex codes."""
+    n, n_int = ints.shape
+    n_cat = hexes.shape[1]
+    lens = np.empty(n, np.int64)
+    digits = np.empty(24, np.uint8)
+    for i in range(n):                          # pass 1: line lengths
+        w = 2 + n_int + n_cat                   # label, tabs, newline
+        for j in range(n_int):
+            if not imiss[i, j]:
+                v = ints[i, j]
+                if v < 0:
+                    w += 1
+                    v = -v
+                w += 1
+                while v >= 10:
+                    v //= 10
+                    w += 1
+        for k in range(n_cat):
+            if not empty[i, k]:
+                w += 8
+        lens[i] = w
+    out = np.empty(lens.sum(), np.uint8)
+    p = 0
+    for i in range(n):                          # pass 2: the bytes
+        out[p] = 48 + labels[i]
+        p += 1
+        for j in range(n_int):
+            out[p] = 9
+            p += 1
+            if imiss[i, j]:
+                continue
+            v = ints[i, j]
+            if v < 0:
+                out[p] = 45
+                p += 1
+                v = -v
+            nd = 0
+            while True:
+                digits[nd] = 48 + v % 10
+                nd += 1
+                v //= 10
+                if v == 0:
+                    break
+            for d in range(nd):
+                out[p + d] = digits[nd - 1 - d]
+            p += nd
+        for k in range(n_cat):
+            out[p] = 9
+            p += 1
+            if empty[i, k]:
+                continue
+            c = hexes[i, k]
+            for d in range(8):
+                out[p + d] = HEX[(c >> (28 - 4 * d)) & 15]
+            p += 8
+        out[p] = 10
+        p += 1
     return out
 
 
 def format_lines(labels, ints, imiss, cats, hexes) -> np.ndarray:
-    """TSV bytes of n rows as a flat uint8 array (no Python loop over rows)."""
-    n = labels.shape[0]
-    tab = np.full((n, 1), 9, dtype=np.uint8)
-    cols = [(48 + labels).astype(np.uint8)[:, None]]
-    for j in range(N_INT):
-        cols += [tab, _int_bytes(ints[:, j], imiss[:, j])]
-    for k in range(N_CAT):
-        cols += [tab, _hex_bytes(hexes[:, k], cats[:, k] < 0)]
-    cols.append(np.full((n, 1), 10, dtype=np.uint8))
-    mat = np.concatenate(cols, axis=1)  # (n, W): fields padded with NUL bytes
-    return mat[mat != 0]  # drop the padding, row-major = the lines in order
+    """TSV bytes of n rows as a flat uint8 array (``cats < 0`` = empty field)."""
+    return _format_kernel(np.ascontiguousarray(labels, np.int64), np.ascontiguousarray(
+        ints, np.int64), np.ascontiguousarray(imiss, np.bool_), np.ascontiguousarray(
+        cats < 0), np.ascontiguousarray(hexes, np.uint32))
 
 
 def _write_part(model: Model, path: str, truth_path: str, n: int, rng) -> tuple:
