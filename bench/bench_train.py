@@ -19,9 +19,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ENV, ROOT, mpiexec  # noqa: E402
 
-
-
-
+# name -> (mpips.train flags, ranks); bench_vs_torch.py uses the same table
+RUNS = {"local": (["--local"], 1), "local2": (["--local", "--local-workers", "2"], 1),
+        "async": (["--mode", "async"], 4), "async1": (["--mode", "async", "--dense-every", "1"], 4),
+        "sync": (["--mode", "sync"], 4), "geo": (["--mode", "geo", "--geo-steps", "100"], 4),
+        "ssp": (["--mode", "ssp", "--staleness", "4"], 4)}
 
 
 def ensure_data(out, rows, test_rows, seed):
@@ -75,10 +77,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     data = ensure_data(out, a.rows, a.test_rows, a.seed)
     extra = a.extra.split()
-    runs = {"local": (["--local"], 1), "local2": (["--local", "--local-workers", "2"], 1),
-            "async": (["--mode", "async"], 4),
-            "sync": (["--mode", "sync"], 4), "geo": (["--mode", "geo", "--geo-steps", "100"], 4),
-            "ssp": (["--mode", "ssp", "--staleness", "4"], 4)}
+    runs = dict(RUNS)
     todo = [m for m in a.modes.split(",") if m]
     if a.idle_compare:
         runs["async-spin"] = (["--mode", "async", "--idle-sleep", "0"], 4)

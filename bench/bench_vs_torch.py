@@ -1,0 +1,201 @@
+"""mpips against the PyTorch reference (bench/torch_ref.py), alternating, on a Criteo-like set.
+
+    python bench/bench_vs_torch.py                              # 1M/200k, x0.05, 2 rounds
+    python bench/bench_vs_torch.py --rounds 3 --runs torch,local,async,async1,sync
+    python bench/bench_vs_torch.py --gen "--interactions 0.45 --signal 1.4" --runs torch,local,async
+    python bench/bench_vs_torch.py --data DIR                   # any DIR/train + DIR/test
+    python bench/bench_vs_torch.py --run "async-hb=--mode async --hash-bucket 1000001"
+
+Data: ``data_prep.criteo_like`` (Criteo Kaggle cardinalities x ``--card-scale``), generated
+once into bench/out/ (``--gen`` passes more generator flags).  Each round runs every entry of
+``--runs`` once, in order, then the next round runs them in reverse order (so a drift of the
+shared machine's speed hits every entry alike); figures are the median over rounds.
+
+Runs: ``torch`` (the reference: one process, 2 threads, ``--hash-bucket 1000001``),
+``torch-full`` (full 64-bit ids through a vocabulary), ``torch-rowadam`` (per-row lazy
+Adam), and mpips's ``local``, ``local2``, ``async``, ``async1``, ``sync``, ``geo``, ``ssp``
+(bench_train.RUNS; 2 servers x 2 workers, ``OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1``), plus
+any ``--run NAME=FLAGS`` (4 ranks, or 1 with ``--local``).  ``--extra`` goes to every mpips
+run, ``--torch-extra`` to every torch run.
+
+Per run: train ex/s (the training span, as mpips's ``train_seconds``), whole-job ex/s
+(examples / wall time of the process, start-up and test pass included), test AUC, logloss,
+and the ratio of both speeds to the reference (``--ref``, default ``torch``) of the same
+round.  ``--json FILE`` writes every record and the medians.
+"""
+import argparse
+import hashlib
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_train import RUNS, run  # noqa: E402
+from common import ENV, ROOT  # noqa: E402
+
+TORCH_RUNS = {"torch": ["--hash-bucket", "1000001"], "torch-full": ["--hash-bucket", "0"],
+              "torch-rowadam": ["--hash-bucket", "1000001", "--row-adam"]}
+TORCH_ENV = dict(ENV, OMP_NUM_THREADS="2")
+
+
+def ensure_data(out, rows, test_rows, scale, seed, gen):
+    from data_prep.criteo_like import main as gen_main
+    tag = hashlib.sha1(" ".join(gen).encode()).hexdigest()[:8] if gen else "default"
+    d = out / f"criteo_like-{rows}-{test_rows}-x{scale:g}-s{seed}-{tag}"
+    if not (d / "meta.json").exists():
+        gen_main(["--out", str(d), "--rows", str(rows), "--test-rows", str(test_rows),
+                  "--card-scale", str(scale), "--seed", str(seed), "--parts", "8"] + gen)
+    return d
+
+
+def run_torch(name, flags, data, out, extra):
+    metrics = out / f"{name}.jsonl"
+    if metrics.exists():
+        metrics.unlink()
+    cmd = [sys.executable, str(ROOT / "bench" / "torch_ref.py"), "--train", str(data / "train"),
+           "--test", str(data / "test"), "--metrics-out", str(metrics)] + flags + extra
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **TORCH_ENV),
+                          cwd=str(ROOT))
+    wall = time.time() - t0
+    if proc.returncode != 0:
+        print(f"{name}: FAILED\n{proc.stderr[-2000:]}", flush=True)
+        return None
+    rec = [json.loads(x) for x in metrics.read_text().splitlines()][-1]
+    rec["wall_seconds"] = wall
+    return rec
+
+
+def parse_runs(names, custom):
+    """name -> ('torch', flags) or ('mpips', flags, ranks)."""
+    table = {k: ("torch", v) for k, v in TORCH_RUNS.items()}
+    table.update({k: ("mpips", f, n) for k, (f, n) in RUNS.items()})
+    for spec in custom:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--run wants NAME=FLAGS; got {spec!r}")
+        f = shlex.split(flags)
+        table[name] = ("mpips", f, 1 if "--local" in f else 4)
+        if name not in names:
+            names.append(name)
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise SystemExit(f"unknown run(s) {unknown}; known: {sorted(table)}")
+    return {n: table[n] for n in names}
+
+
+def line(rnd, name, rec, ref):
+    ex, job = rec["examples_per_sec"], rec["train_examples"] / rec["wall_seconds"]
+    s = (f"{rnd:>5} {name:14s} {ex:>9.0f} {job:>9.0f} {rec['test_auc']:>8.4f} "
+         f"{rec['test_logloss']:>8.4f}")
+    if ref is not None:
+        rj = ref["train_examples"] / ref["wall_seconds"]
+        s += (f"   x{ex / ref['examples_per_sec']:.2f}   x{job / rj:.2f} "
+              f"{rec['test_auc'] - ref['test_auc']:+8.4f}")
+    return s
+
+
+HEADER = (f"{'round':>5} {'run':14s} {'train/s':>9} {'job/s':>9} {'AUC':>8} {'logloss':>8}"
+          f"  {'train':>6} {'job':>6} {'dAUC':>8}  (ratios and dAUC vs the same round's ref)")
+
+
+def medians(results, ref):
+    """name -> median figures over rounds (ratios taken per round, then the median)."""
+    out = {}
+    for name, recs in results.items():
+        recs = [(r, x) for r, x in enumerate(recs) if x is not None]
+        if not recs:
+            continue
+        m = {"rounds": len(recs)}
+        for key in ("examples_per_sec", "test_auc", "test_logloss"):
+            m[key] = statistics.median(x[key] for _, x in recs)
+        m["job_examples_per_sec"] = statistics.median(
+            x["train_examples"] / x["wall_seconds"] for _, x in recs)
+        pairs = [(x, results[ref][r]) for r, x in recs if ref in results and results[ref][r]]
+        if pairs:
+            m["ratio_train"] = statistics.median(x["examples_per_sec"] / y["examples_per_sec"]
+                                                 for x, y in pairs)
+            m["ratio_job"] = statistics.median(
+                (x["train_examples"] / x["wall_seconds"]) /
+                (y["train_examples"] / y["wall_seconds"]) for x, y in pairs)
+            m["dauc"] = statistics.median(x["test_auc"] - y["test_auc"] for x, y in pairs)
+        out[name] = m
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default="", help="use DIR/train and DIR/test instead of generating")
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--test-rows", type=int, default=200_000)
+    ap.add_argument("--card-scale", type=float, default=0.05)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gen", default="", help="more data_prep.criteo_like flags, one string")
+    ap.add_argument("--runs", default="torch,local,async,sync")
+    ap.add_argument("--run", action="append", default=[], help="NAME=MPIPS_FLAGS (repeatable)")
+    ap.add_argument("--ref", default="torch", help="the run ratios are taken to")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--extra", default="", help="flags for every mpips run")
+    ap.add_argument("--torch-extra", default="", help="flags for every torch run")
+    ap.add_argument("--json", default="", help="write records and medians to this file")
+    a = ap.parse_args(argv)
+    if a.rounds < 1:
+        ap.error("--rounds must be >= 1 (>= 2 for a figure worth quoting)")
+    runs = parse_runs([n for n in a.runs.split(",") if n], a.run)
+    out = ROOT / "bench" / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    data = Path(a.data) if a.data else ensure_data(out, a.rows, a.test_rows, a.card_scale,
+                                                   a.seed, shlex.split(a.gen))
+    meta = json.loads((data / "meta.json").read_text()) if (data / "meta.json").exists() else {}
+    if meta:
+        tr, te = meta.get("train", {}), meta.get("test", {})
+        print(f"data {data}: {tr.get('rows')} train rows ({tr.get('distinct_ids')} distinct ids),"
+              f" {te.get('rows')} test rows; oracle test AUC {te.get('oracle_auc', float('nan')):.4f}"
+              f" logloss {te.get('oracle_logloss', float('nan')):.4f}", flush=True)
+    extra, textra = shlex.split(a.extra), shlex.split(a.torch_extra)
+    results = {n: [] for n in runs}
+    for rnd in range(a.rounds):
+        rout = out / f"vs_torch-round{rnd}"
+        rout.mkdir(exist_ok=True)
+        order = list(runs) if rnd % 2 == 0 else list(runs)[::-1]
+        for name in order:
+            spec = runs[name]
+            rec = (run_torch(name, spec[1], data, rout, textra) if spec[0] == "torch" else
+                   run(name, spec[1], spec[2], data, rout, extra))
+            results[name].append(rec)
+            if rec is not None:
+                print(f"  ran {name} ({rec['wall_seconds']:.0f} s)", flush=True)
+        ref = results[a.ref][rnd] if a.ref in results else None
+        print(HEADER)
+        for name in runs:
+            if results[name][rnd] is not None:
+                print(line(rnd, name, results[name][rnd], None if name == a.ref else ref))
+        sys.stdout.flush()
+    med = medians(results, a.ref)
+    print(f"\nmedian of {a.rounds} round(s); ratios are per round to {a.ref!r}, then the median")
+    print(f"{'run':14s} {'train/s':>9} {'job/s':>9} {'AUC':>8} {'logloss':>8} {'x train':>8} "
+          f"{'x job':>6} {'dAUC':>8}")
+    for name, m in med.items():
+        print(f"{name:14s} {m['examples_per_sec']:>9.0f} {m['job_examples_per_sec']:>9.0f} "
+              f"{m['test_auc']:>8.4f} {m['test_logloss']:>8.4f} "
+              f"{m.get('ratio_train', float('nan')):>8.2f} {m.get('ratio_job', float('nan')):>6.2f}"
+              f" {m.get('dauc', float('nan')):>+8.4f}")
+    if a.json:
+        for recs in results.values():
+            for r in recs:
+                if r:
+                    r.pop("profile", None)
+        Path(a.json).write_text(json.dumps({"data": str(data), "meta": meta,
+                                            "argv": sys.argv[1:], "runs": results,
+                                            "medians": med}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,216 @@
+"""PyTorch reference: the same CTR-DNN as mpips, on CPU in one process, to compare against.
+
+    python bench/torch_ref.py --train DIR/train --test DIR/test [--hash-bucket 1000001]
+
+Same inputs as mpips: batches come from mpips's own ``DataReader`` (same feature hashing,
+same dense normalisation, same file order, last partial batch trained), so both see the
+same examples in the same order.  Same model as ``mpips.models.ctr_dnn``: 26 slot
+embeddings (dim 10) concatenated with the 13 dense values -> 3 x 400 ReLU -> 1 logit,
+mean BCE-with-logits; Xavier-uniform weights, zero biases; embedding rows uniform in
+[-init_range, init_range].  Same optimiser: Adam (lr 1e-3, betas 0.9/0.999, eps 1e-8) on
+the dense weights; lazy (sparse) Adam on the embedding rows: ``torch.optim.SparseAdam`` by
+default (its bias correction counts steps of the whole table), or ``--row-adam`` for the
+per-row bias correction mpips (and Paddle's lazy Adam) use.
+
+Ids: ``--hash-bucket N`` (default 1000001, Paddle's bucketing) makes the table a fixed
+N-row ``nn.Embedding`` indexed by ``hash % N`` (ids collide across slots, as in Paddle and
+in mpips ``--hash-bucket N``).  ``--hash-bucket 0`` keeps mpips's full 64-bit ids and maps
+them to rows through a vocabulary: a sorted array of every id in the training files,
+built in a pass before training (outside the training span, inside the job time) and
+looked up with ``np.searchsorted``; a test id never seen in training reads a zero row, as
+an unknown id reads zeros in mpips.
+
+Timing is measured as mpips measures ``train_seconds``: from before the first batch is read
+to after the last optimiser step, reading and parsing included (parsing runs in the
+reader's prefetch thread, as in mpips).  Test AUC/logloss use ``mpips.metrics``.
+Prints one JSON record (the keys of mpips's ``--metrics-out`` records) and writes it to
+``--metrics-out`` if given.
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT  # noqa: E402,F401  (puts the repo root on sys.path)
+
+from mpips.data.reader import DataReader  # noqa: E402
+from mpips.metrics import BinaryMetrics  # noqa: E402
+
+VOCAB_MERGE = 1 << 23     # ids gathered before they are merged into the sorted vocabulary
+
+
+class CTRDNN(nn.Module):
+    def __init__(self, n_rows, n_sparse=26, dim=10, n_dense=13, hidden=(400, 400, 400),
+                 init_range=0.05):
+        super().__init__()
+        self.n_sparse, self.dim = n_sparse, dim
+        self.emb = nn.Embedding(n_rows, dim, sparse=True)
+        nn.init.uniform_(self.emb.weight, -init_range, init_range)
+        layers, fan_in = [], n_sparse * dim + n_dense
+        for h in hidden:
+            layers += [nn.Linear(fan_in, h), nn.ReLU()]
+            fan_in = h
+        layers.append(nn.Linear(fan_in, 1))
+        self.mlp = nn.Sequential(*layers)
+        for m in self.mlp:
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, rows, dense):
+        e = self.emb(rows).reshape(rows.shape[0], self.n_sparse * self.dim)
+        return self.mlp(torch.cat([e, dense], dim=1)).squeeze(1)
+
+
+class RowAdam:
+    """Lazy Adam on the rows of a sparse gradient, bias correction per row (as mpips)."""
+
+    def __init__(self, weight, lr, betas=(0.9, 0.999), eps=1e-8):
+        self.w, self.lr, (self.b1, self.b2), self.eps = weight, lr, betas, eps
+        self.m = torch.zeros_like(weight)
+        self.v = torch.zeros_like(weight)
+        self.t = torch.zeros(weight.shape[0], dtype=torch.float64)
+
+    @torch.no_grad()
+    def step(self):
+        g = self.w.grad.coalesce()
+        idx, val = g.indices()[0], g.values()
+        m = self.m[idx].mul_(self.b1).add_(val, alpha=1 - self.b1)
+        v = self.v[idx].mul_(self.b2).addcmul_(val, val, value=1 - self.b2)
+        t = self.t[idx] + 1
+        self.m[idx], self.v[idx], self.t[idx] = m, v, t
+        bc1 = (1 - self.b1 ** t).float().unsqueeze(1)
+        bc2 = (1 - self.b2 ** t).float().unsqueeze(1)
+        self.w.index_add_(0, idx, -self.lr * (m / bc1) / ((v / bc2).sqrt() + self.eps))
+
+    def zero_grad(self):
+        self.w.grad = None
+
+
+def build_vocab(train, batch_size):
+    """Sorted unique int64 ids of every row of the training files (one read pass)."""
+    vocab, pending, n = np.empty(0, np.int64), [], 0
+    for b in DataReader(train, 1 << 16, hash_bucket=0):
+        pending.append(np.unique(b.sparse))
+        n += pending[-1].size
+        if n > VOCAB_MERGE:
+            vocab = np.union1d(vocab, np.concatenate(pending))
+            pending, n = [], 0
+    return np.union1d(vocab, np.concatenate(pending)) if pending else vocab
+
+
+class IdMap:
+    """ids (B, 26) int64 -> table rows; unknown ids -> the last (zero, untrained) row."""
+
+    def __init__(self, hash_bucket, vocab=None):
+        self.hash_bucket, self.vocab = hash_bucket, vocab
+        self.n_rows = hash_bucket if hash_bucket else vocab.size + 1
+
+    def __call__(self, ids):
+        if self.hash_bucket:
+            return torch.from_numpy(ids)
+        pos = np.searchsorted(self.vocab, ids)
+        pos = np.minimum(pos, self.vocab.size - 1)
+        return torch.from_numpy(np.where(self.vocab[pos] == ids, pos, self.vocab.size))
+
+
+def run(a):
+    torch.manual_seed(a.seed)
+    torch.set_num_threads(a.threads)
+    t_job = time.perf_counter()
+    vocab_s = 0.0
+    if a.hash_bucket:
+        idmap = IdMap(a.hash_bucket)
+    else:
+        t0 = time.perf_counter()
+        idmap = IdMap(0, build_vocab(a.train, a.batch_size))
+        vocab_s = time.perf_counter() - t0
+    model = CTRDNN(idmap.n_rows, dim=a.embedding_dim,
+                   hidden=tuple(int(x) for x in a.fc.split(",")), init_range=a.init_range)
+    if not a.hash_bucket:
+        with torch.no_grad():
+            model.emb.weight[-1] = 0.0          # the unknown-id row: zeros, never trained
+    dense_opt = torch.optim.Adam(model.mlp.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8)
+    sparse_opt = (RowAdam(model.emb.weight, a.lr) if a.row_adam else
+                  torch.optim.SparseAdam([model.emb.weight], lr=a.lr, betas=(0.9, 0.999),
+                                         eps=1e-8))
+    lossf = nn.BCEWithLogitsLoss()
+    recs = []
+    for epoch in range(a.epochs):
+        train_m, loss_sum, n_ex = BinaryMetrics(), 0.0, 0
+        t_start = time.perf_counter()
+        reader = DataReader(a.train, a.batch_size, hash_bucket=a.hash_bucket)
+        model.train()
+        for b in reader:
+            rows, dense, y = idmap(b.sparse), torch.from_numpy(b.dense), torch.from_numpy(b.label)
+            logit = model(rows, dense)
+            loss = lossf(logit, y)
+            dense_opt.zero_grad(set_to_none=True)
+            sparse_opt.zero_grad()
+            loss.backward()
+            dense_opt.step()
+            sparse_opt.step()
+            n = len(b.label)
+            n_ex += n
+            loss_sum += loss.item() * n
+            train_m.update(torch.sigmoid(logit.detach()).numpy(), b.label)
+        seconds = time.perf_counter() - t_start
+        rec = {"epoch": epoch, "mode": "torch", "train_examples": n_ex,
+               "train_seconds": round(seconds, 4), "examples_per_sec": round(n_ex / seconds, 1),
+               "train_loss": loss_sum / max(n_ex, 1), "train_auc": train_m.auc(),
+               "id_map": f"hash % {a.hash_bucket}" if a.hash_bucket else "vocabulary",
+               "table_rows": idmap.n_rows, "vocab_seconds": round(vocab_s, 3),
+               "sparse_optimizer": "row-adam" if a.row_adam else "SparseAdam",
+               "threads": torch.get_num_threads(), "torch": torch.__version__}
+        if a.test:
+            test_m = BinaryMetrics()
+            model.eval()
+            with torch.no_grad():
+                for b in DataReader(a.test, 4096, hash_bucket=a.hash_bucket):
+                    p = torch.sigmoid(model(idmap(b.sparse), torch.from_numpy(b.dense)))
+                    test_m.update(p.numpy(), b.label)
+            rec.update(test_examples=test_m.count, test_auc=test_m.auc(),
+                       test_logloss=test_m.logloss(), test_mean_pred=test_m.mean_pred(),
+                       test_ctr=test_m.observed_ctr())
+        rec["job_seconds"] = round(time.perf_counter() - t_job, 3)
+        recs.append(rec)
+        print(json.dumps(rec), flush=True)
+        if a.metrics_out:
+            with open(a.metrics_out, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+    return recs
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--train", required=True)
+    ap.add_argument("--test", default="")
+    ap.add_argument("--hash-bucket", type=int, default=1000001,
+                    help="table rows = hash %% N (default 1000001); 0 = full ids via a vocabulary")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--batch-size", type=int, default=512)
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    ap.add_argument("--embedding-dim", type=int, default=10)
+    ap.add_argument("--fc", default="400,400,400")
+    ap.add_argument("--init-range", type=float, default=0.05)
+    ap.add_argument("--row-adam", action="store_true",
+                    help="per-row bias-corrected lazy Adam (mpips's maths) instead of SparseAdam")
+    ap.add_argument("--metrics-out", default="")
+    a = ap.parse_args(argv)
+    if a.hash_bucket < 0 or a.batch_size < 1 or a.epochs < 1 or a.threads < 1:
+        ap.error("need --hash-bucket >= 0, --batch-size >= 1, --epochs >= 1, --threads >= 1")
+    run(a)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
