@@ -11,11 +11,12 @@ once into bench/out/ (``--gen`` passes more generator flags).  Each round runs e
 ``--runs`` once, in order, then the next round runs them in reverse order (so a drift of the
 shared machine's speed hits every entry alike); figures are the median over rounds.
 
-Runs: ``torch`` (the reference: one process, 2 threads, ``--hash-bucket 1000001``),
-``torch-full`` (full 64-bit ids through a vocabulary), ``torch-rowadam`` (per-row lazy
-Adam), and mpips's ``local``, ``local2``, ``async``, ``async1``, ``sync``, ``geo``, ``ssp``
-(bench_train.RUNS; 2 servers x 2 workers, ``OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1``), plus
-any ``--run NAME=FLAGS`` (4 ranks, or 1 with ``--local``).  ``--extra`` goes to every mpips
+Runs: ``torch`` (the reference: one process, 2 threads, ``--hash-bucket 1000001``,
+``OMP_WAIT_POLICY=PASSIVE``), ``torch-full`` (full 64-bit ids through a vocabulary),
+``torch-rowadam`` (per-row lazy Adam), ``torch-spin`` (OpenMP's default spinning), and
+mpips's ``local``, ``local2``, ``async``, ``async1``, ``sync``, ``geo``, ``ssp``
+(bench_train.RUNS; 2 servers x 2 workers, ``OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1``),
+plus any ``--run NAME=FLAGS`` (4 ranks, or 1 with ``--local``).  ``--extra`` goes to every mpips
 run, ``--torch-extra`` to every torch run.
 
 Per run: train ex/s (the training span, as mpips's ``train_seconds``), whole-job ex/s
@@ -38,8 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import RUNS, run  # noqa: E402
 from common import ENV, ROOT  # noqa: E402
 
-TORCH_RUNS = {"torch": ["--hash-bucket", "1000001"], "torch-full": ["--hash-bucket", "0"],
-              "torch-rowadam": ["--hash-bucket", "1000001", "--row-adam"]}
+# name -> (torch_ref flags, OpenMP wait policy).  PASSIVE: an idle OpenMP thread sleeps
+# instead of spinning.  On this shared 2-core machine (load ~16) the default spinning made
+# the 2-thread reference 12x slower (399 vs 4829 ex/s, 40k rows, back to back): its two
+# threads wait for each other at every op.  "torch-spin" keeps the default to show that.
+TORCH_RUNS = {"torch": (["--hash-bucket", "1000001"], "PASSIVE"),
+              "torch-full": (["--hash-bucket", "0"], "PASSIVE"),
+              "torch-rowadam": (["--hash-bucket", "1000001", "--row-adam"], "PASSIVE"),
+              "torch-spin": (["--hash-bucket", "1000001"], None)}
 TORCH_ENV = dict(ENV, OMP_NUM_THREADS="2")
 
 
@@ -53,15 +60,18 @@ def ensure_data(out, rows, test_rows, scale, seed, gen):
     return d
 
 
-def run_torch(name, flags, data, out, extra):
+def run_torch(name, flags, wait_policy, data, out, extra):
     metrics = out / f"{name}.jsonl"
     if metrics.exists():
         metrics.unlink()
     cmd = [sys.executable, str(ROOT / "bench" / "torch_ref.py"), "--train", str(data / "train"),
            "--test", str(data / "test"), "--metrics-out", str(metrics)] + flags + extra
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **TORCH_ENV),
-                          cwd=str(ROOT))
+    env = dict(os.environ, **TORCH_ENV)
+    env.pop("OMP_WAIT_POLICY", None)
+    if wait_policy:
+        env["OMP_WAIT_POLICY"] = wait_policy
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(ROOT))
     wall = time.time() - t0
     if proc.returncode != 0:
         print(f"{name}: FAILED\n{proc.stderr[-2000:]}", flush=True)
@@ -72,8 +82,8 @@ def run_torch(name, flags, data, out, extra):
 
 
 def parse_runs(names, custom):
-    """name -> ('torch', flags) or ('mpips', flags, ranks)."""
-    table = {k: ("torch", v) for k, v in TORCH_RUNS.items()}
+    """name -> ('torch', flags, wait policy) or ('mpips', flags, ranks)."""
+    table = {k: ("torch",) + v for k, v in TORCH_RUNS.items()}
     table.update({k: ("mpips", f, n) for k, (f, n) in RUNS.items()})
     for spec in custom:
         name, sep, flags = spec.partition("=")
@@ -166,7 +176,7 @@ def main(argv=None):
         order = list(runs) if rnd % 2 == 0 else list(runs)[::-1]
         for name in order:
             spec = runs[name]
-            rec = (run_torch(name, spec[1], data, rout, textra) if spec[0] == "torch" else
+            rec = (run_torch(name, spec[1], spec[2], data, rout, textra) if spec[0] == "torch" else
                    run(name, spec[1], spec[2], data, rout, extra))
             results[name].append(rec)
             if rec is not None:

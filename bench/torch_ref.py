@@ -160,6 +160,9 @@ def run(a):
             n_ex += n
             loss_sum += loss.item() * n
             train_m.update(torch.sigmoid(logit.detach()).numpy(), b.label)
+            if a.print_every and n_ex // a.batch_size % a.print_every == 0:
+                print(f"torch_ref: {n_ex} examples, {n_ex / (time.perf_counter() - t_start):.0f}"
+                      f" ex/s, loss {loss_sum / n_ex:.4f}", file=sys.stderr, flush=True)
         seconds = time.perf_counter() - t_start
         rec = {"epoch": epoch, "mode": "torch", "train_examples": n_ex,
                "train_seconds": round(seconds, 4), "examples_per_sec": round(n_ex / seconds, 1),
@@ -205,6 +208,8 @@ def main(argv=None):
     ap.add_argument("--row-adam", action="store_true",
                     help="per-row bias-corrected lazy Adam (mpips's maths) instead of SparseAdam")
     ap.add_argument("--metrics-out", default="")
+    ap.add_argument("--print-every", type=int, default=500, help="progress line on stderr every "
+                    "N batches (0 = none)")
     a = ap.parse_args(argv)
     if a.hash_bucket < 0 or a.batch_size < 1 or a.epochs < 1 or a.threads < 1:
         ap.error("need --hash-bucket >= 0, --batch-size >= 1, --epochs >= 1, --threads >= 1")

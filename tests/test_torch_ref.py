@@ -1,0 +1,93 @@
+"""bench/torch_ref.py computes what mpips computes: same network maths, same lazy Adam."""
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpips.kernels.optim import N_HYPER, adam_rows
+from mpips.models.ctr_dnn import CTRDNN as MpipsDNN
+
+torch = pytest.importorskip("torch")
+_spec = importlib.util.spec_from_file_location(
+    "torch_ref", Path(__file__).resolve().parents[1] / "bench" / "torch_ref.py")
+torch_ref = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(torch_ref)
+
+HIDDEN = (32, 16)
+
+
+def test_network_loss_and_gradients_equal_mpips():
+    rng = np.random.default_rng(0)
+    B = 64
+    ours = MpipsDNN(hidden=HIDDEN, dtype=np.float64)
+    params = ours.init_params(0)
+    emb = rng.normal(0, 0.05, (B, 26 * 10))
+    dense = rng.random((B, 13))
+    label = (rng.random(B) < 0.3).astype(np.float64)
+    grad, grad_emb = np.empty_like(params), np.empty_like(emb)
+    loss, probs = ours.forward_backward(params, emb, dense, label, grad, grad_emb)
+    probs = probs.copy()
+
+    ref = torch_ref.CTRDNN(10, hidden=HIDDEN).double()
+    v = ours.views(params)
+    linears = [m for m in ref.mlp if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        for i, lin in enumerate(linears[:-1]):
+            lin.weight.copy_(torch.from_numpy(v[f"fc{i}.w"].T))
+            lin.bias.copy_(torch.from_numpy(v[f"fc{i}.b"]))
+        linears[-1].weight.copy_(torch.from_numpy(v["out.w"][None, :]))
+        linears[-1].bias.copy_(torch.from_numpy(v["out.b"]))
+    e = torch.from_numpy(emb).requires_grad_(True)
+    logit = ref.mlp(torch.cat([e, torch.from_numpy(dense)], 1)).squeeze(1)
+    tl = torch.nn.BCEWithLogitsLoss()(logit, torch.from_numpy(label))
+    tl.backward()
+    assert tl.item() == pytest.approx(loss, rel=1e-12)
+    np.testing.assert_allclose(torch.sigmoid(logit).detach().numpy(), probs, rtol=1e-10)
+    np.testing.assert_allclose(e.grad.numpy(), grad_emb, rtol=1e-9, atol=1e-15)
+    g = ours.views(grad)
+    np.testing.assert_allclose(linears[0].weight.grad.numpy(), g["fc0.w"].T, rtol=1e-9,
+                               atol=1e-15)
+    np.testing.assert_allclose(linears[-1].weight.grad.numpy()[0], g["out.w"], rtol=1e-9,
+                               atol=1e-15)
+
+
+def test_init_scales_match_mpips():
+    ref = torch_ref.CTRDNN(50_000, hidden=(400, 400, 400), init_range=0.05)
+    w = ref.emb.weight.detach().numpy()
+    assert np.abs(w).max() <= 0.05 and w.std() == pytest.approx(0.05 / np.sqrt(3), rel=0.02)
+    ours = MpipsDNN(hidden=(400, 400, 400)).views(MpipsDNN(hidden=(400, 400, 400))
+                                                  .init_params(0))
+    lin = [m for m in ref.mlp if isinstance(m, torch.nn.Linear)]
+    for i, name in enumerate(["fc0.w", "fc1.w", "fc2.w"]):
+        assert lin[i].weight.detach().numpy().std() == pytest.approx(ours[name].std(), rel=0.02)
+        assert not lin[i].bias.detach().numpy().any()
+
+
+def test_row_adam_equals_mpips_lazy_adam():
+    rng = np.random.default_rng(1)
+    R, dim, lr = 20, 4, 1e-2
+    w0 = rng.normal(0, 0.1, (R, dim)).astype(np.float32)
+    ours = w0.copy()
+    m, v = np.zeros_like(ours), np.zeros_like(ours)
+    b1p, b2p = np.full(R, 0.9, np.float32), np.full(R, 0.999, np.float32)
+    hyper = np.zeros(N_HYPER)
+    hyper[:] = (lr, 0.9, 0.999, 1e-8, 1.0)
+    weight = torch.nn.Parameter(torch.from_numpy(w0.copy()))
+    opt = torch_ref.RowAdam(weight, lr)
+    for _ in range(6):
+        rows = np.unique(rng.integers(0, R, 7))              # each step touches a few rows
+        g = rng.normal(0, 1, (rows.size, dim)).astype(np.float32)
+        adam_rows(ours, m, v, b1p, b2p, rows, g, hyper)
+        weight.grad = torch.sparse_coo_tensor(torch.from_numpy(rows)[None, :],
+                                              torch.from_numpy(g), (R, dim),
+                                              check_invariants=True)
+        opt.step()
+    np.testing.assert_allclose(weight.detach().numpy(), ours, rtol=0, atol=2e-6)
+    assert not np.allclose(ours, w0)
+
+
+def test_vocabulary_map_sends_unknown_ids_to_the_zero_row():
+    m = torch_ref.IdMap(0, np.array([-5, 3, 10**15], np.int64))
+    got = m(np.array([[3, -5], [7, 10**15]], np.int64)).numpy()
+    assert got.tolist() == [[1, 0], [3, 2]] and m.n_rows == 4
