@@ -171,8 +171,8 @@ def main(argv=None):
     extra, textra = shlex.split(a.extra), shlex.split(a.torch_extra)
     results = {n: [] for n in runs}
     for rnd in range(a.rounds):
-        rout = out / f"vs_torch-round{rnd}"
-        rout.mkdir(exist_ok=True)
+        rout = out / f"vs_torch-{data.name}-{os.getpid()}" / f"round{rnd}"   # own dir per job
+        rout.mkdir(parents=True, exist_ok=True)
         order = list(runs) if rnd % 2 == 0 else list(runs)[::-1]
         for name in order:
             spec = runs[name]

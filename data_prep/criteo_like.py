@@ -294,7 +294,7 @@ def generate(out_dir, rows, test_rows=0, parts=8, seed=0, **model_args) -> dict:
     if rows < 1 or parts < 1 or test_rows < 0:
         raise ValueError(f"need rows >= 1, parts >= 1, test_rows >= 0; got rows={rows}, "
                          f"parts={parts}, test_rows={test_rows}")
-    t_start = time.time()
+    t_start, cpu_start = time.time(), time.process_time()
     model = CriteoLike(seed=seed, **model_args)
     meta = {"generator": "data_prep.criteo_like", "version": VERSION, "seed": seed,
             "parts": parts, "format": "criteo-tsv"}
@@ -322,6 +322,8 @@ def generate(out_dir, rows, test_rows=0, parts=8, seed=0, **model_args) -> dict:
     meta["model"] = model.summary()
     meta["seconds"] = round(time.time() - t_start, 3)
     meta["rows_per_second"] = round((rows + test_rows) / max(meta["seconds"], 1e-9))
+    cpu = time.process_time() - cpu_start         # not inflated by other jobs on the machine
+    meta["rows_per_cpu_second"] = round((rows + test_rows) / max(cpu, 1e-9))
     tmp = os.path.join(out_dir, ".meta.json.tmp")
     with open(tmp, "w") as f:
         json.dump(meta, f, indent=1)
@@ -370,7 +372,8 @@ def main(argv=None) -> int:
             print(f"{split}: {m['rows']} rows in {a.parts} parts, ctr {m['ctr']:.4f}, "
                   f"{m['distinct_ids']} distinct ids{extra}, oracle auc "
                   f"{m['oracle_auc']:.4f} logloss {m['oracle_logloss']:.4f}")
-    print(f"wrote {a.out} in {meta['seconds']:.1f}s ({meta['rows_per_second']} rows/s)")
+    print(f"wrote {a.out} in {meta['seconds']:.1f}s ({meta['rows_per_second']} rows/s, "
+          f"{meta['rows_per_cpu_second']} rows per CPU second)")
     return 0
 
 
