@@ -257,7 +257,7 @@ class CriteoLike:
 
 
 def _write_part(model, path, truth_path, n, t0, rng, metrics, seen):
-    """Write n rows starting at log position t0; update metrics and the seen-id bitmaps."""
+    """Write n rows starting at log position t0; update metrics and the seen-id arrays."""
     truth = np.lib.format.open_memmap(truth_path, mode="w+", dtype=np.float32, shape=(n,))
     with open(path, "wb") as f:
         for start in range(0, n, BLOCK_ROWS):
@@ -270,23 +270,23 @@ def _write_part(model, path, truth_path, n, t0, rng, metrics, seen):
             truth[start:start + m] = p
             metrics.update(p, y)
             for k in range(N_CAT):
-                s = seen[k]
-                v = ids[:, k][ids[:, k] >= 0]
-                s.append(v)
+                seen[k].append(ids[:, k][ids[:, k] >= 0])
             _compact(seen)
     truth.flush()
     del truth
 
 
-def _compact(seen, limit=1 << 22):
-    """Keep each slot's seen-id list as one sorted unique array once it grows."""
+def _compact(seen, limit=1 << 20):
+    """Merge a slot's pending seen-id arrays into its sorted unique array (seen[k][0]) once
+    they outgrow it (and ``limit``): amortised O(n log n), memory ~ distinct ids."""
     for k, s in enumerate(seen):
-        if len(s) > 1 and sum(x.size for x in s) > limit:
+        pending = sum(x.size for x in s[1:])
+        if pending > max(limit, s[0].size):
             seen[k] = [np.unique(np.concatenate(s))]
 
 
 def _distinct(seen):
-    return [np.unique(np.concatenate(s)) if s else np.zeros(0, np.int64) for s in seen]
+    return [np.unique(np.concatenate(s)) for s in seen]
 
 
 def generate(out_dir, rows, test_rows=0, parts=8, seed=0, **model_args) -> dict:
@@ -302,7 +302,8 @@ def generate(out_dir, rows, test_rows=0, parts=8, seed=0, **model_args) -> dict:
     t0, train_ids = 0, None
     for name, n, stream in [("train", rows, 1)] + ([("test", test_rows, 2)] if test_rows else []):
         os.makedirs(os.path.join(out_dir, name), exist_ok=True)
-        metrics, seen = BinaryMetrics(AUC_BUCKETS), [[] for _ in range(N_CAT)]
+        metrics = BinaryMetrics(AUC_BUCKETS)
+        seen = [[np.zeros(0, np.int64)] for _ in range(N_CAT)]
         for i, m in enumerate(_split_rows(n, parts)):
             _write_part(model, os.path.join(out_dir, name, f"part-{i:05d}.txt"),
                         os.path.join(out_dir, "truth", f"{name}-part-{i:05d}.npy"), m, t0,
