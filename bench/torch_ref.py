@@ -129,7 +129,10 @@ def run(a):
         idmap = IdMap(a.hash_bucket)
     else:
         t0 = time.perf_counter()
-        idmap = IdMap(0, build_vocab(a.train, a.batch_size))
+        vocab = build_vocab(a.train, a.batch_size)
+        if vocab.size == 0:
+            raise SystemExit(f"torch_ref: no training rows in {a.train}")
+        idmap = IdMap(0, vocab)
         vocab_s = time.perf_counter() - t0
     model = CTRDNN(idmap.n_rows, dim=a.embedding_dim,
                    hidden=tuple(int(x) for x in a.fc.split(",")), init_range=a.init_range)
