@@ -29,7 +29,7 @@ def test_network_loss_and_gradients_equal_mpips():
     loss, probs = ours.forward_backward(params, emb, dense, label, grad, grad_emb)
     probs = probs.copy()
 
-    ref = torch_ref.CTRDNN(10, hidden=HIDDEN).double()
+    ref = torch_ref.CTRDNN(B * 26, hidden=HIDDEN).double()   # row i*26+k = emb of (i, k)
     v = ours.views(params)
     linears = [m for m in ref.mlp if isinstance(m, torch.nn.Linear)]
     with torch.no_grad():
@@ -38,13 +38,15 @@ def test_network_loss_and_gradients_equal_mpips():
             lin.bias.copy_(torch.from_numpy(v[f"fc{i}.b"]))
         linears[-1].weight.copy_(torch.from_numpy(v["out.w"][None, :]))
         linears[-1].bias.copy_(torch.from_numpy(v["out.b"]))
-    e = torch.from_numpy(emb).requires_grad_(True)
-    logit = ref.mlp(torch.cat([e, torch.from_numpy(dense)], 1)).squeeze(1)
+        ref.emb.weight.copy_(torch.from_numpy(emb.reshape(B * 26, 10)))
+    rows = torch.arange(B * 26).reshape(B, 26)
+    logit = ref(rows, torch.from_numpy(dense))                # the model's own forward
     tl = torch.nn.BCEWithLogitsLoss()(logit, torch.from_numpy(label))
     tl.backward()
     assert tl.item() == pytest.approx(loss, rel=1e-12)
     np.testing.assert_allclose(torch.sigmoid(logit).detach().numpy(), probs, rtol=1e-10)
-    np.testing.assert_allclose(e.grad.numpy(), grad_emb, rtol=1e-9, atol=1e-15)
+    np.testing.assert_allclose(ref.emb.weight.grad.to_dense().numpy().reshape(B, -1), grad_emb,
+                               rtol=1e-9, atol=1e-15)
     g = ours.views(grad)
     np.testing.assert_allclose(linears[0].weight.grad.numpy(), g["fc0.w"].T, rtol=1e-9,
                                atol=1e-15)
