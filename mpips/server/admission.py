@@ -64,11 +64,14 @@ class AdmittedTable:
         admitted now (their rows are made by the caller's pull, which counts them seen)."""
         have = self.table.rows_of(keys) >= 0
         absent = ~have
+        if counts is not None:                  # an id pulled with 0 occurrences (GEO's
+            counts = np.asarray(counts, np.float32)     # look-ahead) is not a sighting
+            absent &= counts > 0
         missing = keys[absent]
         if not len(missing):
             return have
         n = np.ones((len(missing), 1), np.float32) if counts is None else \
-            np.asarray(counts, np.float32)[absent].reshape(-1, 1)
+            counts[absent].reshape(-1, 1)
         self.counts.add(missing, n)
         seen = np.empty((len(missing), 1), np.float32)
         self.counts.pull(missing, seen, create=False)

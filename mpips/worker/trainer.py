@@ -115,6 +115,8 @@ class Trainer:
         for _ in range(skip):
             next(it, None)
         t_start = time.perf_counter()
+        if max_steps and skip >= max_steps:        # --max-steps counts the skipped batches
+            return st
         cur = self._prepare(next(it, None))
         if cur is None:
             return st
@@ -123,7 +125,7 @@ class Trainer:
         push = None
         step = 0
         while cur is not None:
-            last = max_steps and step + 1 >= max_steps
+            last = max_steps and skip + step + 1 >= max_steps
             nxt = None if last else self._prepare(next(it, None))
             dense_next = (step + 1) % self.cfg.dense_every == 0 or not self.overlap
             nbuf = 1 - which if dense_next else None
@@ -201,12 +203,17 @@ class GeoTrainer(Trainer):
 
     The worker trains a local copy of the rows it touches and of the dense weights with
     the configured optimizer (Paddle requires SGD for GEO; `--optimizer sgd` is exactly
-    Paddle's GEO-SGD, adam/adagrad keep their state locally on the worker).  Every K steps
-    (and at the end of an epoch) it sends, for the ids touched since the last sync,
-    `(local - base) / W` (base = the values at the last sync, or the (seed, id) initial
-    value for a new id; W workers, as Paddle's GEO communicator scales); servers add them;
-    the worker pulls the fresh values and makes them its new local and base values (local
-    optimizer state is kept).
+    Paddle's GEO-SGD, adam/adagrad keep their state locally on the worker).  Training runs
+    in rounds of K batches (shorter before a `--save-every` point and at the end).  Before
+    a round the worker reads its batches and pulls the servers' rows of the ids new to its
+    local copy (after a resume, or ids another worker created, they are not the initial
+    values).  After a round it sends, for the ids touched in it, `(local - base) / W`
+    (base = the values at the last sync; W workers, as Paddle's GEO communicator scales)
+    and the dense delta; servers add them; the worker pulls the fresh values (in the same
+    request as the next round's new ids) and makes them its new local and base values
+    (local optimizer state is kept).  With `--entry` the pull carries each touched id's
+    occurrences in the round, so admission counts occurrences as in the other modes;
+    until an id is admitted its deltas are dropped and it reads zeros.
     """
 
     def __init__(self, cfg, model, ps, plan_fn, log=None, n_workers=1):
@@ -219,71 +226,120 @@ class GeoTrainer(Trainer):
                                 cfg.init_range)
         self.dense_local = None     # DenseTable with the local optimizer state
         self.dense_base = None      # (P,) dense values at the last sync
-        self.touched = []
+        self.touched = []           # [(unique keys, occurrences)] of the round's batches
+        self.save_every = 0 if cfg.stream or not cfg.save_dir else cfg.save_steps
 
-    def _first_pull(self):
-        plan = self.plan_fn(np.empty(0, np.int64))
-        self.ps.pull(plan, np.empty((0, self.dim), np.float32), self.params[0]).wait()
-        self.dense_base = self.params[0].copy()
-        self.dense_local = DenseTable(self.params[0], self.opt)
+    def _round_length(self, done, max_steps):
+        """Batches in the round starting after `done` batches of the epoch (0: stop)."""
+        n = self.cfg.geo_steps
+        if self.save_every:
+            n = min(n, self.save_every - done % self.save_every)
+        if max_steps:
+            n = min(n, max_steps - done)
+        return max(n, 0)
 
-    def _sync(self, step):
-        """Send deltas of touched ids and dense, then rebase on the servers' values."""
-        keys = np.concatenate(self.touched) if self.touched else np.empty(0, np.int64)
+    def _new_ids(self, round_):
+        """Unique ids of the round's batches that the local copy does not hold yet."""
+        if not round_:
+            return np.empty(0, np.int64)
+        keys = np.unique(np.concatenate([p.plan.keys for p in round_]))
+        return keys[self.local.rows_of(keys) < 0]
+
+    def _sync(self, step, new_ids):
+        """Send deltas of touched ids and dense, then rebase on the servers' values.
+
+        The same pull fetches the servers' rows of `new_ids` (the next round's ids new to
+        the local copy; they count no occurrence) and, the first time, the dense weights.
+        """
+        first = self.dense_local is None
+        if not self.touched and not len(new_ids) and not first:
+            return
+        keys = [k for k, _ in self.touched]
+        occ = [c for _, c in self.touched]
         self.touched = []
-        plan = self.plan_fn(keys)
-        cur = np.empty((len(plan.keys), self.dim), np.float32)   # (u, dim)
-        old = np.empty_like(cur)
-        self.local.pull(plan.keys, cur, create=False)
-        self.base.pull(plan.keys, old, create=False)
+        sent = self.plan_fn(np.concatenate(keys)) if keys else self.plan_fn(
+            np.empty(0, np.int64))
         params = self.params[0]
-        h = self.ps.push(plan, (cur - old) * self.scale, (params - self.dense_base) * self.scale,
-                         step=step, op=Op.ADD)
-        fresh = np.empty_like(cur)
-        h2 = self.ps.pull(plan, fresh, params, step=step, create=True)
-        h.wait()
+        h = None
+        if keys:
+            cur = np.empty((len(sent.keys), self.dim), np.float32)   # (u, dim)
+            old = np.empty_like(cur)
+            self.local.pull(sent.keys, cur, create=False)
+            self.base.pull(sent.keys, old, create=False)
+            h = self.ps.push(sent, (cur - old) * self.scale,
+                             (params - self.dense_base) * self.scale, step=step, op=Op.ADD)
+        plan = self.plan_fn(np.concatenate(keys + [new_ids]))
+        counts = None
+        if self.cfg.entry:
+            w = np.concatenate(occ + [np.zeros(len(new_ids), np.float32)])
+            counts = np.bincount(plan.inverse, weights=w, minlength=len(plan.keys)).astype(
+                np.float32).reshape(-1, 1)
+        fresh = np.empty((len(plan.keys), self.dim), np.float32)
+        h2 = self.ps.pull(plan, fresh, params if keys or first else None, step=step,
+                          create=True, counts=counts)
+        if h is not None:
+            h.wait()
         h2.wait()
         self.local.assign(plan.keys, fresh)
         self.base.assign(plan.keys, fresh)
-        self.dense_local.assign(params)
-        self.dense_base[:] = params
+        if first:
+            self.dense_base = params.copy()
+            self.dense_local = DenseTable(params, self.opt)
+        elif keys:
+            self.dense_local.assign(params)
+            self.dense_base[:] = params
+
+    def _read_round(self, it, n):
+        out = []
+        for batch in it:
+            out.append(self._prepare(batch))
+            if len(out) >= n:
+                break
+        return out
 
     def train_epoch(self, batches, epoch, max_steps=0, skip=0):
-        if self.dense_local is None:
-            self._first_pull()
         st = EpochStats()
         t_start = time.perf_counter()
-        params, K = self.params[0], self.cfg.geo_steps
+        params = self.params[0]
         step = 0
         it = iter(batches)
         for _ in range(skip):
             next(it, None)
-        for batch in it:
-            prep = self._prepare(batch)
-            self.local.pull(prep.plan.keys, prep.rows, create=True)
-            self.base.pull(prep.plan.keys, np.empty_like(prep.rows), create=True)
-            t0 = time.perf_counter()
-            loss, probs, grads = self._step_math(prep, params)
-            self.local.push(prep.plan.keys, grads)                  # local optimizer step
-            self.dense_local.push(self.grad_dense)
-            self.dense_local.pull(params)
-            self.compute_s += time.perf_counter() - t0
-            self.touched.append(prep.plan.keys)
-            n = len(batch.label)
-            st.examples += n
-            st.loss_sum += loss * n
-            st.metrics.update(probs, batch.label)
-            step += 1
-            if step % K == 0:
-                self._sync(step)
-            self._report(epoch, step, st)
-            if max_steps and step >= max_steps:
-                break
-        if step % K:
-            self._sync(step)
+        n = self._round_length(skip, max_steps)
+        round_ = self._read_round(it, n) if n else []
+        self._sync(step, self._new_ids(round_))        # (the first time: dense weights too)
+        while round_:
+            for prep in round_:
+                self._local_step(prep, params, st)
+                step += 1
+                self._report(epoch, step, st)
+            full = len(round_) == n
+            n = self._round_length(skip + step, max_steps) if full else 0
+            round_ = self._read_round(it, n) if n else []
+            self._sync(step, self._new_ids(round_))
+            if self.on_step is not None:           # a save sees this round's deltas
+                self.on_step(skip + step, step)
         st.steps = step
         st.seconds = time.perf_counter() - t_start
         return st
+
+    def _local_step(self, prep, params, st):
+        """One optimizer step on the local copy (sparse rows and dense weights)."""
+        self.local.pull(prep.plan.keys, prep.rows, create=True)
+        self.base.pull(prep.plan.keys, np.empty_like(prep.rows), create=True)
+        t0 = time.perf_counter()
+        loss, probs, grads = self._step_math(prep, params)
+        self.local.push(prep.plan.keys, grads)                  # local optimizer step
+        self.dense_local.push(self.grad_dense)
+        self.dense_local.pull(params)
+        self.compute_s += time.perf_counter() - t0
+        occ = prep.counts[:, 0] if prep.counts is not None else np.ones(len(prep.plan.keys),
+                                                                        np.float32)
+        self.touched.append((prep.plan.keys, occ))
+        n = len(prep.batch.label)
+        st.examples += n
+        st.loss_sum += loss * n
+        st.metrics.update(probs, prep.batch.label)
 
     def evaluate(self, batches, max_steps=0):
         m = super().evaluate(batches, max_steps)
