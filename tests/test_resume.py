@@ -8,7 +8,9 @@
   resumed run trains only the rest of the epoch.
 """
 
-from tests.test_modes import assert_same_params, train
+import numpy as np
+
+from tests.test_modes import assert_same_params, load_params, train
 
 
 def mid_checkpoint(root, epoch, steps):
@@ -54,3 +56,17 @@ def test_resume_with_max_steps_trains_only_the_rest(tiny_data, tmp_path):
                 mid_checkpoint(tmp_path / "full", 0, 4))
     assert rec[0]["train_examples"] == 6 * 64
     assert_same_params(tmp_path / "full", tmp_path / "resumed", rtol=0, atol=0)
+
+
+def test_geo_admission_counts_occurrences(tiny_data, tmp_path):
+    """count:2 in GEO admits exactly the ids that occur at least twice in the data (the
+    final sync counts the last round), not the ids seen in two sync rounds."""
+    from mpips.data.files import resolve_paths
+    from mpips.data.reader import DataReader
+    train(tiny_data, tmp_path, "geo", "--local", *GEO, "--entry", "count:2")
+    reader = DataReader(resolve_paths(tiny_data[0]), 4096, prefetch=False)
+    ids = np.concatenate([b.sparse.reshape(-1) for b in reader])
+    reader.close()
+    uniq, n = np.unique(ids, return_counts=True)
+    keys, _, _ = load_params(tmp_path / "geo")
+    np.testing.assert_array_equal(keys, uniq[n >= 2])
