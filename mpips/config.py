@@ -24,6 +24,7 @@ OPTIMIZERS = ("adam", "adagrad", "sgd")
 FORMATS = ("auto", "tsv", "slot")
 SAVE_MODES = ("full", "base", "delta")
 SHRINK_EVERY = ("day", "pass", "never")
+LATE_PASS = ("warn", "fail")
 
 
 def _f(default, help_text, **kw):
@@ -82,6 +83,10 @@ class Config:
     shrink_every: str = _f("day", "stream: evict rows unseen for --shrink-threshold shrinks, at "
                                   "every new day, every pass, or never", choices=SHRINK_EVERY)
     shrink_threshold: int = _f(30, "stream: rows unseen for more than this many shrink calls go")
+    late_pass: str = _f("warn", "stream: a pass whose _SUCCESS appears after a later pass was "
+                                "taken is never trained: warn (log it, count it as "
+                                "passes_late in the metrics) or fail (stop the run)",
+                        choices=LATE_PASS)
     entry: str = _f("", "feature admission: count:N (a row at an id's N-th sighting) or "
                         "probability:P (Paddle's CountFilterEntry / ProbabilityEntry)")
     # --- checkpoints
@@ -126,7 +131,8 @@ class Config:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
-        for name, choices in (("shrink_every", SHRINK_EVERY), ("save_mode", SAVE_MODES),
+        for name, choices in (("shrink_every", SHRINK_EVERY), ("late_pass", LATE_PASS),
+                              ("save_mode", SAVE_MODES),
                               ("mode", MODES), ("optimizer", OPTIMIZERS),
                               ("data_format", FORMATS)):
             if getattr(self, name) not in choices:

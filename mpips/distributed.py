@@ -206,7 +206,11 @@ class DistBackend:
         return path
 
     def shrink(self, threshold):
-        return self.client.shrink(threshold) if self.is_logger else 0
+        """The first worker shrinks; every worker waits for it, so that no pull of the next
+        pass is served before the eviction."""
+        removed = self.client.shrink(threshold) if self.is_logger else 0
+        wait_collective(self.wcomm.Ibarrier(), "Ibarrier of the workers (after a shrink)")
+        return removed
 
     def stats(self):
         if not self.is_logger:

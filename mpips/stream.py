@@ -16,19 +16,25 @@ ready when its ``_SUCCESS`` file exists; passes are taken in name order.  For ea
    ``mpips.exports``), so a following predictor is at most one pass behind;
 5. log and write the audit record (ids admitted / waiting / evicted, table rows and bytes).
 When no pass is ready it polls with back-off for ``--stream-timeout`` seconds, then ends.
+A pass that becomes ready after a later one was taken is never trained: it is logged as a
+warning and counted (``passes_late``), or stops the run with ``--late-pass fail``.
 SIGTERM (e.g. from Slurm before a requeue) ends the loop after the current pass.
 """
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
+from mpips import checkpoint as ck
 from mpips.backoff import PASS, Backoff
 from mpips.data.files import resolve_paths
 from mpips.exports import export_checkpoint
 from mpips.report import epoch_record, pass_line
 from mpips.resume import resume_point
 
+KILL_AT = "MPIPS_DEBUG_KILL_AT"     # test aid: "PASS:N" SIGKILLs the logging worker (or the
+                                    # local process) after its N-th batch of that pass
 STOP = {"flag": False}
 
 
@@ -70,16 +76,52 @@ def ready_passes(root):
     return out
 
 
-def next_pass(root, done, timeout):
-    """The first ready pass after `done` (name or None), waiting up to `timeout` s; or None."""
-    backoff, t0 = Backoff(*PASS), time.monotonic()
-    while True:
-        for p in ready_passes(root):
-            if done is None or p.name > done:
-                return p
-        if STOP["flag"] or time.monotonic() - t0 >= timeout:
-            return None
-        backoff.sleep(at_most=timeout - (time.monotonic() - t0))
+class LatePass(RuntimeError):
+    """A pass became ready after a later pass was taken (with --late-pass fail)."""
+
+
+class PassFeed:
+    """Hands out ready passes in name order, each once, and spots late ones.
+
+    A pass is *late* when its ``_SUCCESS`` appears after a later pass was taken: passes
+    are consumed in order, so it is never trained.  It is logged loudly through ``warn``
+    and listed in ``late`` (``passes_late`` in the metrics), or, with ``policy="fail"``,
+    raises LatePass.  ``done``: the last pass of the run resumed (passes ready then count
+    as handled by that run); ``late``: the late passes that run listed.
+    """
+
+    def __init__(self, root, done=None, policy="warn", warn=None, late=()):
+        self.root, self.policy, self.warn = root, policy, warn or print
+        self.late = list(late)
+        self.known = {p.name for p in ready_passes(root)
+                      if done is not None and p.name <= done}
+
+    def next(self, done, timeout):
+        """The first ready pass after `done` (name or None), waiting up to `timeout` s; or None."""
+        backoff, t0 = Backoff(*PASS), time.monotonic()
+        while True:
+            ready = ready_passes(self.root)
+            self._spot_late(ready, done)
+            for p in ready:
+                if done is None or p.name > done:
+                    self.known.add(p.name)
+                    return p
+            if STOP["flag"] or time.monotonic() - t0 >= timeout:
+                return None
+            backoff.sleep(at_most=timeout - (time.monotonic() - t0))
+
+    def _spot_late(self, ready, done):
+        for p in ready:
+            if p.name in self.known or done is None or p.name > done:
+                continue
+            self.known.add(p.name)
+            text = (f"pass {p.name} became ready after pass {done} was already taken; passes "
+                    f"are taken in order, so it is NOT trained")
+            if self.policy == "fail":
+                raise LatePass(f"{text} (--late-pass fail)")
+            self.late.append(p.name)
+            self.warn(f"mpips: WARNING: {text} ({len(self.late)} late pass(es) so far, "
+                      f"'passes_late' in the metrics; --late-pass fail stops the run instead)")
 
 
 def passes_behind(root, name):
@@ -96,13 +138,17 @@ def passes_behind(root, name):
 
 def run_stream(cfg, backend, log):
     """The loop above; `backend` does the work (local or distributed). Returns records."""
-    _, done = resume_point(cfg)
+    path, done = resume_point(cfg)
     prev_day = None if done is None else done[:8]
+    feed = None
+    if backend.is_logger:
+        late = ck.read_manifest(path)["meta"].get("passes_late", []) if path else []
+        feed = PassFeed(cfg.stream, done, cfg.late_pass, _warn, late)
     records = []
     admitted_before = backend.stats().get("admitted_total", 0)
     while True:
         p = backend.decide(lambda after=done: None if STOP["flag"] else
-                           next_pass(cfg.stream, after, cfg.stream_timeout))
+                           feed.next(after, cfg.stream_timeout))
         if p is None:
             break
         new_day = p.day != prev_day
@@ -112,10 +158,12 @@ def run_stream(cfg, backend, log):
             evicted = backend.shrink(cfg.shrink_threshold)
         files = p.files()
         test_m = backend.evaluate(files)
+        backend.trainer.on_step = _killer(p.name) if backend.is_logger else None
         st = backend.train(files, len(records), label=f"pass {p.name}",
                            lag=lambda name=p.name: passes_behind(cfg.stream, name))
         if cfg.save_dir:
-            path = backend.save("base" if new_day else "delta", {"pass": p.name, "epoch": -1})
+            path = backend.save("base" if new_day else "delta", {
+                "pass": p.name, "epoch": -1, "passes_late": feed.late if feed else []})
             if cfg.export_dir and path:                 # the saving worker exports it
                 entry = export_checkpoint(cfg.export_dir, path)
                 log(f"EXPORT --> {cfg.export_dir}/{entry['file']} ({entry['kind']}, "
@@ -128,6 +176,8 @@ def run_stream(cfg, backend, log):
             admitted_before = audit["admitted_total"]
         rec = epoch_record(cfg, len(records), st, test_m)
         rec["pass"] = p.name
+        if feed is not None:
+            rec["passes_late"] = len(feed.late)
         if backend.is_logger:
             log(pass_line(rec))
             backend.emit(rec)
@@ -135,3 +185,18 @@ def run_stream(cfg, backend, log):
         done, prev_day = p.name, p.day
     return records
 
+
+def _killer(name):
+    """The KILL_AT hook for pass `name`, or None: a crash at an exact point, for tests."""
+    where, _, batch = os.environ.get(KILL_AT, "").rpartition(":")
+    if where != name:
+        return None
+
+    def hook(done, phase_steps):
+        if done == int(batch):
+            os.kill(os.getpid(), signal.SIGKILL)
+    return hook
+
+
+def _warn(text):
+    print(text, file=sys.stderr, flush=True)

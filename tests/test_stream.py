@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from tests.conftest import MPI_ENV, ROOT, run_cmd
-from tests.test_modes import load_params
 
 
 @pytest.fixture(scope="module")
@@ -85,40 +84,60 @@ def test_late_pass_is_picked_up(stream_dir, tmp_path):
     assert [r["pass"] for r in records(tmp_path)][-1] == "20261130/02"
 
 
-def test_kill_and_resume_trains_each_pass_once(stream_dir, tmp_path):
-    common = ("--local", "--shrink-every", "day", "--shrink-threshold", "1")
+KILL_AT = "20261129/02:3"      # mid-stream, mid-pass: a delta chain to resume from
+SAME = ("pass", "train_examples", "train_loss", "train_auc", "test_examples", "test_auc",
+        "test_logloss", "test_mean_pred", "table_rows", "admitted_total", "ids_admitted",
+        "ids_waiting", "ids_evicted", "passes_late")
+
+
+def final_state(root):
+    """Every field of the latest checkpoint under root (chain loaded into one table)."""
+    from mpips import checkpoint as ck
+    from mpips.server.dense_table import DenseTable
+    from mpips.server.optim import OptimizerConfig
+    from mpips.server.sparse_table import SparseTable
+    path = ck.resolve(str(root))
+    m = ck.read_manifest(path)
+    opt = OptimizerConfig(name=m["optimizer"]["name"])
+    sparse = SparseTable(m["embedding_dim"], opt, seed=0)
+    dense = DenseTable(np.zeros(m["n_params"], np.float32), opt)
+    ck.load_shard_into(path, sparse, dense, 0, 1, [0, m["n_params"]])
+    rows = sparse.export_rows()
+    order = np.argsort(rows["keys"])
+    out = {f"sparse/{k}": v[order] for k, v in rows.items()}
+    out.update({f"dense/{k}": v for k, v in dense.export_state().items()})
+    return m["meta"]["pass"], out
+
+
+@pytest.mark.parametrize("n", [None, 4], ids=["local", "2x2-sync"])
+def test_kill_and_resume_is_exact(stream_dir, tmp_path, n):
+    """SIGKILL mid-pass, then the same command again: every pass trained once, in order,
+    and the per-pass numbers and the final checkpoint are those of an uninterrupted run."""
+    common = ("--entry", "count:2", "--shrink-every", "pass", "--shrink-threshold", "2") + (
+        ("--local",) if n is None else ("--mode", "sync"))
     ref = tmp_path / "ref"
     ref.mkdir()
-    proc = run_cmd(args(stream_dir, ref, *common))
+    proc = run_cmd(args(stream_dir, ref, *common), n=n)
     assert proc.returncode == 0, proc.stderr[-2000:]
     run = tmp_path / "run"
     run.mkdir()
-    cmd = [sys.executable] + args(stream_dir, run, *common)
-    p = subprocess.Popen(cmd, cwd=str(ROOT), env=dict(os.environ, **MPI_ENV),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while len(records(run)) < 2 and p.poll() is None:      # two passes done, third started
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    p.kill()
-    p.communicate()
+    proc = run_cmd(args(stream_dir, run, *common), n=n, env={"MPIPS_DEBUG_KILL_AT": KILL_AT})
+    assert proc.returncode != 0
     done_before = [r["pass"] for r in records(run)]
-    assert 2 <= len(done_before) < 6, done_before
-    proc = run_cmd(args(stream_dir, run, *common))           # the same command again
+    assert done_before == ["20261129/00", "20261129/01"], done_before
+    assert len(ckpts(run)) == 2          # the killed pass was not saved
+    proc = run_cmd(args(stream_dir, run, *common), n=n)           # the same command again
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "RESUME --> " in proc.stdout
-    from mpips import checkpoint as ck
-    saved = [ck.read_manifest(os.path.join(run / "ck", c))["meta"]["pass"]
-             for c in ckpts(run) if ck.list_checkpoints(str(run / "ck"))]
-    after = [r["pass"] for r in records(run)][len(done_before):]
-    trained = [n for n in done_before if n in saved] + after
-    assert sorted(trained) == sorted(set(trained))           # none twice
-    assert trained == [r["pass"] for r in records(ref)]      # none skipped, in order
-    kr, vr, dr = load_params(ref / "ck")
-    k, v, d = load_params(run / "ck")
-    np.testing.assert_array_equal(k, kr)
-    np.testing.assert_array_equal(v, vr)
-    np.testing.assert_array_equal(d, dr)
+    got, want = records(run), records(ref)
+    assert [r["pass"] for r in got] == [r["pass"] for r in want]  # none twice, none skipped
+    for a, b in zip(got, want):
+        assert {k: a.get(k) for k in SAME} == {k: b.get(k) for k in SAME}
+    assert want[-1]["ids_evicted"] > 0 and want[-1]["ids_waiting"] > 0
+    name_r, state_r = final_state(ref / "ck")
+    name, state = final_state(run / "ck")
+    assert name == name_r == "20261130/02" and sorted(state) == sorted(state_r)
+    for k, v in state_r.items():
+        np.testing.assert_array_equal(state[k], v, err_msg=k)
 
 
 def test_distributed_stream_sync(stream_dir, tmp_path):
@@ -136,3 +155,35 @@ def test_distributed_stream_sync(stream_dir, tmp_path):
     for a, b in zip(recs, records(ref)):
         assert a["table_rows"] == pytest.approx(b["table_rows"], rel=0.02)
     assert recs[-1]["test_auc"] == pytest.approx(records(ref)[-1]["test_auc"], abs=0.01)
+
+
+def test_late_pass_is_reported_counted_or_fails(tmp_path):
+    """A pass whose _SUCCESS lands after a later pass was taken: a warning and a count
+    (never trained, never silently), or LatePass with policy 'fail'; a resumed run does
+    not report again the passes ready before its last pass."""
+    from mpips.stream import LatePass, PassFeed
+
+    def land(name):
+        d = tmp_path / name
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "_SUCCESS").touch()
+
+    for name in ("20261129/00", "20261129/02"):
+        land(name)
+    (tmp_path / "20261129" / "01").mkdir()                   # not ready
+    lines = []
+    feed = PassFeed(str(tmp_path), warn=lines.append)
+    assert feed.next(None, 0).name == "20261129/00"
+    assert feed.next("20261129/00", 0).name == "20261129/02"
+    assert feed.next("20261129/02", 0) is None and lines == []
+    land("20261129/01")                                      # too late: /02 was taken
+    assert feed.next("20261129/02", 0) is None
+    assert feed.late == ["20261129/01"] and len(lines) == 1
+    assert "20261129/01" in lines[0] and "NOT trained" in lines[0]
+    assert feed.next("20261129/02", 0) is None and len(lines) == 1    # once only
+    resumed = PassFeed(str(tmp_path), "20261129/02", warn=lines.append, late=feed.late)
+    assert resumed.next("20261129/02", 0) is None and resumed.late == ["20261129/01"]
+    assert len(lines) == 1
+    strict = PassFeed(str(tmp_path), "20261129/00", "fail")  # /01 and /02 ready later
+    with pytest.raises(LatePass, match="20261129/01"):
+        strict.next("20261129/02", 0)
