@@ -23,7 +23,7 @@ from mpips.progress import make_progress
 from mpips.protocol import Op
 from mpips.report import log_line, peak_rss_mb, write_metrics
 from mpips.resume import resume_point
-from mpips.runner import inner_table, run_epochs
+from mpips.runner import admission_of, inner_table, run_epochs
 from mpips.server.loop import Server
 from mpips.stream import Pass, run_stream
 from mpips.worker.client import PSClient
@@ -80,13 +80,13 @@ def serve(cfg, cluster, model, bounds):
     sparse, dense = make_tables(cfg, model, bounds[i], bounds[i + 1])
     path = resume_point(cfg)[0]
     if path:
-        ck.load_shard_into(path, inner_table(sparse), dense, i, S, bounds)
+        ck.load_shard_into(path, inner_table(sparse), dense, i, S, bounds, admission_of(sparse))
     server = Server(cluster.comm, cluster.worker_ranks, sparse, dense, cfg.mode, cfg.staleness,
                     cfg.peer_timeout, cfg.idle_sleep, label=f"server {i}",
                     idle_timeout=cfg.peer_timeout + cfg.stream_timeout)   # workers may poll
     if cfg.save_dir:
         server.on_save, server.save_check = ck.server_save_hooks(
-            cfg.save_dir, i, S, inner_table(sparse), dense, bounds[i])
+            cfg.save_dir, i, S, inner_table(sparse), dense, bounds[i], admission_of(sparse))
     server.run()
     st = server.stats
     return profile_row(server=1, server_busy_s=st["busy_s"], requests=st["requests"],
@@ -109,7 +109,7 @@ def work(cfg, cluster, model, bounds):
     slow = os.environ.get("MPIPS_DEBUG_SLOW_WORKER", "")   # "I:SECONDS": a test aid
     if slow and int(slow.split(":")[0]) == wi:
         trainer.step_delay = float(slow.split(":")[1])
-    backend = DistBackend(cfg, trainer, client, cluster.role_comm, wi, W)
+    backend = DistBackend(cfg, trainer, client, cluster.role_comm, wi, W, resume_point(cfg)[0])
     if cfg.stream:
         run_stream(cfg, backend, log_line)
     else:
@@ -123,10 +123,11 @@ def work(cfg, cluster, model, bounds):
 class DistBackend:
     """Worker `wi` of W; the first worker logs, saves and shrinks for all."""
 
-    def __init__(self, cfg, trainer, client, wcomm, wi, W):
+    def __init__(self, cfg, trainer, client, wcomm, wi, W, loaded=None):
         self.cfg, self.trainer, self.client = cfg, trainer, client
         self.wcomm, self.wi, self.W = wcomm, wi, W
         self.is_logger = wi == 0
+        self.lineage = ck.Lineage(cfg.save_dir, loaded) if cfg.save_dir and wi == 0 else None
         self.warned = False         # told the user this worker has no files
 
     def _sum(self, arr):
@@ -198,10 +199,14 @@ class DistBackend:
         (sync mode: exactly that step; async: whatever the servers hold when they save)."""
         if not self.is_logger:
             return None
-        path = ck.new_checkpoint_dir(self.cfg.save_dir, mode)
+        mode = self.lineage.mode(mode)
+        parent = self.lineage.parent if mode == "delta" else None
+        path = ck.new_checkpoint_dir(self.cfg.save_dir, mode, parent)
         seq = int(os.path.basename(path).split("-")[1])
         infos = [json.loads(b) for b in self.client.save(seq, SAVE_MODES.index(mode), step)]
-        ck.write_manifest(path, {"shards": infos, "config": self.cfg.to_json(), "meta": meta})
+        ck.write_manifest(path, {"shards": infos, "config": self.cfg.to_json(), "meta": meta,
+                                 "parent": parent})
+        self.lineage.saved(path, mode)
         log_line(f"SAVE --> {path} ({mode}, {sum(x['rows'] for x in infos)} rows)")
         return path
 

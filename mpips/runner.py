@@ -18,6 +18,7 @@ from mpips.data.reader import Batch, DataError
 from mpips.progress import make_progress
 from mpips.report import epoch_record, log_line, summary_line, write_metrics
 from mpips.resume import start_point
+from mpips.server.admission import AdmittedTable
 
 
 def should_save(cfg, epoch):
@@ -41,8 +42,9 @@ class LocalBackend:
     """One process: `local_workers` file parts read side by side (batch W x B)."""
     is_logger = True
 
-    def __init__(self, cfg, trainer, ps):
+    def __init__(self, cfg, trainer, ps, loaded=None):
         self.cfg, self.trainer, self.ps = cfg, trainer, ps
+        self.lineage = ck.Lineage(cfg.save_dir, loaded) if cfg.save_dir else None
 
     def train(self, files, epoch, skip=0, label=None, lag=None):
         cfg = self.cfg
@@ -73,8 +75,11 @@ class LocalBackend:
     def save(self, mode, meta, step=0):
         if self.trainer.progress is not None:      # a mid-epoch save: clear a redrawn line
             self.trainer.progress.clear()
+        mode = self.lineage.mode(mode)
         path = ck.save_local(self.cfg.save_dir, inner_table(self.ps.sparse), self.ps.dense, mode,
-                             self.cfg.to_json(), meta)
+                             self.cfg.to_json(), meta, admission_of(self.ps.sparse),
+                             self.lineage.parent if mode == "delta" else None)
+        self.lineage.saved(path, mode)
         log_line(f"SAVE --> {path} ({mode}, {len(self.ps.sparse)} rows)")
         return path
 
@@ -97,6 +102,11 @@ class LocalBackend:
 def inner_table(table):
     """The SparseTable behind an admission filter (checkpoints hold the table itself)."""
     return getattr(table, "table", table)
+
+
+def admission_of(table):
+    """The admission filter in front of a table (its counts are saved too), or None."""
+    return table if isinstance(table, AdmittedTable) else None
 
 
 def concat_batches(readers):

@@ -17,8 +17,8 @@ from mpips.cluster import check_servers, default_servers
 from mpips.config import check_compatible, parse_args
 from mpips.report import log_line, peak_rss_mb
 from mpips.resume import resume_point
-from mpips.runner import LocalBackend, inner_table, run_epochs
 from mpips.ownership import plan_keys
+from mpips.runner import LocalBackend, admission_of, inner_table, run_epochs
 from mpips.stream import install_sigterm, run_stream
 from mpips.worker.local import LocalPS
 from mpips.worker.trainer import GeoTrainer, Trainer
@@ -35,9 +35,9 @@ def run_local(cfg):
              f"{model.n_params} dense parameters")
     path = resume_point(cfg)[0]
     if path:
-        ck.load_local(path, inner_table(ps.sparse), ps.dense)
+        ck.load_local(path, inner_table(ps.sparse), ps.dense, admission_of(ps.sparse))
         log_line(f"RESUME --> {path}")
-    backend = LocalBackend(cfg, trainer, ps)
+    backend = LocalBackend(cfg, trainer, ps, path)
     if cfg.stream:
         records = run_stream(cfg, backend, log_line)
     else:

@@ -122,10 +122,14 @@ def test_base_and_deltas_equal_a_full_save(tmp_path):
     for i, (sp, dn, _) in enumerate(shards):
         push_owned(sp, i, keys[20:120], 10 + i)
         assert sp.shrink(1) == 0                   # the others age to unseen=1
+        pulled = np.unique(keys[110:130])
+        pulled = pulled[owners(pulled, 2) == i]     # seen (and counted) without a push
+        sp.pull(pulled, np.empty((len(pulled), DIM), np.float32), create=True)
     save_sharded(root, shards, "delta")
     for i, (sp, dn, _) in enumerate(shards):
         push_owned(sp, i, keys[20:60], 20 + i)
-        assert sp.shrink(1) > 0                    # ids outside keys[20:120] are evicted
+        assert sp.shrink(1) > 0                    # ids outside keys[20:130] are evicted
+        assert sp.shrink(3) == 0                   # two shrinks between saves: all age again
         push_owned(sp, i, np.concatenate([keys[:5], new_ids[:3], [999]]), 30 + i)
         dn.push(np.ones(len(dn), np.float32))
     full = save_sharded(root, shards, "full")      # full first: it leaves tracking alone
@@ -150,7 +154,9 @@ def assert_chain_equals_full(last, full, n_rows):
     ck.load_shard_into(last, a, da, 0, 1, [0, P])
     ck.load_shard_into(full, b, db, 0, 1, [0, P])
     assert len(a) == len(b) == n_rows
-    assert_same(a, b, ["keys", "values", "m", "v", "beta1_pow", "beta2_pow", "seen_count"])
+    assert sorted(rows_by_key(a)) == ["beta1_pow", "beta2_pow", "keys", "m", "seen_count",
+                                      "seen_flag", "unseen", "v", "values"]
+    assert_same(a, b)                              # every field, ageing included
     for k, v in db.export_state().items():
         np.testing.assert_array_equal(da.export_state()[k], v, err_msg=k)
 
@@ -386,8 +392,31 @@ def test_delta_without_base(tmp_path):
         _load(delta)
     shutil.rmtree(base)
     with pytest.raises(ck.CheckpointError, match="needs its base ckpt-000001-base: .*no such"):
-        _load(root)
-    assert ck.latest(root).endswith(os.path.basename(delta))
+        _load(delta)
+    assert ck.latest(root, lambda msg: None) is None      # nothing in root loads any more
+
+
+def test_latest_falls_back_past_a_broken_chain(tmp_path):
+    """Auto-resume takes the newest checkpoint that loads: not a delta whose base was
+    deleted, nor one with a truncated shard file."""
+    sparse, dense, keys = trained()
+    root = str(tmp_path)
+    full = ck.save_local(root, sparse, dense, "full")
+    base = ck.save_local(root, sparse, dense, "base")
+    train(sparse, dense, keys[:10], 5)
+    delta = ck.save_local(root, sparse, dense, "delta")
+    assert ck.latest(root) == delta
+    shard = os.path.join(delta, ck.shard_name(0, 1))
+    with open(shard, "r+b") as fh:
+        fh.truncate(os.path.getsize(shard) - 1)
+    warned = []
+    assert ck.latest(root, warned.append) == base and "missing or not" in warned[0]
+    shutil.rmtree(base)
+    warned = []
+    assert ck.latest(root, warned.append) == full and len(warned) == 1
+    assert "needs its base ckpt-000002-base" in warned[0]
+    assert ck.resolve(root, warned.append) == full
+    _load(root)
 
 
 def test_mismatched_config(saved):

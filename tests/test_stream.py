@@ -96,16 +96,20 @@ def final_state(root):
     from mpips.server.dense_table import DenseTable
     from mpips.server.optim import OptimizerConfig
     from mpips.server.sparse_table import SparseTable
+    from mpips.server.admission import AdmittedTable
     path = ck.resolve(str(root))
     m = ck.read_manifest(path)
     opt = OptimizerConfig(name=m["optimizer"]["name"])
     sparse = SparseTable(m["embedding_dim"], opt, seed=0)
     dense = DenseTable(np.zeros(m["n_params"], np.float32), opt)
-    ck.load_shard_into(path, sparse, dense, 0, 1, [0, m["n_params"]])
-    rows = sparse.export_rows()
-    order = np.argsort(rows["keys"])
-    out = {f"sparse/{k}": v[order] for k, v in rows.items()}
-    out.update({f"dense/{k}": v for k, v in dense.export_state().items()})
+    adm = AdmittedTable(sparse, m["config"]["entry"], 0)
+    ck.load_shard_into(path, sparse, dense, 0, 1, [0, m["n_params"]], adm)
+    out = {f"dense/{k}": v for k, v in dense.export_state().items()}
+    for name, table in (("sparse", sparse), ("admission", adm.counts)):
+        rows = table.export_rows()
+        order = np.argsort(rows["keys"])
+        out.update({f"{name}/{k}": v[order] for k, v in rows.items()})
+    out["admitted"] = adm.admitted
     return m["meta"]["pass"], out
 
 
@@ -187,3 +191,31 @@ def test_late_pass_is_reported_counted_or_fails(tmp_path):
     strict = PassFeed(str(tmp_path), "20261129/00", "fail")  # /01 and /02 ready later
     with pytest.raises(LatePass, match="20261129/01"):
         strict.next("20261129/02", 0)
+
+
+def test_resume_an_older_checkpoint_into_the_same_root(stream_dir, tmp_path):
+    """Resumed from its 2nd checkpoint into the same --save-dir, a run's next delta builds
+    on that checkpoint, not on the newest one of the abandoned run: every checkpoint it
+    saves holds what the first run's checkpoint of the same pass holds."""
+    common = ("--local", "--entry", "count:2", "--shrink-every", "pass",
+              "--shrink-threshold", "2")
+    proc = run_cmd(args(stream_dir, tmp_path, *common))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first = records(tmp_path)
+    proc = run_cmd(args(stream_dir, tmp_path, *common, "--resume",
+                        str(tmp_path / "ck" / "ckpt-000002-delta")))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    again = records(tmp_path)[6:]
+    assert [r["pass"] for r in again] == [r["pass"] for r in first[2:]]
+    for a, b in zip(again, first[2:]):
+        assert {k: a.get(k) for k in SAME} == {k: b.get(k) for k in SAME}
+    from mpips import checkpoint as ck
+    assert ck.chain(str(tmp_path / "ck" / "ckpt-000007-delta")) == [
+        str(tmp_path / "ck" / c) for c in ("ckpt-000001-base", "ckpt-000002-delta",
+                                           "ckpt-000007-delta")]
+    for new, old in ((7, 3), (10, 6)):
+        name, state = final_state(tmp_path / "ck" / f"ckpt-{new:06d}-{'delta'}")
+        name_o, state_o = final_state(tmp_path / "ck" / f"ckpt-{old:06d}-{'delta'}")
+        assert name == name_o and sorted(state) == sorted(state_o)
+        for k, v in state_o.items():
+            np.testing.assert_array_equal(state[k], v, err_msg=f"ckpt {new}: {k}")

@@ -12,8 +12,7 @@ Modes (Paddle's ``save_persistables(mode)`` 0/1/2):
 * ``full``  every row with its optimizer state and metadata; change tracking untouched;
 * ``base``  the same, then ``clear_dirty()``/``clear_evicted()``: tracking starts here;
 * ``delta`` the rows changed (dirty) and the ids evicted since the last base/delta, then
-  clear.  Its manifest names its ``parent`` (the previous base or delta) so
-  ``chain(delta)`` walks back to a base.
+  clear.  Its manifest names its ``parent`` so ``chain(delta)`` walks back to a base.
 The dense slice of each server and its optimizer state are saved in every mode.
 
 A shard file holds ``/sparse/<field>`` for each row field of the table but ``dirty``
@@ -31,18 +30,27 @@ tables, and one rank gathers the returned dicts and calls :func:`write_manifest`
 Loading: every server calls :func:`load_shard_into` with its own index and the new
 server count; ids are re-assigned by ``owner_of`` so S servers' files load into any S'.
 
-Known limit of deltas: row metadata that changes without marking a row dirty (``unseen``
-and ``seen_flag`` aged by ``shrink``, ``seen_count`` of pulls that were never pushed) is
-as of the row's last save.  Shrinking right before a base, as DESIGN.md's online schedule
-does, keeps base + deltas exact.
+Deltas are exact for every field: a row is dirty whenever it is seen (pulled for
+training, pushed, added), so a row a delta leaves out changed only by ``shrink`` ageing
+it; the delta's shard entries record how many shrinks ran since its parent
+(``shrinks``), and loading ages the rows of the earlier elements by that many before
+importing the delta's rows.  With admission the waiting counts (``/admission/<field>``,
+``/admission/evicted``) are saved the same way, with the ``admitted`` counter.  A
+delta's parent is the checkpoint the tables were loaded from or last saved as base or
+delta (:class:`Lineage`), so a run resumed from an older checkpoint into the same root
+never chains onto the abandoned run's deltas.  Datasets and entry keys added since
+version 1 first shipped are optional on read.
 """
 from mpips.checkpoint.load import load_local, load_shard_into
-from mpips.checkpoint.manifest import (MANIFEST, MODES, CheckpointError, chain, latest,
-                                       list_checkpoints, load_config, new_checkpoint_dir,
-                                       read_manifest, resolve, shard_name, write_manifest)
+from mpips.checkpoint.manifest import (MANIFEST, MODES, CheckpointError, Lineage, chain,
+                                       check_files, latest, list_checkpoints, load_config,
+                                       new_checkpoint_dir, read_manifest, resolve, shard_name,
+                                       write_manifest)
 from mpips.checkpoint.save import save_local, save_shard, server_save_hooks
 
-__all__ = ["MANIFEST", "MODES", "CheckpointError", "chain", "latest", "list_checkpoints",
+__all__ = ["MANIFEST", "MODES", "CheckpointError", "Lineage", "chain", "check_files", "latest",
+           "list_checkpoints",
            "load_config", "load_local", "load_shard_into", "new_checkpoint_dir",
-           "read_manifest", "resolve", "save_local", "save_shard", "server_save_hooks", "shard_name",
+           "read_manifest", "resolve", "save_local", "save_shard", "server_save_hooks",
+           "shard_name",
            "write_manifest"]

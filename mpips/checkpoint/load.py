@@ -31,19 +31,39 @@ def _h5_errors(path):
                               f"({type(e).__name__}: {e})") from None
 
 
-def _schema(sparse, dense):
-    """Expected datasets: name -> (dtype, shape given (rows, evicted, dense_size))."""
-    template = sparse.export_rows(np.empty(0, np.int64))
+def _rows_schema(table, group, rows_key, evicted_key):
+    """Datasets of a table's row fields under group: name -> (dtype, shape of an entry)."""
     out = {}
-    for f, arr in template.items():
+    for f, arr in table.export_rows(np.empty(0, np.int64)).items():
         if f not in SKIPPED_FIELDS:
-            out[f"sparse/{f}"] = (arr.dtype, lambda r, e, d, t=arr.shape[1:]: (r,) + t)
-    out["sparse/evicted"] = (np.dtype(np.int64), lambda r, e, d: (e,))
-    out["dense/values"] = (np.dtype(np.float32), lambda r, e, d: (d,))
+            out[f"{group}/{f}"] = (arr.dtype, lambda e, t=arr.shape[1:]: (e[rows_key],) + t)
+    out[f"{group}/evicted"] = (np.dtype(np.int64), lambda e: (e[evicted_key],))
+    return out
+
+
+def _schema(sparse, dense, admission=None):
+    """Expected datasets: name -> (dtype, shape given the shard's manifest entry).
+
+    With ``admission`` (the AdmittedTable loaded into), the ``/admission/`` datasets too;
+    shards saved without them (older checkpoints, runs without --entry) are read as
+    holding no waiting counts.
+    """
+    out = _rows_schema(sparse, "sparse", "rows", "evicted")
+    out["dense/values"] = (np.dtype(np.float32), lambda e: (e["dense_size"],))
     for name, per_el in dense.opt.state_arrays():
         out[f"dense/{name}"] = (np.dtype(np.float32),
-                                (lambda r, e, d: (d,)) if per_el else (lambda r, e, d: (1,)))
+                                (lambda e: (e["dense_size"],)) if per_el else (lambda e: (1,)))
+    if admission is not None:
+        adm = _rows_schema(admission.counts, "admission", "admission_rows", "admission_evicted")
+        adm["admission/admitted"] = (np.dtype(np.int64), lambda e: (1,))
+        out.update({k: v + (True,) for k, v in adm.items()})
     return out
+
+
+def _for_entry(schema, entry):
+    """The part of the schema a shard entry has: optional (admission) datasets if saved."""
+    has_adm = "admission_rows" in entry
+    return {k: v[:2] for k, v in schema.items() if len(v) == 2 or has_adm}
 
 
 class _Shard:
@@ -52,6 +72,8 @@ class _Shard:
     def __init__(self, ckpt_dir, entry, schema):
         self.path = os.path.join(ckpt_dir, entry["file"])
         self.entry = entry
+        schema = _for_entry(schema, entry)
+        self.has_admission = "admission/keys" in schema
         if not os.path.exists(self.path):
             raise CheckpointError(f"{self.path}: shard file listed in {MANIFEST} is missing")
         size = os.path.getsize(self.path)
@@ -77,7 +99,7 @@ class _Shard:
         total = 0
         for name, (dtype, shape_fn) in schema.items():
             d = e["datasets"][name]
-            want = list(shape_fn(e["rows"], e["evicted"], e["dense_size"]))
+            want = list(shape_fn(e))
             if np.dtype(d["dtype"]) != dtype or d["shape"] != want:
                 raise CheckpointError(f"{self.path}: {name} is {d['dtype']} {d['shape']}; "
                                       f"expected {dtype.name} {want}")
@@ -113,16 +135,16 @@ class _Shard:
             raise CheckpointError(f"{self.path}: checksum mismatch in dataset {name} "
                                   "(the file is corrupted)")
 
-    def import_into(self, sparse, fields, server_id, n_servers, removed):
-        """Import the rows server_id owns, except ids in ``removed`` (sorted); CRC checked.
-
-        Returns the number of rows owned by server_id.
+    def import_into(self, sparse, fields, server_id, n_servers, removed, group="sparse"):
+        """Import the rows of ``group`` server_id owns, except ids in ``removed`` (sorted);
+        CRC checked.  Returns the number of rows owned by server_id.
         """
-        n, owned = self.entry["rows"], 0
+        n = self.entry["rows" if group == "sparse" else "admission_rows"]
+        owned = 0
         crcs = dict.fromkeys(fields, 0)
         for lo in range(0, n, LOAD_ROWS):
             with _h5_errors(self.path):
-                chunk = {f: self.file[f"sparse/{f}"][lo:lo + LOAD_ROWS] for f in fields}
+                chunk = {f: self.file[f"{group}/{f}"][lo:lo + LOAD_ROWS] for f in fields}
             for f in fields:
                 crcs[f] = zlib.crc32(chunk[f], crcs[f])
             keep = None if n_servers == 1 else owners(chunk["keys"], n_servers) == server_id
@@ -135,7 +157,7 @@ class _Shard:
             if len(chunk["keys"]):
                 sparse.import_rows(chunk)
         for f in fields:
-            self._verify(f"sparse/{f}", crcs[f])
+            self._verify(f"{group}/{f}", crcs[f])
         return owned
 
     def close(self):
@@ -175,7 +197,7 @@ def _in_sorted(x, table):
     return table[pos] == x
 
 
-def _removed_ids(groups):
+def _removed_ids(groups, name="sparse"):
     """Sorted ids whose last event in the chain is an eviction (never to be imported).
 
     Within one element evictions come before rows: an id evicted and re-created in the
@@ -183,10 +205,10 @@ def _removed_ids(groups):
     """
     removed = np.empty(0, np.int64)
     for group in groups:
-        evicted = np.concatenate([s.read("sparse/evicted") for s in group])
+        evicted = np.concatenate([s.read(f"{name}/evicted") for s in group])
         if not len(removed) and not len(evicted):
             continue
-        keys = _sorted_unique(np.concatenate([s.read("sparse/keys") for s in group]))
+        keys = _sorted_unique(np.concatenate([s.read(f"{name}/keys") for s in group]))
         removed = _sorted_unique(np.concatenate([removed, evicted]))
         if len(keys):
             removed = removed[~_in_sorted(removed, keys)]
@@ -220,48 +242,83 @@ def _dense_slice(ckpt_dir, m, schema, dense, lo, hi):
     return out
 
 
-def load_shard_into(path, sparse, dense, server_id, n_servers, dense_bounds):
+def load_shard_into(path, sparse, dense, server_id, n_servers, dense_bounds, admission=None):
     """Load checkpoint ``path`` (base..delta chain) into this server's empty tables.
 
     Keeps the ids that ``owner_of(id, n_servers) == server_id`` and the dense slice
     ``[dense_bounds[server_id], dense_bounds[server_id+1])``, whatever the number of
-    servers that wrote it.  Manifests, file sizes, shapes, dtypes, the ids, evictions and
-    the dense slice are verified before the tables change; the other row data are
-    imported in chunks as their checksums accumulate, so after an error the tables hold
-    part of the checkpoint and must be discarded.  Afterwards the tables count as saved
-    (no dirty rows, no evicted ids).  Returns the manifest of ``path``.
+    servers that wrote it.  Before each delta's rows are imported, the rows loaded so far
+    are aged by the delta's ``shrinks`` (what the shrinks between the saves did to rows
+    that were not seen, hence not saved again).  ``admission``: the AdmittedTable in front
+    of ``sparse``; its waiting counts and ``admitted`` counter are loaded the same way
+    (the counter goes to server 0 when the number of servers changes).  Manifests, file
+    sizes, shapes, dtypes, the ids, evictions and the dense slice are verified before the
+    tables change; the other row data are imported in chunks as their checksums
+    accumulate, so after an error the tables hold part of the checkpoint and must be
+    discarded.  Afterwards the tables count as saved (no dirty rows, no evicted ids).
+    Returns the manifest of ``path``.
     """
     elements = chain_manifests(path)
     bounds = [int(b) for b in dense_bounds]
     for d, m in elements:
         _check_target(d, m, sparse, dense, server_id, n_servers, bounds)
-    schema = _schema(sparse, dense)
-    fields = [k[7:] for k in schema if k.startswith("sparse/") and k != "sparse/evicted"]
+    schema = _schema(sparse, dense, admission)
+    tables = [("sparse", sparse)] + ([("admission", admission.counts)] if admission is not None
+                                     else [])
     groups = []                           # per element: its shard files this server reads
     try:
         for d, m in elements:
             same = m["n_servers"] == n_servers
             groups.append([_Shard(d, e, schema)
                            for e in ([m["shards"][server_id]] if same else m["shards"])])
-        removed = _removed_ids(groups)
         d, m = elements[-1]
         state = _dense_slice(d, m, schema, dense, bounds[server_id], bounds[server_id + 1])
-        for (d, m), group in zip(elements, groups):
-            for shard in group:
-                owned = shard.import_into(sparse, fields, server_id, n_servers, removed)
-                if m["n_servers"] == n_servers and owned != shard.entry["rows"]:
-                    raise CheckpointError(f"{shard.path}: holds ids of other servers (written "
-                                          "with a different id -> server mapping)")
+        for name, table in tables:
+            _import_chain(elements, groups, name, table, server_id, n_servers)
+        if admission is not None and groups[-1][0].has_admission:
+            admission.admitted = _admitted(groups[-1], server_id, m["n_servers"] == n_servers)
     finally:
         for group in groups:
             for shard in group:
                 shard.close()
     dense.import_state(state)
-    sparse.clear_dirty()
-    sparse.clear_evicted()
+    for _, table in tables:
+        table.clear_dirty()
+        table.clear_evicted()
     return m
 
 
-def load_local(path, sparse, dense):
+def _import_chain(elements, groups, name, table, server_id, n_servers):
+    """Import one table (``sparse`` or ``admission``) along the chain, ageing between."""
+    fields = [f for f in table.export_rows(np.empty(0, np.int64)) if f not in SKIPPED_FIELDS]
+    if name == "admission":           # elements saved without admission data hold none
+        keep = [i for i, g in enumerate(groups) if g[0].has_admission]
+        first = keep[0] if keep else len(groups)
+        if any(i not in keep for i in range(first, len(groups))):
+            raise CheckpointError(f"{elements[-1][0]}: admission counts saved in only part "
+                                  "of the chain")
+        elements, groups = elements[first:], groups[first:]
+    if not groups:
+        return
+    removed = _removed_ids(groups, name)
+    for i, ((d, m), group) in enumerate(zip(elements, groups)):
+        if i:
+            table.age(m["shards"][0].get("shrinks", 0))
+        for shard in group:
+            owned = shard.import_into(table, fields, server_id, n_servers, removed, name)
+            want = shard.entry["rows" if name == "sparse" else "admission_rows"]
+            if m["n_servers"] == n_servers and owned != want:
+                raise CheckpointError(f"{shard.path}: holds ids of other servers (written "
+                                      "with a different id -> server mapping)")
+
+
+def _admitted(group, server_id, same):
+    """This server's ``admitted`` counter from the last element's shards."""
+    if same:
+        return int(group[0].read("admission/admitted")[0])
+    return sum(int(s.read("admission/admitted")[0]) for s in group) if server_id == 0 else 0
+
+
+def load_local(path, sparse, dense, admission=None):
     """Load checkpoint ``path`` (dir or root) whole into one process's empty tables."""
-    return load_shard_into(resolve(path), sparse, dense, 0, 1, [0, len(dense)])
+    return load_shard_into(resolve(path), sparse, dense, 0, 1, [0, len(dense)], admission)

@@ -16,6 +16,9 @@ VERSION = 1
 MODES = ("full", "base", "delta")      # Paddle save_persistables mode 0, 1, 2
 MANIFEST = "MANIFEST.json"
 SKIPPED_FIELDS = ("dirty",)            # save tracking, meaningless inside a checkpoint
+OPTIONAL_ENTRY_KEYS = ("shrinks",            # shrink calls since the parent (default 0)
+                       "admission_rows",     # rows of /admission/ (absent: no admission data)
+                       "admission_evicted")
 _DIR_RE = re.compile(r"^ckpt-(\d{6,})-(full|base|delta)$")
 
 
@@ -58,14 +61,19 @@ def _scan(root):
     return sorted(found)
 
 
-def new_checkpoint_dir(root, mode):
+def new_checkpoint_dir(root, mode, parent=None):
     """Create and return ``ROOT/ckpt-<next seq>-<mode>`` (one rank calls this).
 
-    A delta needs an earlier committed base or delta in ``root`` to be its parent.
+    A delta needs a committed base or delta in ``root`` to be its parent: ``parent`` (a
+    directory name), by default the newest one.
     """
     check_mode(mode)
     os.makedirs(root, exist_ok=True)
-    if mode == "delta" and _auto_parent(root, None) is None:
+    if mode == "delta" and parent is not None:
+        pm = read_manifest(os.path.join(root, parent))
+        if pm["mode"] not in ("base", "delta"):
+            raise CheckpointError(f"cannot save a delta on {parent}: a {pm['mode']} save")
+    elif mode == "delta" and _auto_parent(root, None) is None:
         raise CheckpointError(f"cannot save a delta in {root}: it holds no committed base "
                               "or delta to be its parent (save mode 'base' first)")
     while True:
@@ -95,17 +103,54 @@ def list_checkpoints(root):
 
 
 def latest(root, warn=None):
-    """Path of the newest committed checkpoint in root, or None.
+    """Path of the newest checkpoint in root that loads, or None.
 
-    Newer directories without a valid manifest (interrupted saves) are skipped with a
-    warning through ``warn`` (default: stderr).
+    Newer directories without a valid manifest (interrupted saves), and deltas whose chain
+    back to a base is broken (a deleted or damaged parent, a missing or truncated shard
+    file), are skipped with a warning through ``warn`` (default: stderr).
     """
     warn = warn or stderr_warn
     for info in reversed(list_checkpoints(root)):
         if info["valid"]:
-            return info["path"]
+            try:
+                check_files(info["path"])
+                return info["path"]
+            except CheckpointError as e:
+                info["error"] = str(e)
         warn(f"ignoring {info['error']}")
     return None
+
+
+def check_files(path):
+    """Raise CheckpointError unless every element of path's chain has its manifest and all
+    its shard files at their recorded sizes (checksums are verified on load)."""
+    for d, m in chain_manifests(path):
+        for sh in m["shards"]:
+            f = os.path.join(d, sh["file"])
+            if not os.path.isfile(f) or os.path.getsize(f) != sh["bytes"]:
+                raise CheckpointError(f"{path}: shard file {f} is missing or not "
+                                      f"{sh['bytes']} bytes")
+
+
+class Lineage:
+    """The parent of the next delta: the checkpoint the tables were loaded from or last
+    saved as base/delta, not the newest one in the root (which may belong to an abandoned
+    run resumed from an older checkpoint).  With none in ``root`` (a fresh root, a full
+    checkpoint, one from another root) a delta is saved as a base instead."""
+
+    def __init__(self, root, loaded=None):
+        self.root, self.parent = os.path.normpath(root), None
+        if loaded and os.path.normpath(os.path.dirname(os.path.normpath(loaded))) == self.root:
+            if read_manifest(loaded)["mode"] in ("base", "delta"):
+                self.parent = os.path.basename(os.path.normpath(loaded))
+
+    def mode(self, mode):
+        """The mode to save for a requested one."""
+        return "base" if mode == "delta" and self.parent is None else mode
+
+    def saved(self, path, mode):
+        if mode in ("base", "delta"):
+            self.parent = os.path.basename(os.path.normpath(path))
 
 
 def resolve(path, warn=None):
@@ -135,6 +180,9 @@ def _check_shard_entry(where, sh, i, n_servers):
     _need(isinstance(sh, dict), where, f"shard {i} is not an object")
     for key in ("bytes", "rows", "evicted", "dense_lo", "dense_size", "server_id"):
         _need(_is_int(sh.get(key)) and sh[key] >= 0, where, f"shard {i}: bad {key!r}")
+    for key in OPTIONAL_ENTRY_KEYS:
+        _need(key not in sh or (_is_int(sh[key]) and sh[key] >= 0), where,
+              f"shard {i}: bad {key!r}")
     name = sh.get("file")
     _need(name == shard_name(i, n_servers) and sh["server_id"] == i, where,
           f"shard {i}: file must be {shard_name(i, n_servers)}; got {name!r}")
@@ -247,7 +295,8 @@ def write_manifest(ckpt_dir, info):
         if parent is None:
             raise CheckpointError(f"delta {ckpt_dir} has no committed base/delta before it")
     entries = [{k: s[k] for k in ("file", "bytes", "server_id", "rows", "evicted", "dense_lo",
-                                  "dense_size", "datasets")} for s in shards]
+                                  "dense_size", "datasets") + OPTIONAL_ENTRY_KEYS if k in s}
+               for s in shards]
     last = shards[-1]
     end = last["dense_lo"] + last["dense_size"]
     manifest = {"format": FORMAT, "version": VERSION, "seq": seq, "mode": mode,

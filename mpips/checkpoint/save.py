@@ -1,7 +1,8 @@
 """Writing a checkpoint: each server's shard file, and a one-process save.
 
-A shard file holds ``/sparse/<field>`` per row field, ``/sparse/evicted`` and
-``/dense/<name>``, written whole and contiguous, with a CRC-32 per dataset returned for
+A shard file holds ``/sparse/<field>`` per row field, ``/sparse/evicted``,
+``/dense/<name>`` and, with admission, ``/admission/<field>``, ``/admission/evicted`` and
+``/admission/admitted``, written whole and contiguous, with a CRC-32 per dataset returned for
 the manifest (see ``mpips.checkpoint``).
 """
 import dataclasses
@@ -26,6 +27,14 @@ def _write_whole(group, name, arr, datasets):
         "shape": list(arr.shape), "dtype": arr.dtype.name, "crc32": zlib.crc32(arr)}
 
 
+def _tracked(table, mode):
+    """(row indices to save or None = all, their count, evicted ids) of a table in mode."""
+    if mode != "delta":
+        return None, len(table), np.empty(0, np.int64)
+    rows = table.dirty_rows()
+    return rows, len(rows), table.evicted_keys().astype(np.int64)
+
+
 def _write_rows(group, sparse, rows, n, datasets):
     """Write the fields of n table rows (``rows`` indices, None = all) in chunks."""
     template = sparse.export_rows(np.empty(0, np.int64))
@@ -42,16 +51,20 @@ def _write_rows(group, sparse, rows, n, datasets):
             dsets[f].write_direct(arr, dest_sel=np.s_[lo:hi])
             crcs[f] = zlib.crc32(arr, crcs[f])
     for f in fields:
-        datasets[f"sparse/{f}"] = {"shape": list(dsets[f].shape),
+        datasets[f"{group.name.strip('/')}/{f}"] = {"shape": list(dsets[f].shape),
                                    "dtype": template[f].dtype.name, "crc32": crcs[f]}
 
 
-def save_shard(ckpt_dir, server_id, n_servers, sparse, dense, dense_lo, mode):
+def save_shard(ckpt_dir, server_id, n_servers, sparse, dense, dense_lo, mode, admission=None):
     """Write this server's shard file into ``ckpt_dir``; return its entry for the manifest.
 
     Call on quiesced tables (no push may land during the call).  ``dense_lo`` is the
-    offset of ``dense``'s slice in the flat dense vector.  base/delta clear the table's
-    change tracking once the file is safely on disk.
+    offset of ``dense``'s slice in the flat dense vector.  ``admission``: the
+    AdmittedTable in front of ``sparse``, whose waiting counts (``/admission/<field>``,
+    ``/admission/evicted``) and ``admitted`` counter are saved with the same base/delta
+    semantics.  The entry's ``shrinks`` is the number of shrink calls since the last
+    base/delta (a delta's loader ages the older rows by it).  base/delta clear the
+    tables' change tracking once the file is safely on disk.
     """
     check_mode(mode)
     if not 0 <= server_id < n_servers:
@@ -59,11 +72,10 @@ def save_shard(ckpt_dir, server_id, n_servers, sparse, dense, dense_lo, mode):
     name = shard_name(server_id, n_servers)
     final = os.path.join(ckpt_dir, name)
     tmp = final + ".tmp"
-    rows = sparse.dirty_rows() if mode == "delta" else None
-    n = len(sparse) if rows is None else len(rows)
-    evicted = sparse.evicted_keys() if mode == "delta" else np.empty(0, np.int64)
+    rows, n, evicted = _tracked(sparse, mode)
+    counts = admission.counts if admission is not None else None
     opt = dataclasses.asdict(sparse.opt)
-    datasets = {}
+    datasets, extra = {}, {"shrinks": int(sparse.shrinks)}
     with h5py.File(tmp, "w", locking=False) as f:
         f.attrs.update(format=FORMAT, version=VERSION, mode=mode, server_id=server_id,
                        n_servers=n_servers, embedding_dim=sparse.dim, optimizer=opt["name"],
@@ -71,32 +83,43 @@ def save_shard(ckpt_dir, server_id, n_servers, sparse, dense, dense_lo, mode):
                        dense_size=len(dense))
         grp = f.create_group("sparse")
         _write_rows(grp, sparse, rows, n, datasets)
-        _write_whole(grp, "evicted", evicted.astype(np.int64), datasets)
+        _write_whole(grp, "evicted", evicted, datasets)
         dgrp = f.create_group("dense")
         for key, arr in dense.export_state().items():
             _write_whole(dgrp, key, arr, datasets)
+        if counts is not None:
+            c_rows, c_n, c_evicted = _tracked(counts, mode)
+            agrp = f.create_group("admission")
+            _write_rows(agrp, counts, c_rows, c_n, datasets)
+            _write_whole(agrp, "evicted", c_evicted, datasets)
+            _write_whole(agrp, "admitted", np.array([admission.admitted], np.int64), datasets)
+            extra.update(admission_rows=int(c_n), admission_evicted=len(c_evicted))
     fsync(tmp)
     os.replace(tmp, final)
     fsync(ckpt_dir)
     if mode in ("base", "delta"):
-        sparse.clear_dirty()
-        sparse.clear_evicted()
+        for table in (sparse, counts):
+            if table is not None:
+                table.clear_dirty()
+                table.clear_evicted()
     return {"file": name, "bytes": os.path.getsize(final), "server_id": int(server_id),
             "n_servers": int(n_servers), "mode": mode, "rows": int(n),
             "evicted": len(evicted), "dense_lo": int(dense_lo), "dense_size": len(dense),
-            "embedding_dim": sparse.dim, "optimizer": opt, "datasets": datasets}
+            "embedding_dim": sparse.dim, "optimizer": opt, "datasets": datasets, **extra}
 
 
-def server_save_hooks(save_dir, server_id, n_servers, sparse, dense, dense_lo):
+def server_save_hooks(save_dir, server_id, n_servers, sparse, dense, dense_lo,
+                      admission=None):
     """(on_save, save_check) for a Server: SAVE seq/mode writes this server's shard of
     ``save_dir/ckpt-<seq>-<mode>``; save_check says why a SAVE is refused (the worker
-    creates the directory first, and a committed checkpoint is never written again)."""
+    creates the directory first, and a committed checkpoint is never written again).
+    admission: the AdmittedTable in front of ``sparse`` (its counts are saved too)."""
     def path_of(seq, mode_index):
         return os.path.join(save_dir, f"ckpt-{seq:06d}-{MODES[mode_index]}")
 
     def on_save(seq, mode_index):
         info = save_shard(path_of(seq, mode_index), server_id, n_servers, sparse, dense,
-                          int(dense_lo), MODES[mode_index])
+                          int(dense_lo), MODES[mode_index], admission)
         return json.dumps(info).encode()
 
     def save_check(seq, mode_index):
@@ -107,9 +130,13 @@ def server_save_hooks(save_dir, server_id, n_servers, sparse, dense, dense_lo):
     return on_save, save_check
 
 
-def save_local(root, sparse, dense, mode, config=None, meta=None):
-    """Save one process's whole tables as a one-shard checkpoint; return its directory."""
-    d = new_checkpoint_dir(root, mode)
-    info = save_shard(d, 0, 1, sparse, dense, 0, mode)
-    write_manifest(d, {"shards": [info], "config": config, "meta": meta})
+def save_local(root, sparse, dense, mode, config=None, meta=None, admission=None,
+               parent=None):
+    """Save one process's whole tables as a one-shard checkpoint; return its directory.
+
+    parent: a delta's parent directory name (default: the newest base/delta in root).
+    """
+    d = new_checkpoint_dir(root, mode, parent)
+    info = save_shard(d, 0, 1, sparse, dense, 0, mode, admission)
+    write_manifest(d, {"shards": [info], "config": config, "meta": meta, "parent": parent})
     return d

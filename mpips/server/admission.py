@@ -3,7 +3,8 @@
 `AdmittedTable` has the SparseTable interface.  A training pull (create=True) brings the
 number of *sightings* (occurrences in the batch's examples) of each of its ids.  An id
 without a row is counted in a small side table (`counts`, itself a SparseTable of width 1,
-so it ages and is shrunk like any table):
+so it ages, is shrunk and is saved with base/delta semantics like any table;
+checkpoints hold it and the ``admitted`` counter next to the rows):
 - ``count:N``: the id gets its row at its N-th sighting;
 - ``probability:P``: at each sighting the id gets its row with probability P, decided by a
   hash of (seed, id, sighting number) so that runs are reproducible.
@@ -111,7 +112,6 @@ class AdmittedTable:
     def shrink(self, threshold):
         """Age and evict rows and waiting counts alike; returns rows removed."""
         self.counts.shrink(threshold)
-        self.counts.clear_evicted()
         return self.table.shrink(threshold)
 
     def waiting(self):

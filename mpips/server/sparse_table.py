@@ -23,10 +23,15 @@ Which calls create rows and set flags:
 call                      creates row  seen_flag  seen_count  dirty
 ========================  ===========  =========  ==========  =====
 pull(create=False)        no           no         no          no
-pull(create=True)         yes          yes        +1          new rows only
+pull(create=True)         yes          yes        +1          yes
 push / add (create=True)  yes          yes        no          yes
+assign                    yes          no         no          yes
 import_rows               yes          as given   as given    as given (default 1)
 ========================  ===========  =========  ==========  =====
+
+So a row that is not dirty was not seen since ``clear_dirty``: its metadata changed only
+by ``shrink`` ageing it, once per call, which ``shrinks`` counts and ``age`` replays (a
+delta checkpoint holds the dirty rows and that count; loading ages older rows by it).
 
 Admission filters sit in front: they call ``pull(create=False)`` and
 ``push(..., create=False)`` (gradients of ids without a row are dropped) until an id is
@@ -45,6 +50,7 @@ SHRINK_SLACK = 0.25    # spare row capacity kept after a shrink compaction
 MIN_CAPACITY = 16
 MAX_ROWS = np.iinfo(np.int32).max     # rows are int32 indices in the slot array
 SCRATCH_MAX = 1 << 16   # calls with more keys (bulk loads) allocate instead
+UNSEEN_MAX = 65535      # ``unseen`` saturates here (uint16)
 META_FIELDS = (('unseen', np.uint16), ('seen_count', np.uint32), ('dirty', np.uint8),
                ('seen_flag', np.uint8))
 
@@ -101,6 +107,7 @@ class SparseTable:
         self._slots = np.full(slots_for(self.capacity), -1, np.int32)
         self._rows_buf = np.empty(1024, np.int64)
         self._evicted = []
+        self.shrinks = 0            # shrink calls since clear_dirty
 
     # ----------------------------------------------------------------- storage
     def _alloc(self, cap):
@@ -178,7 +185,7 @@ class SparseTable:
         rows = self._rows_for(keys, create)
         if create:
             c = self._cols
-            touch_rows(rows, c['seen_flag'], c['seen_count'], c['dirty'], True, False)
+            touch_rows(rows, c['seen_flag'], c['seen_count'], c['dirty'], True, True)
         read_rows(self._cols['values'], rows, out)
 
     def push(self, keys, grads, scale=1.0, create=True):
@@ -209,6 +216,7 @@ class SparseTable:
         values = self._check_rows_arg(values, keys.shape[0], 'values')
         rows = self._rows_for(keys, True)
         self._cols['values'][rows] = values
+        self._cols['dirty'][rows] = 1
 
     def _live(self, keys, data, create):
         rows = self._rows_for(keys, create)
@@ -296,7 +304,9 @@ class SparseTable:
         return self._cols['keys'][self.dirty_rows()]
 
     def clear_dirty(self):
+        """Start tracking changes afresh (after a base/delta save or a load)."""
         self._cols['dirty'][:self._n] = 0
+        self.shrinks = 0
 
     def evicted_keys(self):
         """Sorted unique ids removed by ``shrink`` since ``clear_evicted``.
@@ -321,6 +331,7 @@ class SparseTable:
         """
         if int(threshold) != threshold or threshold < 0:
             raise ValueError(f'shrink threshold must be an integer >= 0; got {threshold}')
+        self.shrinks += 1
         n = self._n
         keep = np.empty(n, np.bool_)
         c = self._cols
@@ -334,3 +345,10 @@ class SparseTable:
         self._slots = np.empty(slots_for(self.capacity), np.int32)
         rebuild_slots(self._cols['keys'], kept, self._slots)
         return n - kept
+
+    def age(self, times):
+        """Age every row as ``times`` shrink calls would, evicting none (checkpoint replay)."""
+        keep = np.empty(self._n, np.bool_)
+        c = self._cols
+        for _ in range(int(times)):
+            age_rows(c['unseen'], c['seen_flag'], self._n, UNSEEN_MAX, keep)
