@@ -219,3 +219,30 @@ def test_resume_an_older_checkpoint_into_the_same_root(stream_dir, tmp_path):
         assert name == name_o and sorted(state) == sorted(state_o)
         for k, v in state_o.items():
             np.testing.assert_array_equal(state[k], v, err_msg=f"ckpt {new}: {k}")
+
+
+def test_stream_resumed_into_more_servers(stream_dir, tmp_path):
+    """A one-process stream killed mid-pass goes on as 2 servers x 1 worker (sync): ids,
+    waiting counts and the admitted counter are re-sharded, and every number after the
+    resume is that of the uninterrupted one-process run."""
+    common = ("--entry", "count:2", "--shrink-every", "pass", "--shrink-threshold", "2",
+              "--mode", "sync")
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    assert run_cmd(args(stream_dir, ref, "--local", *common)).returncode == 0
+    run = tmp_path / "run"
+    run.mkdir()
+    proc = run_cmd(args(stream_dir, run, "--local", *common),
+                   env={"MPIPS_DEBUG_KILL_AT": KILL_AT})
+    assert proc.returncode != 0 and len(records(run)) == 2
+    proc = run_cmd(args(stream_dir, run, *common, "--servers", "2"), n=3)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got, want = records(run), records(ref)
+    assert [r["pass"] for r in got] == [r["pass"] for r in want]
+    assert got[-1]["servers"] == 2 and got[-1]["workers"] == 1
+    for a, b in zip(got, want):
+        assert {k: a.get(k) for k in SAME} == {k: b.get(k) for k in SAME}
+    _, state_r = final_state(ref / "ck")
+    _, state = final_state(run / "ck")
+    for k, v in state_r.items():
+        np.testing.assert_array_equal(state[k], v, err_msg=k)
