@@ -82,7 +82,8 @@ class Backend(Protocol):
 
     def shrink(self, threshold: int) -> int:
         """Age every row; evict rows unseen for more than ``threshold`` shrinks; return the
-        rows removed (on the logger; 0 elsewhere)."""
+        rows removed (on the logger; 0 elsewhere).  Returns on every worker only after the
+        eviction, so no pull that follows is served before it."""
 
     def stats(self) -> dict:
         """Table facts for the record: table_rows, table_bytes, admitted_total, ids_waiting
