@@ -84,19 +84,41 @@ def test_late_pass_is_picked_up(stream_dir, tmp_path):
     assert [r["pass"] for r in records(tmp_path)][-1] == "20261130/02"
 
 
-KILL_AT = "20261129/02:3"      # mid-stream, mid-pass: a delta chain to resume from
+KILL_AT = "20261129/02:2"      # mid-stream, mid-pass: a delta chain to resume from
+EXACT = ("--entry", "count:2", "--shrink-every", "pass", "--shrink-threshold", "2",
+         "--mode", "sync", "--batch-size", "64")
 SAME = ("pass", "train_examples", "train_loss", "train_auc", "test_examples", "test_auc",
         "test_logloss", "test_mean_pred", "table_rows", "admitted_total", "ids_admitted",
         "ids_waiting", "ids_evicted", "passes_late")
 
 
+@pytest.fixture(scope="module")
+def small_stream(tmp_path_factory):
+    """2 days x 3 hours x 400 rows: the exact-resume tests."""
+    from data_prep.stream_synth import generate_stream
+    out = tmp_path_factory.mktemp("small_stream")
+    generate_stream(str(out), days=2, hours=3, rows_per_pass=400, parts=2, seed=5)
+    return out
+
+
+@pytest.fixture(scope="module")
+def local_ref(small_stream, tmp_path_factory):
+    """The uninterrupted one-process run of small_stream with EXACT (its dir)."""
+    ref = tmp_path_factory.mktemp("local_ref")
+    proc = run_cmd(args(small_stream, ref, "--local", *EXACT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    recs = records(ref)
+    assert recs[-1]["ids_evicted"] > 0 and recs[-1]["ids_waiting"] > 0   # both at work
+    return ref
+
+
 def final_state(root):
     """Every field of the latest checkpoint under root (chain loaded into one table)."""
     from mpips import checkpoint as ck
+    from mpips.server.admission import AdmittedTable
     from mpips.server.dense_table import DenseTable
     from mpips.server.optim import OptimizerConfig
     from mpips.server.sparse_table import SparseTable
-    from mpips.server.admission import AdmittedTable
     path = ck.resolve(str(root))
     m = ck.read_manifest(path)
     opt = OptimizerConfig(name=m["optimizer"]["name"])
@@ -113,35 +135,80 @@ def final_state(root):
     return m["meta"]["pass"], out
 
 
-@pytest.mark.parametrize("n", [None, 4], ids=["local", "2x2-sync"])
-def test_kill_and_resume_is_exact(stream_dir, tmp_path, n):
-    """SIGKILL mid-pass, then the same command again: every pass trained once, in order,
-    and the per-pass numbers and the final checkpoint are those of an uninterrupted run."""
-    common = ("--entry", "count:2", "--shrink-every", "pass", "--shrink-threshold", "2") + (
-        ("--local",) if n is None else ("--mode", "sync"))
-    ref = tmp_path / "ref"
-    ref.mkdir()
-    proc = run_cmd(args(stream_dir, ref, *common), n=n)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    run = tmp_path / "run"
-    run.mkdir()
-    proc = run_cmd(args(stream_dir, run, *common), n=n, env={"MPIPS_DEBUG_KILL_AT": KILL_AT})
-    assert proc.returncode != 0
-    done_before = [r["pass"] for r in records(run)]
-    assert done_before == ["20261129/00", "20261129/01"], done_before
-    assert len(ckpts(run)) == 2          # the killed pass was not saved
-    proc = run_cmd(args(stream_dir, run, *common), n=n)           # the same command again
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    got, want = records(run), records(ref)
+def assert_same_run(run, ref, start=0):
+    """run's records from `start` and its final checkpoint equal ref's, number for number."""
+    got, want = records(run)[start:], records(ref)
     assert [r["pass"] for r in got] == [r["pass"] for r in want]  # none twice, none skipped
     for a, b in zip(got, want):
         assert {k: a.get(k) for k in SAME} == {k: b.get(k) for k in SAME}
-    assert want[-1]["ids_evicted"] > 0 and want[-1]["ids_waiting"] > 0
     name_r, state_r = final_state(ref / "ck")
     name, state = final_state(run / "ck")
     assert name == name_r == "20261130/02" and sorted(state) == sorted(state_r)
     for k, v in state_r.items():
         np.testing.assert_array_equal(state[k], v, err_msg=k)
+
+
+def killed(stream, run, *flags, n=None):
+    """Run until MPIPS_DEBUG_KILL_AT SIGKILLs it mid-pass; check what it left."""
+    run.mkdir()
+    proc = run_cmd(args(stream, run, *flags), n=n, env={"MPIPS_DEBUG_KILL_AT": KILL_AT})
+    assert proc.returncode != 0
+    assert [r["pass"] for r in records(run)] == ["20261129/00", "20261129/01"]
+    assert len(ckpts(run)) == 2          # the killed pass was not saved
+
+
+@pytest.mark.parametrize("n", [None, 4], ids=["local", "2x2-sync"])
+def test_kill_and_resume_is_exact(small_stream, local_ref, tmp_path, n):
+    """SIGKILL mid-pass, then the same command again: every pass trained once, in order,
+    and the per-pass numbers and the final checkpoint are those of an uninterrupted run."""
+    flags = EXACT + (("--local",) if n is None else ())
+    ref = local_ref
+    if n:
+        ref = tmp_path / "ref"
+        ref.mkdir()
+        proc = run_cmd(args(small_stream, ref, *flags), n=n)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    killed(small_stream, tmp_path / "run", *flags, n=n)
+    proc = run_cmd(args(small_stream, tmp_path / "run", *flags), n=n)   # the same command
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert_same_run(tmp_path / "run", ref)
+
+
+def test_resume_an_older_checkpoint_into_the_same_root(small_stream, local_ref, tmp_path):
+    """Resumed from its 2nd checkpoint into the same --save-dir, a run's next delta builds
+    on that checkpoint, not on the newest one of the abandoned run: every checkpoint it
+    saves holds what the first run's checkpoint of the same pass holds."""
+    import shutil
+    from mpips import checkpoint as ck
+    run = tmp_path / "run"
+    shutil.copytree(local_ref, run)
+    ckd = run / "ck"
+    proc = run_cmd(args(small_stream, run, "--local", *EXACT, "--resume",
+                        str(ckd / "ckpt-000002-delta")))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first, again = records(run)[:6], records(run)[6:]
+    assert [r["pass"] for r in again] == [r["pass"] for r in first[2:]]
+    for a, b in zip(again, first[2:]):
+        assert {k: a.get(k) for k in SAME} == {k: b.get(k) for k in SAME}
+    assert ck.chain(str(ckd / "ckpt-000007-delta")) == [
+        str(ckd / c) for c in ("ckpt-000001-base", "ckpt-000002-delta", "ckpt-000007-delta")]
+    for new, old in ((7, 3), (10, 6)):
+        name, state = final_state(ckd / f"ckpt-{new:06d}-delta")
+        name_o, state_o = final_state(ckd / f"ckpt-{old:06d}-delta")
+        assert name == name_o and sorted(state) == sorted(state_o)
+        for k, v in state_o.items():
+            np.testing.assert_array_equal(state[k], v, err_msg=f"ckpt {new}: {k}")
+
+
+def test_stream_resumed_into_more_servers(small_stream, local_ref, tmp_path):
+    """A one-process stream killed mid-pass goes on as 2 servers x 1 worker (sync): ids,
+    waiting counts and the admitted counter are re-sharded, and every number after the
+    resume is that of the uninterrupted one-process run."""
+    killed(small_stream, tmp_path / "run", "--local", *EXACT)
+    proc = run_cmd(args(small_stream, tmp_path / "run", *EXACT, "--servers", "2"), n=3)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert records(tmp_path / "run")[-1]["servers"] == 2
+    assert_same_run(tmp_path / "run", local_ref)
 
 
 def test_distributed_stream_sync(stream_dir, tmp_path):
@@ -191,58 +258,3 @@ def test_late_pass_is_reported_counted_or_fails(tmp_path):
     strict = PassFeed(str(tmp_path), "20261129/00", "fail")  # /01 and /02 ready later
     with pytest.raises(LatePass, match="20261129/01"):
         strict.next("20261129/02", 0)
-
-
-def test_resume_an_older_checkpoint_into_the_same_root(stream_dir, tmp_path):
-    """Resumed from its 2nd checkpoint into the same --save-dir, a run's next delta builds
-    on that checkpoint, not on the newest one of the abandoned run: every checkpoint it
-    saves holds what the first run's checkpoint of the same pass holds."""
-    common = ("--local", "--entry", "count:2", "--shrink-every", "pass",
-              "--shrink-threshold", "2")
-    proc = run_cmd(args(stream_dir, tmp_path, *common))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    first = records(tmp_path)
-    proc = run_cmd(args(stream_dir, tmp_path, *common, "--resume",
-                        str(tmp_path / "ck" / "ckpt-000002-delta")))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    again = records(tmp_path)[6:]
-    assert [r["pass"] for r in again] == [r["pass"] for r in first[2:]]
-    for a, b in zip(again, first[2:]):
-        assert {k: a.get(k) for k in SAME} == {k: b.get(k) for k in SAME}
-    from mpips import checkpoint as ck
-    assert ck.chain(str(tmp_path / "ck" / "ckpt-000007-delta")) == [
-        str(tmp_path / "ck" / c) for c in ("ckpt-000001-base", "ckpt-000002-delta",
-                                           "ckpt-000007-delta")]
-    for new, old in ((7, 3), (10, 6)):
-        name, state = final_state(tmp_path / "ck" / f"ckpt-{new:06d}-{'delta'}")
-        name_o, state_o = final_state(tmp_path / "ck" / f"ckpt-{old:06d}-{'delta'}")
-        assert name == name_o and sorted(state) == sorted(state_o)
-        for k, v in state_o.items():
-            np.testing.assert_array_equal(state[k], v, err_msg=f"ckpt {new}: {k}")
-
-
-def test_stream_resumed_into_more_servers(stream_dir, tmp_path):
-    """A one-process stream killed mid-pass goes on as 2 servers x 1 worker (sync): ids,
-    waiting counts and the admitted counter are re-sharded, and every number after the
-    resume is that of the uninterrupted one-process run."""
-    common = ("--entry", "count:2", "--shrink-every", "pass", "--shrink-threshold", "2",
-              "--mode", "sync")
-    ref = tmp_path / "ref"
-    ref.mkdir()
-    assert run_cmd(args(stream_dir, ref, "--local", *common)).returncode == 0
-    run = tmp_path / "run"
-    run.mkdir()
-    proc = run_cmd(args(stream_dir, run, "--local", *common),
-                   env={"MPIPS_DEBUG_KILL_AT": KILL_AT})
-    assert proc.returncode != 0 and len(records(run)) == 2
-    proc = run_cmd(args(stream_dir, run, *common, "--servers", "2"), n=3)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    got, want = records(run), records(ref)
-    assert [r["pass"] for r in got] == [r["pass"] for r in want]
-    assert got[-1]["servers"] == 2 and got[-1]["workers"] == 1
-    for a, b in zip(got, want):
-        assert {k: a.get(k) for k in SAME} == {k: b.get(k) for k in SAME}
-    _, state_r = final_state(ref / "ck")
-    _, state = final_state(run / "ck")
-    for k, v in state_r.items():
-        np.testing.assert_array_equal(state[k], v, err_msg=k)
