@@ -285,10 +285,10 @@ def read_manifest(path):
 
 def _bundle_schema(m):
     dim, n_params = m["model"]["embedding_dim"], m["model"]["n_params"]
-    return {"sparse/keys": (np.dtype(np.int64), lambda r, e, d: (r,)),
-            "sparse/values": (np.dtype(m["dtype"]), lambda r, e, d: (r, dim)),
-            "sparse/evicted": (np.dtype(np.int64), lambda r, e, d: (e,)),
-            "dense/values": (np.dtype(np.float32), lambda r, e, d: (n_params,))}
+    return {"sparse/keys": (np.dtype(np.int64), lambda e: (e["rows"],)),
+            "sparse/values": (np.dtype(m["dtype"]), lambda e: (e["rows"], dim)),
+            "sparse/evicted": (np.dtype(np.int64), lambda e: (e["evicted"],)),
+            "dense/values": (np.dtype(np.float32), lambda e: (n_params,))}
 
 
 def read_bundle(path):
