@@ -7,12 +7,17 @@ Layout (owned by :class:`mpips.server.sparse_table.SparseTable`):
 * ``row_keys`` int64 (R,); rows ``0 .. n_rows-1`` are live and stored contiguously,
   new rows are appended at ``n_rows``.
 
+Row columns (``row_keys``, ``values``, metadata) may be plain arrays or paged columns
+(:mod:`mpips.kernels.pages`); the kernels read them through ``row`` / ``at`` / ``put``.
+
 A key's home slot is ``splitmix64(key ^ SLOT_SALT) & (S - 1)``; collisions probe
 linearly. Rows are never deleted in place: eviction rebuilds the arrays, so there are
 no tombstones.
 """
 import numpy as np
 from numba import njit
+
+from mpips.kernels.pages import at, put, row
 
 # splitmix64 constants (Steele, Lea & Flood 2014; Vigna's reference implementation).
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -77,7 +82,7 @@ def lookup_rows(slots, row_keys, keys, rows_out):
             cand = slots[s]
             if cand < 0:
                 break
-            if row_keys[cand] == key:
+            if at(row_keys, cand) == key:
                 r = np.int64(cand)
                 found += 1
                 break
@@ -116,11 +121,11 @@ def insert_missing(slots, row_keys, n_rows, keys, rows):
             cand = slots[s]
             if cand < 0:
                 slots[s] = n_rows
-                row_keys[n_rows] = key
+                put(row_keys, n_rows, key)
                 rows[i] = n_rows
                 n_rows += 1
                 break
-            if row_keys[cand] == key:  # duplicate of a key inserted by this call
+            if at(row_keys, cand) == key:  # duplicate of a key inserted by this call
                 rows[i] = cand
                 break
             s = (s + 1) & np.int64(mask)
@@ -144,7 +149,7 @@ def rebuild_slots(row_keys, n_rows, slots):
     slots[:] = -1
     mask = np.uint64(slots.shape[0] - 1)
     for r in range(n_rows):
-        s = _home_slot(row_keys[r], mask)
+        s = _home_slot(at(row_keys, r), mask)
         while slots[s] >= 0:
             s = (s + 1) & np.int64(mask)
         slots[s] = r
@@ -194,15 +199,16 @@ def read_rows(values, rows, out):
     -------
     None
     """
-    dim = values.shape[1]
+    dim = out.shape[1]
     for i in range(rows.shape[0]):
         r = rows[i]
         if r < 0:
             for j in range(dim):
                 out[i, j] = 0.0
         else:
+            w = row(values, r)
             for j in range(dim):
-                out[i, j] = values[r, j]
+                out[i, j] = w[j]
 
 
 @njit(cache=True, nogil=True)
@@ -224,11 +230,13 @@ def touch_rows(rows, seen_flag, seen_count, dirty, count, set_dirty):
     top = np.uint32(0xFFFFFFFF)
     for i in range(rows.shape[0]):
         r = rows[i]
-        seen_flag[r] = 1
-        if count and seen_count[r] < top:
-            seen_count[r] += np.uint32(1)
+        put(seen_flag, r, np.uint8(1))
+        if count:
+            c = at(seen_count, r)
+            if c < top:
+                put(seen_count, r, np.uint32(c + np.uint32(1)))
         if set_dirty:
-            dirty[r] = 1
+            put(dirty, r, np.uint8(1))
 
 
 @njit(cache=True, nogil=True)
@@ -252,12 +260,14 @@ def age_rows(unseen, seen_flag, n_rows, threshold, keep_out):
     """
     kept = 0
     for r in range(n_rows):
-        if seen_flag[r]:
-            unseen[r] = 0
-            seen_flag[r] = 0
-        elif unseen[r] < 65535:
-            unseen[r] += np.uint16(1)
-        keep = np.int64(unseen[r]) <= threshold
+        u = at(unseen, r)
+        if at(seen_flag, r):
+            u = np.uint16(0)
+            put(seen_flag, r, np.uint8(0))
+        elif u < 65535:
+            u = np.uint16(u + np.uint16(1))
+        put(unseen, r, u)
+        keep = np.int64(u) <= threshold
         keep_out[r] = keep
         kept += keep
     return kept

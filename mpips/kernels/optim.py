@@ -1,7 +1,8 @@
 """Numba optimizer kernels that update a subset of rows of 2-D parameter arrays.
 
-Sparse tables pass the rows named in a push; a dense table is one row of width n and
-passes ``rows = [0]``. Gradients are multiplied by ``scale`` first (e.g. 1 / n_workers).
+Sparse tables pass the rows named in a push (as paged columns, see
+:mod:`mpips.kernels.pages`); a dense table is one flat row of width n and passes
+``rows = [0]``. Gradients are multiplied by ``scale`` first (e.g. 1 / n_workers).
 Parameters and state are float32. SGD and Adagrad do each element's arithmetic in float64
 (``lr``, ``eps`` and ``scale`` come in as float64) and round once when storing; Adam does
 its element arithmetic in float32 (half the time of float64 on the wide dense row) and
@@ -28,6 +29,8 @@ Formulas (g = grad * scale), matching PaddlePaddle's operators:
 import numpy as np
 from numba import njit
 
+from mpips.kernels.pages import at, put, row
+
 # Layout of the ``hyper`` array taken by :func:`adam_rows`.
 H_LR, H_BETA1, H_BETA2, H_EPS, H_SCALE = 0, 1, 2, 3, 4
 N_HYPER = 5
@@ -50,9 +53,9 @@ def sgd_rows(values, rows, grads, lr, scale):
     """
     step = lr * scale
     for i in range(rows.shape[0]):
-        r = rows[i]
-        for j in range(values.shape[1]):
-            values[r, j] = values[r, j] - step * grads[i, j]
+        w = row(values, rows[i])
+        for j in range(w.shape[0]):
+            w[j] = w[j] - step * grads[i, j]
 
 
 @njit(cache=True, nogil=True)
@@ -73,11 +76,12 @@ def adagrad_rows(values, accum, rows, grads, lr, eps, scale):
     """
     for i in range(rows.shape[0]):
         r = rows[i]
-        for j in range(values.shape[1]):
+        w, acc = row(values, r), row(accum, r)
+        for j in range(w.shape[0]):
             g = grads[i, j] * scale
-            a = accum[r, j] + g * g
-            accum[r, j] = a
-            values[r, j] = values[r, j] - lr * g / (np.sqrt(a) + eps)
+            a = acc[j] + g * g
+            acc[j] = a
+            w[j] = w[j] - lr * g / (np.sqrt(a) + eps)
 
 
 @njit(cache=True, nogil=True)
@@ -103,12 +107,12 @@ def adam_rows(values, m, v, b1pow, b2pow, rows, grads, hyper):
     one = np.float32(1.0)
     for i in range(rows.shape[0]):
         r = rows[i]
-        b1p = np.float64(b1pow[r])
-        b2p = np.float64(b2pow[r])
+        b1p = np.float64(at(b1pow, r))
+        b2p = np.float64(at(b2pow, r))
         c2 = np.sqrt(1.0 - b2p)
         lr_t = np.float32(hyper[H_LR] * c2 / (1.0 - b1p))
         eps_t = np.float32(hyper[H_EPS] * c2)
-        w, mr, vr, g = values[r], m[r], v[r], grads[i]
+        w, mr, vr, g = row(values, r), row(m, r), row(v, r), grads[i]
         for j in range(w.shape[0]):
             gj = g[j] * scale
             mj = beta1 * mr[j] + (one - beta1) * gj
@@ -116,8 +120,8 @@ def adam_rows(values, m, v, b1pow, b2pow, rows, grads, hyper):
             mr[j] = mj
             vr[j] = vj
             w[j] = w[j] - lr_t * mj / (np.sqrt(vj) + eps_t)
-        b1pow[r] = b1p * hyper[H_BETA1]
-        b2pow[r] = b2p * hyper[H_BETA2]
+        put(b1pow, r, np.float32(b1p * hyper[H_BETA1]))
+        put(b2pow, r, np.float32(b2p * hyper[H_BETA2]))
 
 
 @njit(cache=True, nogil=True)
@@ -135,6 +139,6 @@ def add_rows(values, rows, deltas):
     None
     """
     for i in range(rows.shape[0]):
-        r = rows[i]
-        for j in range(values.shape[1]):
-            values[r, j] += deltas[i, j]
+        w = row(values, rows[i])
+        for j in range(w.shape[0]):
+            w[j] += deltas[i, j]

@@ -10,9 +10,14 @@ Storage is a set of numpy columns indexed by row (see ``row_fields()``):
   ``clear_dirty``), ``seen_flag`` uint8 (seen since the last ``shrink``)
 
 plus an open-addressing slot array (``mpips.kernels.hashmap``). Live rows are
-``0 .. len-1``; new ids are appended. Row arrays grow by ``ROW_GROWTH``, the slot array
-doubles to keep its load at most ``LOAD_FACTOR``. ``shrink`` compacts the rows, so row
-indices are only stable between shrinks.
+``0 .. len-1``; new ids are appended. The columns are paged
+(:class:`mpips.kernels.pages.PagedColumns`, ``PAGE_ROWS`` rows a page): a table grows by
+adding pages and never copies its rows (only the first page grows by ``ROW_GROWTH``
+copies while the table is below one page). The slot array (4 B a slot) doubles to keep
+its load at most ``LOAD_FACTOR``; it is rebuilt from the keys after the old one is
+freed, so growing never holds two copies of anything big. ``shrink`` compacts the rows
+in place (keeping their order) and frees the pages past the end, so row indices are
+only stable between shrinks.
 
 A new row is initialised from ``(seed, id)`` alone (``init_rows``), so the table's
 content never depends on arrival order or on which server holds an id.
@@ -42,10 +47,12 @@ import numpy as np
 from mpips.kernels.hashmap import (age_rows, init_rows, insert_missing, lookup_rows,
                                    read_rows, rebuild_slots, touch_rows)
 from mpips.kernels.optim import add_rows
+from mpips.kernels.pages import PagedColumns, compact_rows
 from mpips.server.optim import OptimizerConfig, apply_rows
 
 LOAD_FACTOR = 0.6      # max live rows / slots
-ROW_GROWTH = 1.25      # row capacity growth: keeps Adam dim-10 state <= 1.5x payload
+ROW_GROWTH = 1.25      # growth of the first page while the table is below one page
+PAGE_ROWS = 1 << 18    # rows per page (Adam dim 10: ~38 MB a page)
 SHRINK_SLACK = 0.25    # spare row capacity kept after a shrink compaction
 MIN_CAPACITY = 16
 MAX_ROWS = np.iinfo(np.int32).max     # rows are int32 indices in the slot array
@@ -80,9 +87,10 @@ class SparseTable:
     seed : int                row-init seed, 0 <= seed < 2**63
     init_range : float        new rows are uniform in [-init_range, init_range)
     capacity : int            initial row capacity (grows as needed)
+    page_rows : int           rows per storage page, a power of two
     """
 
-    def __init__(self, dim, opt, seed, init_range=0.01, capacity=1024):
+    def __init__(self, dim, opt, seed, init_range=0.01, capacity=1024, page_rows=PAGE_ROWS):
         if int(dim) < 1:
             raise ValueError(f'dim must be >= 1; got {dim}')
         if not isinstance(opt, OptimizerConfig):
@@ -103,26 +111,21 @@ class SparseTable:
         for name, dtype in META_FIELDS:
             self._spec[name] = (dtype, False, 0)
         self._n = 0
-        self._cols = self._alloc(max(int(capacity), MIN_CAPACITY))
+        self._store = PagedColumns(
+            {name: (dt, self.dim if per_el else 0) for name, (dt, per_el, _) in self._spec.items()},
+            page_rows, max(int(capacity), MIN_CAPACITY), ROW_GROWTH)
+        self._cols = self._store.col      # name -> paged column, as the kernels take it
         self._slots = np.full(slots_for(self.capacity), -1, np.int32)
         self._rows_buf = np.empty(1024, np.int64)
         self._evicted = []
         self.shrinks = 0            # shrink calls since clear_dirty
 
     # ----------------------------------------------------------------- storage
-    def _alloc(self, cap):
-        return {name: np.empty((cap, self.dim) if per_el else (cap,), dtype)
-                for name, (dtype, per_el, _) in self._spec.items()}
-
-    def _resize(self, cap, rows=None):
-        """Move live rows (or ``rows``, in order) into fresh arrays of ``cap`` rows."""
-        new = self._alloc(cap)
-        for name, col in self._cols.items():
-            if rows is None:
-                new[name][:self._n] = col[:self._n]
-            else:
-                np.take(col, rows, axis=0, out=new[name][:len(rows)])
-        self._cols = new
+    def _rebuild_index(self, n_slots):
+        """New slot array of ``n_slots`` filled from the keys (the old one is freed first)."""
+        self._slots = None
+        self._slots = np.empty(n_slots, np.int32)
+        rebuild_slots(self._cols['keys'], self._n, self._slots)
 
     def _ensure_room(self, n_new):
         need = self._n + n_new
@@ -130,20 +133,20 @@ class SparseTable:
             raise OverflowError(f"sparse table: {need} rows would not fit its int32 slot array "
                                 f"(at most {MAX_ROWS} rows per server); use more servers "
                                 f"(--servers) or evict rows (--shrink-every)")
-        if need > self.capacity:
-            self._resize(max(need, int(self.capacity * ROW_GROWTH) + 1))
+        self._store.grow(need, self._n)
         if need > LOAD_FACTOR * self._slots.shape[0]:
-            self._slots = np.empty(slots_for(need), np.int32)
-            rebuild_slots(self._cols['keys'], self._n, self._slots)
+            self._rebuild_index(slots_for(need))
 
     def _init_new(self, lo, hi):
         """Initialise freshly appended rows ``lo .. hi-1``; they start dirty."""
-        c = self._cols
-        init_rows(c['keys'][lo:hi], self.seed, self.init_range, c['values'][lo:hi])
-        for name, (_, _, fill) in self._spec.items():
-            if fill is not None and name != 'keys':
-                c[name][lo:hi] = fill
-        c['dirty'][lo:hi] = 1
+        pages = self._store.pages
+        for p, a, b, _ in self._store.spans(lo, hi):
+            init_rows(pages['keys'][p][a:b], self.seed, self.init_range,
+                      pages['values'][p][a:b])
+            for name, (_, _, fill) in self._spec.items():
+                if fill is not None and name != 'keys':
+                    pages[name][p][a:b] = fill
+            pages['dirty'][p][a:b] = 1
 
     def _rows_for(self, keys, create):
         """Row of each key (-1: none) in a scratch buffer; creates rows if asked."""
@@ -215,8 +218,8 @@ class SparseTable:
         keys = _as_keys(keys)
         values = self._check_rows_arg(values, keys.shape[0], 'values')
         rows = self._rows_for(keys, True)
-        self._cols['values'][rows] = values
-        self._cols['dirty'][rows] = 1
+        self._store.scatter('values', rows, values)
+        self._store.scatter('dirty', rows, 1)
 
     def _live(self, keys, data, create):
         rows = self._rows_for(keys, create)
@@ -232,8 +235,8 @@ class SparseTable:
 
     @property
     def capacity(self):
-        """Rows the arrays hold before growing."""
-        return self._cols['keys'].shape[0]
+        """Rows the pages hold before growing."""
+        return self._store.capacity
 
     @property
     def n_slots(self):
@@ -241,9 +244,12 @@ class SparseTable:
 
     @property
     def nbytes(self):
-        """Bytes of all arrays owned by the table (row columns, slots, scratch)."""
-        return (sum(col.nbytes for col in self._cols.values()) + self._slots.nbytes
-                + self._rows_buf.nbytes)
+        """Bytes of all arrays owned by the table (row pages, slots, scratch)."""
+        return self._store.nbytes + self._slots.nbytes + self._rows_buf.nbytes
+
+    @property
+    def n_pages(self):
+        return self._store.n_pages
 
     def row_fields(self):
         """Names of the per-row arrays ``export_rows`` returns, ``keys`` first."""
@@ -257,11 +263,11 @@ class SparseTable:
     def export_rows(self, rows=None):
         """Copy of all fields of ``rows`` (row indices; None = all live rows)."""
         if rows is None:
-            return {name: col[:self._n].copy() for name, col in self._cols.items()}
-        rows = np.asarray(rows, dtype=np.int64)
+            return {name: self._store.flat(name, self._n) for name in self._spec}
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
         if rows.ndim != 1 or (rows.size and (rows.min() < 0 or rows.max() >= self._n)):
             raise IndexError(f'rows must be a 1-D array of row indices in [0, {self._n})')
-        return {name: col[rows] for name, col in self._cols.items()}
+        return {name: self._store.gather(name, rows) for name in self._spec}
 
     def import_rows(self, data):
         """Insert or overwrite rows exactly from a dict like ``export_rows`` returns.
@@ -293,19 +299,22 @@ class SparseTable:
         rows = self._rows_for(keys, True).copy()
         for name, val in cols.items():
             if name != 'keys':
-                self._cols[name][rows] = val
+                self._store.scatter(name, rows, val)
 
     def dirty_rows(self):
         """Row indices changed since ``clear_dirty`` (int64, ascending)."""
-        return np.flatnonzero(self._cols['dirty'][:self._n])
+        parts = [np.flatnonzero(part) + start for part, (_, _, _, start) in
+                 zip(self._store.slices('dirty', 0, self._n), self._store.spans(0, self._n))]
+        return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
     def dirty_keys(self):
         """Ids of rows changed since ``clear_dirty`` (int64, in row order)."""
-        return self._cols['keys'][self.dirty_rows()]
+        return self._store.gather('keys', self.dirty_rows())
 
     def clear_dirty(self):
         """Start tracking changes afresh (after a base/delta save or a load)."""
-        self._cols['dirty'][:self._n] = 0
+        for part in self._store.slices('dirty', 0, self._n):
+            part[:] = 0
         self.shrinks = 0
 
     def evicted_keys(self):
@@ -327,7 +336,8 @@ class SparseTable:
 
         A row seen since the previous call has its ``unseen`` reset to 0, every other
         row gets ``unseen += 1``; rows with ``unseen > threshold`` are removed and the
-        arrays rebuilt compactly (memory is given back). Returns the number removed.
+        remaining rows moved down in place, keeping their order; pages past the end are
+        freed (memory is given back). Returns the number removed.
         """
         if int(threshold) != threshold or threshold < 0:
             raise ValueError(f'shrink threshold must be an integer >= 0; got {threshold}')
@@ -338,12 +348,13 @@ class SparseTable:
         kept = age_rows(c['unseen'], c['seen_flag'], n, int(threshold), keep)
         if kept == n:
             return 0
-        self._evicted.append(c['keys'][:n][~keep])
-        self._resize(max(kept + int(kept * SHRINK_SLACK), MIN_CAPACITY),
-                     rows=np.flatnonzero(keep))
+        self._evicted.append(self._store.gather('keys', np.flatnonzero(~keep)))
+        for name in self._spec:
+            compact_rows(c[name], keep, n)
         self._n = kept
-        self._slots = np.empty(slots_for(self.capacity), np.int32)
-        rebuild_slots(self._cols['keys'], kept, self._slots)
+        small = max(kept + int(kept * SHRINK_SLACK), MIN_CAPACITY)
+        self._store.fit(kept, small)
+        self._rebuild_index(slots_for(min(small, self.capacity)))
         return n - kept
 
     def age(self, times):

@@ -1,0 +1,274 @@
+"""Paged row storage for the sparse table, and the accessors numba kernels use on it.
+
+A column (keys, values, one optimizer state, one metadata field) is a list of pages of
+``page_rows = 2**shift`` rows each, so a table grows by adding a page and never copies
+its rows. Only the first page may be smaller while the table is small (it grows by
+copying until it reaches ``page_rows``, then pages are added).
+
+Kernels receive a paged column as a tuple ``(ptrs, shift, width, proto)``:
+
+* ``ptrs``  int64 (n_pages,): base address of each page (kept alive by its owner)
+* ``shift`` int: log2 of the rows per page
+* ``width`` int: elements per row (``dim`` for row vectors, 1 for scalar columns)
+* ``proto`` empty 1-D array of the column's dtype (carries the dtype only)
+
+and read it through ``row(col, r)`` (the row as a 1-D array view), ``at(col, r)`` and
+``put(col, r, x)`` (element ``r`` of a scalar column). The same three work on plain numpy
+arrays (``col[r]``), so every kernel written with them takes flat arrays (tests, the
+dense table) or paged columns alike, compiled once for each. Row ``r`` lives at
+``ptrs[r >> shift] + (r & (2**shift - 1)) * width * itemsize``: one small array load
+on top of the flat case (measured: same ns per row as flat arrays at 10k..5M rows).
+
+Full pages are anonymous ``mmap`` s, so dropping a page gives its memory back to the
+OS at once (malloc keeps freed chunks of this size in its heap).
+"""
+import mmap
+
+import numpy as np
+from numba import carray, njit, types
+from numba.extending import intrinsic, overload
+
+HUGE = 2 << 20             # huge page size (x86-64)
+
+
+@intrinsic
+def _address_ptr(typingctx, address, proto):
+    """int64 address -> pointer to ``proto``'s dtype (no bounds, no lifetime)."""
+    ptr_t = types.CPointer(proto.dtype)
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(ptr_t))
+    return ptr_t(types.int64, proto), codegen
+
+
+def row(col, r):
+    """Row ``r`` of a 2-D column as a 1-D view (numba only)."""
+    raise NotImplementedError('numba-only accessor')
+
+
+def at(col, r):
+    """Element ``r`` of a scalar column (numba only)."""
+    raise NotImplementedError('numba-only accessor')
+
+
+def put(col, r, x):
+    """Set element ``r`` of a scalar column (numba only)."""
+    raise NotImplementedError('numba-only accessor')
+
+
+@overload(row, inline='always')
+def _ov_row(col, r):
+    if isinstance(col, types.Array):
+        return lambda col, r: col[r]
+
+    def impl(col, r):
+        ptrs, shift, width, proto = col
+        a = ptrs[r >> shift] + (r & ((1 << shift) - 1)) * width * proto.itemsize
+        return carray(_address_ptr(a, proto), width)
+    return impl
+
+
+@overload(at, inline='always')
+def _ov_at(col, r):
+    if isinstance(col, types.Array):
+        return lambda col, r: col[r]
+
+    def impl(col, r):
+        ptrs, shift, _, proto = col
+        return _address_ptr(ptrs[r >> shift] + (r & ((1 << shift) - 1)) * proto.itemsize,
+                            proto)[0]
+    return impl
+
+
+@overload(put, inline='always')
+def _ov_put(col, r, x):
+    if isinstance(col, types.Array):
+        def flat(col, r, x):
+            col[r] = x
+        return flat
+
+    def impl(col, r, x):
+        ptrs, shift, _, proto = col
+        p = _address_ptr(ptrs[r >> shift] + (r & ((1 << shift) - 1)) * proto.itemsize, proto)
+        p[0] = x
+    return impl
+
+
+@njit(cache=True, nogil=True)
+def gather_rows(col, rows, out):
+    """``out[i] = col[rows[i]]``; out (n, width) of the column's dtype."""
+    for i in range(rows.shape[0]):
+        src = row(col, rows[i])
+        for j in range(src.shape[0]):
+            out[i, j] = src[j]
+
+
+@njit(cache=True, nogil=True)
+def scatter_rows(col, rows, src):
+    """``col[rows[i]] = src[i]``; src (n, width)."""
+    for i in range(rows.shape[0]):
+        dst = row(col, rows[i])
+        for j in range(dst.shape[0]):
+            dst[j] = src[i, j]
+
+
+@njit(cache=True, nogil=True)
+def compact_rows(col, keep, n):
+    """Move the rows ``r < n`` with ``keep[r]`` to ``0, 1, ...`` in order (in place)."""
+    w = 0
+    for r in range(n):
+        if keep[r]:
+            if w != r:
+                src, dst = row(col, r), row(col, w)
+                for j in range(src.shape[0]):
+                    dst[j] = src[j]
+            w += 1
+    return w
+
+
+def _new_page(rows, width, dtype):
+    """A page in its own anonymous mmap, 2 MB aligned and advised to use huge pages
+    (as numpy does for its big arrays: random row access over GBs misses the TLB
+    otherwise, measured 1.7x slower pulls at 5M rows)."""
+    shape = (rows, width) if width else (rows,)
+    count = rows * max(width, 1)
+    nbytes = count * np.dtype(dtype).itemsize
+    buf = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    offset = -np.frombuffer(buf, np.uint8, count=1).ctypes.data % HUGE
+    if hasattr(mmap, 'MADV_HUGEPAGE'):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(buf, dtype, count=count, offset=offset).reshape(shape)
+
+
+class PagedColumns:
+    """Row-aligned columns stored in pages of ``page_rows`` rows.
+
+    Parameters
+    ----------
+    spec : dict name -> (dtype, width)    width 0: a 1-D column (one scalar per row)
+    page_rows : int                       a power of two
+    capacity : int                        initial rows
+    growth : float                        growth factor of the first page while small
+    """
+
+    def __init__(self, spec, page_rows, capacity, growth):
+        page_rows = int(page_rows)
+        if page_rows < 1 or page_rows & (page_rows - 1):
+            raise ValueError(f'page_rows must be a power of two; got {page_rows}')
+        self.page_rows = page_rows
+        self.shift = page_rows.bit_length() - 1
+        self.growth = float(growth)
+        self.spec = {name: (np.dtype(dt), int(w)) for name, (dt, w) in spec.items()}
+        self.pages = {name: [] for name in self.spec}
+        self.col = {}
+        self._set_first(min(int(capacity), page_rows), 0)
+        while self.capacity < capacity:
+            self._add_page()
+
+    # ------------------------------------------------------------ layout
+    def _alloc(self, name, rows):
+        dtype, width = self.spec[name]
+        if rows >= self.page_rows:
+            return _new_page(rows, width, dtype)
+        return np.empty((rows, width) if width else (rows,), dtype)
+
+    def _refresh(self):
+        for name, (dtype, width) in self.spec.items():
+            ptrs = np.array([p.ctypes.data for p in self.pages[name]], np.int64)
+            self.col[name] = (ptrs, np.int64(self.shift), np.int64(max(width, 1)),
+                              np.empty(0, dtype))
+
+    def _set_first(self, rows, keep):
+        """(Re)allocate page 0 with ``rows`` rows, copying its first ``keep`` rows."""
+        for name in self.spec:
+            new = self._alloc(name, rows)
+            if keep:
+                new[:keep] = self.pages[name][0][:keep]
+            if self.pages[name]:
+                self.pages[name][0] = new
+            else:
+                self.pages[name].append(new)
+        self._refresh()
+
+    def _add_page(self):
+        for name in self.spec:
+            self.pages[name].append(self._alloc(name, self.page_rows))
+        self._refresh()
+
+    @property
+    def capacity(self):
+        first = self.pages['keys'][0].shape[0]
+        return first + (len(self.pages['keys']) - 1) * self.page_rows
+
+    @property
+    def n_pages(self):
+        return len(self.pages['keys'])
+
+    @property
+    def nbytes(self):
+        return sum(p.nbytes for pages in self.pages.values() for p in pages)
+
+    def grow(self, need, n_live):
+        """Make room for ``need`` rows; ``n_live`` rows are in use (copied if page 0 moves)."""
+        if need <= self.capacity:
+            return
+        first = self.pages['keys'][0].shape[0]
+        if first < self.page_rows:
+            self._set_first(min(self.page_rows, max(need, int(first * self.growth) + 1)),
+                            n_live)
+        while self.capacity < need:
+            self._add_page()
+
+    def fit(self, n_live, small_cap):
+        """Give back pages past ``n_live`` rows; a table below a page gets ``small_cap`` rows."""
+        if small_cap < self.page_rows:
+            if self.n_pages > 1 or small_cap < self.capacity:
+                for name in self.spec:
+                    del self.pages[name][1:]
+                self._set_first(small_cap, n_live)
+            return
+        keep = max(1, -(-n_live // self.page_rows))
+        if keep < self.n_pages:
+            for name in self.spec:
+                del self.pages[name][keep:]
+            self._refresh()
+
+    # ------------------------------------------------------------ bulk access
+    def spans(self, lo, hi):
+        """``(page, a, b, start)``: rows ``start .. start + b - a - 1`` are ``page[a:b]``."""
+        shift, size = self.shift, self.page_rows
+        for p in range(lo >> shift, ((hi - 1) >> shift) + 1 if hi > lo else lo >> shift):
+            a = max(lo, p * size)
+            b = min(hi, (p + 1) * size)
+            yield p, a - p * size, b - p * size, a
+
+    def slices(self, name, lo, hi):
+        """Views of column ``name`` covering rows ``lo .. hi-1``, in order."""
+        pages = self.pages[name]
+        return [pages[p][a:b] for p, a, b, _ in self.spans(lo, hi)]
+
+    def flat(self, name, n):
+        """A copy of rows ``0 .. n-1`` of column ``name`` as one array."""
+        dtype, width = self.spec[name]
+        out = np.empty((n, width) if width else (n,), dtype)
+        pos = 0
+        for part in self.slices(name, 0, n):
+            out[pos:pos + len(part)] = part
+            pos += len(part)
+        return out
+
+    def gather(self, name, rows):
+        dtype, width = self.spec[name]
+        out = np.empty((rows.shape[0], max(width, 1)), dtype)
+        gather_rows(self.col[name], rows, out)
+        return out if width else out.reshape(-1)
+
+    def scatter(self, name, rows, values):
+        """``column[rows] = values`` (an array of len(rows) rows, or one scalar for all)."""
+        dtype, width = self.spec[name]
+        n, width = rows.shape[0], max(width, 1)
+        if np.ndim(values) == 0:
+            src = np.full((n, width), values, dtype)
+        else:
+            src = np.ascontiguousarray(np.asarray(values).reshape(n, width), dtype=dtype)
+        scatter_rows(self.col[name], rows, src)
