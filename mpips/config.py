@@ -104,6 +104,8 @@ class Config:
     print_every: int = _f(100, "log a TRAIN line every N batches (first worker)")
     progress_every: float = _f(10.0, "print a PROGRESS line (position in the epoch or pass, "
                                      "ex/s, ETA) every this many seconds (first worker; 0 = off)")
+    table_every: int = _f(0, "log a TABLE line (examples, seconds, worker compute/wait, table "
+                             "rows and bytes per row) every N examples (first worker; 0 = off)")
     metrics_out: str = _f("", "write JSON lines (one per epoch) to this file")
     peer_timeout: float = _f(120.0, "seconds without an answer from a peer before failing")
     prefetch: bool = _f(True, "parse data in a background thread")

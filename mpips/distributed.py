@@ -89,6 +89,10 @@ def serve(cfg, cluster, model, bounds):
             cfg.save_dir, i, S, inner_table(sparse), dense, bounds[i], admission_of(sparse))
     server.run()
     st = server.stats
+    n = len(sparse)
+    log_line(f"SERVER --> {i} (rank {cluster.comm.rank}): table rows: {n} bytes: "
+             f"{sparse.nbytes} bytes/row: {sparse.nbytes / max(n, 1):.1f} peak_rss_MB: "
+             f"{peak_rss_mb():.0f}")
     return profile_row(server=1, server_busy_s=st["busy_s"], requests=st["requests"],
                        mb_sent=st["bytes_out"] / 1e6, mb_recv=st["bytes_in"] / 1e6,
                        peak_rss_mb=peak_rss_mb(), rows=len(sparse))
@@ -115,6 +119,7 @@ def work(cfg, cluster, model, bounds):
     else:
         run_epochs(cfg, backend, train_files, test_files)
     client.control(Op.FINISH)
+    log_line(trainer.times_line(f"worker {wi} (rank {cluster.comm.rank})"))
     return profile_row(compute_s=trainer.compute_s, wait_s=client.wait_s,
                        requests=client.messages, mb_sent=client.bytes_sent / 1e6,
                        mb_recv=client.bytes_recv / 1e6, peak_rss_mb=peak_rss_mb())

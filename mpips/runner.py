@@ -8,6 +8,7 @@ communicator, the first worker talking to the servers for saves and shrinks).
 once against that interface, ``mpips.interfaces.Backend``.
 """
 import sys
+import time
 
 import numpy as np
 
@@ -35,6 +36,35 @@ def step_saver(cfg, backend, epoch):
         if done % n == 0:
             backend.save(cfg.save_mode, {"epoch": epoch, "steps": done, "complete": False},
                          phase_steps)
+    return hook
+
+
+def table_hook(cfg, backend, n_workers, then=None):
+    """Trainer hook: a TABLE line every --table-every examples (first worker).
+
+    Examples are this worker's steps x batch x ``n_workers`` (all workers, assuming they
+    keep pace); seconds count from the hook's creation (the epoch's start). ``then`` is
+    another hook to call first (the step saver).
+    """
+    every = cfg.table_every
+    if not (every and backend.is_logger):
+        return then
+    per_step = cfg.batch_size * n_workers
+    t0, trainer = time.perf_counter(), backend.trainer
+    mark = [0]
+
+    def hook(done, phase_steps):
+        if then is not None:
+            then(done, phase_steps)
+        if done * per_step < mark[0] + every:
+            return
+        mark[0] = done * per_step // every * every
+        st = backend.stats()
+        rows = max(st["table_rows"], 1)
+        log_line(f"TABLE --> examples: {done * per_step} seconds: "
+                 f"{time.perf_counter() - t0:.2f} compute_s: {trainer.compute_s:.2f} wait_s: "
+                 f"{trainer.ps.wait_s:.2f} table_rows: {st['table_rows']} bytes_per_row: "
+                 f"{st['table_bytes'] / rows:.1f}")
     return hook
 
 
@@ -133,7 +163,9 @@ def run_epochs(cfg, backend, train_files, test_files):
     records = []
     first, skip = start_point(cfg)
     for epoch in range(first, cfg.epochs):
-        backend.trainer.on_step = step_saver(cfg, backend, epoch)
+        n_workers = getattr(backend, "W", cfg.local_workers)
+        backend.trainer.on_step = table_hook(cfg, backend, n_workers,
+                                             step_saver(cfg, backend, epoch))
         st = backend.train(train_files, epoch, skip if epoch == first else 0)
         if not st.examples and not (skip and epoch == first):
             raise DataError(f"the training data yields no valid example ({len(train_files)} "

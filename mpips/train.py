@@ -42,6 +42,7 @@ def run_local(cfg):
         records = run_stream(cfg, backend, log_line)
     else:
         records = run_epochs(cfg, backend, train_files, test_files)
+    log_line(trainer.times_line("local"))
     log_line(f"PROFILE --> local compute_s={trainer.compute_s:.2f} rows={len(ps.sparse)} "
              f"peak_rss_mb={peak_rss_mb():.0f}")
     return records

@@ -34,6 +34,9 @@ class EpochStats:
     extra: dict = field(default_factory=dict)   # facts of the run for the record (the backend's)
 
 
+TIMES = ("read", "plan", "gather", "fwd_bwd", "scatter", "metrics", "send")
+
+
 class _Prepared:
     """A batch with its key plan and a buffer for its pulled rows."""
     __slots__ = ("batch", "plan", "rows", "counts")
@@ -59,7 +62,12 @@ class Trainer:
         P = model.n_params
         self.params = [np.zeros(P, np.float32), np.zeros(P, np.float32)]  # double buffer
         self.grad_dense = np.zeros(P, np.float32)
-        self.compute_s = 0.0
+        self.compute_s = 0.0       # gather + fwd_bwd + scatter
+        # seconds per phase of a training step (with ps.wait_s, the whole loop): reading
+        # and parsing a batch, dedup + key plan, embedding gather, forward/backward,
+        # gradient scatter-add, AUC buckets, pull/push calls (message packing and sends,
+        # or the table work itself for a LocalPS)
+        self.times = dict.fromkeys(TIMES, 0.0)
         self.step_delay = 0.0      # seconds slept per step: slows one worker in tests
         self.on_step = None        # callable(done, phase_steps) after each push (mid-epoch saves)
         self.progress = None       # mpips.progress.Progress of this phase (first worker) or None
@@ -67,6 +75,11 @@ class Trainer:
         # async: dense gradients are averaged over --dense-every steps, then pushed
         self.dense_k = cfg.dense_every if overlap else 1
         self.dense_acc = np.zeros(P, np.float32) if self.dense_k > 1 else None
+
+    def times_line(self, who):
+        """One line with this worker's seconds per step phase (``self.times``) and wait."""
+        parts = " ".join(f"{k}_s: {v:.2f}" for k, v in self.times.items())
+        return f"TIMES --> {who} {parts} wait_s: {self.ps.wait_s:.2f}"
 
     def _report(self, epoch, step, st):
         """TRAIN line every --print-every steps; the PROGRESS line when it is due."""
@@ -81,12 +94,25 @@ class Trainer:
     def _prepare(self, batch):
         if batch is None:
             return None
-        return _Prepared(batch, self.plan_fn(batch.sparse), self.dim, bool(self.cfg.entry))
+        t0 = time.perf_counter()
+        prep = _Prepared(batch, self.plan_fn(batch.sparse), self.dim, bool(self.cfg.entry))
+        self.times["plan"] += time.perf_counter() - t0
+        return prep
+
+    def _next(self, it):
+        """The next prepared batch of ``it`` (None at the end), timing read and plan."""
+        t0 = time.perf_counter()
+        batch = next(it, None)
+        self.times["read"] += time.perf_counter() - t0
+        return self._prepare(batch)
 
     def _pull(self, prep, step, dense_buf, create=True):
         counts = prep.counts if create else None
-        return self.ps.pull(prep.plan, prep.rows, dense_buf, step=step, create=create,
-                            counts=counts)
+        t0 = time.perf_counter()
+        h = self.ps.pull(prep.plan, prep.rows, dense_buf, step=step, create=create,
+                         counts=counts)
+        self.times["send"] += time.perf_counter() - t0
+        return h
 
     def _buffers(self, n_rows):
         """Reused (n_rows, dim) buffers for the gathered embeddings and their gradients."""
@@ -99,12 +125,19 @@ class Trainer:
         """Forward/backward of one batch; returns (loss, probs, row grads (u, dim))."""
         b = prep.batch
         n = len(b.label)
+        tm = self.times
+        t0 = time.perf_counter()
         emb, grad_emb = self._buffers(n * b.sparse.shape[1])               # (B*slots, dim)
         gather_rows(prep.rows, prep.plan.inverse, emb)
+        t1 = time.perf_counter()
         loss, probs = self.model.forward_backward(params, emb.reshape(n, -1), b.dense, b.label,
                                                   self.grad_dense, grad_emb.reshape(n, -1))
+        t2 = time.perf_counter()
         grads = np.empty_like(prep.rows)                                    # (u, dim)
         scatter_add_rows(grad_emb, prep.plan.inverse, grads)               # zeroes grads first
+        tm["scatter"] += time.perf_counter() - t2
+        tm["fwd_bwd"] += t2 - t1
+        tm["gather"] += t1 - t0
         return loss, probs, grads
 
     def train_epoch(self, batches, epoch, max_steps=0, skip=0):
@@ -117,7 +150,7 @@ class Trainer:
         t_start = time.perf_counter()
         if max_steps and skip >= max_steps:        # --max-steps counts the skipped batches
             return st
-        cur = self._prepare(next(it, None))
+        cur = self._next(it)
         if cur is None:
             return st
         which = 0                     # params buffer holding the freshest dense weights
@@ -126,7 +159,7 @@ class Trainer:
         step = 0
         while cur is not None:
             last = max_steps and skip + step + 1 >= max_steps
-            nxt = None if last else self._prepare(next(it, None))
+            nxt = None if last else self._next(it)
             dense_next = (step + 1) % self.cfg.dense_every == 0 or not self.overlap
             nbuf = 1 - which if dense_next else None
             h.wait()
@@ -137,8 +170,10 @@ class Trainer:
             self.compute_s += time.perf_counter() - t0
             if push is not None:
                 push.wait()
+            t0 = time.perf_counter()
             push = self.ps.push(cur.plan, grads, self._dense_to_push(step, nxt is None),
                                 step=step)
+            self.times["send"] += time.perf_counter() - t0
             if self.step_delay:
                 time.sleep(self.step_delay)
             if self.on_step is not None:           # (batches done in the epoch, in this phase)
@@ -148,7 +183,9 @@ class Trainer:
             n = len(cur.batch.label)
             st.examples += n
             st.loss_sum += loss * n
+            t0 = time.perf_counter()
             st.metrics.update(probs, cur.batch.label)
+            self.times["metrics"] += time.perf_counter() - t0
             step += 1
             self._report(epoch, step, st)
             if nbuf is not None and nxt is not None:
