@@ -1,23 +1,27 @@
 """Paged row storage for the sparse table, and the accessors numba kernels use on it.
 
-A column (keys, values, one optimizer state, one metadata field) is a list of pages of
-``page_rows = 2**shift`` rows each, so a table grows by adding a page and never copies
-its rows. Only the first page may be smaller while the table is small (it grows by
-copying until it reaches ``page_rows``, then pages are added).
+Rows live in pages of ``page_rows = 2**shift`` rows, so a table grows by adding a page
+and never copies its rows. Only the first page may be smaller while the table is small
+(it grows by copying until it reaches ``page_rows``, then pages are added). A page is
+one array of records: all fields of a row (key, values, optimizer state, metadata) are
+adjacent, so touching a row costs 2-3 cache lines, not one per field (a big table
+misses the cache on every row).
 
-Kernels receive a paged column as a tuple ``(ptrs, shift, width, proto)``:
+Kernels receive a field (a *paged column*) as a tuple ``(ptrs, shift, width, stride,
+proto)``:
 
-* ``ptrs``  int64 (n_pages,): base address of each page (kept alive by its owner)
-* ``shift`` int: log2 of the rows per page
-* ``width`` int: elements per row (``dim`` for row vectors, 1 for scalar columns)
-* ``proto`` empty 1-D array of the column's dtype (carries the dtype only)
+* ``ptrs``   int64 (n_pages,): address of the field in row 0 of each page
+* ``shift``  int: log2 of the rows per page
+* ``width``  int: elements per row (``dim`` for row vectors, 1 for scalar fields)
+* ``stride`` int: bytes from one row to the next (the record size)
+* ``proto``  empty 1-D array of the field's dtype (carries the dtype only)
 
 and read it through ``row(col, r)`` (the row as a 1-D array view), ``at(col, r)`` and
-``put(col, r, x)`` (element ``r`` of a scalar column). The same three work on plain numpy
+``put(col, r, x)`` (element ``r`` of a scalar field). The same three work on plain numpy
 arrays (``col[r]``), so every kernel written with them takes flat arrays (tests, the
 dense table) or paged columns alike, compiled once for each. Row ``r`` lives at
-``ptrs[r >> shift] + (r & (2**shift - 1)) * width * itemsize``: one small array load
-on top of the flat case (measured: same ns per row as flat arrays at 10k..5M rows).
+``ptrs[r >> shift] + (r & (2**shift - 1)) * stride``: one small array load on top of
+the flat case.
 
 Full pages are anonymous ``mmap`` s, so dropping a page gives its memory back to the
 OS at once (malloc keeps freed chunks of this size in its heap).
@@ -29,6 +33,7 @@ from numba import carray, njit, types
 from numba.extending import intrinsic, overload
 
 HUGE = 2 << 20             # huge page size (x86-64)
+RECORD = '_record'         # PagedColumns.col key of the whole record (bytes)
 
 
 @intrinsic
@@ -62,8 +67,8 @@ def _ov_row(col, r):
         return lambda col, r: col[r]
 
     def impl(col, r):
-        ptrs, shift, width, proto = col
-        a = ptrs[r >> shift] + (r & ((1 << shift) - 1)) * width * proto.itemsize
+        ptrs, shift, width, stride, proto = col
+        a = ptrs[r >> shift] + (r & ((1 << shift) - 1)) * stride
         return carray(_address_ptr(a, proto), width)
     return impl
 
@@ -74,9 +79,8 @@ def _ov_at(col, r):
         return lambda col, r: col[r]
 
     def impl(col, r):
-        ptrs, shift, _, proto = col
-        return _address_ptr(ptrs[r >> shift] + (r & ((1 << shift) - 1)) * proto.itemsize,
-                            proto)[0]
+        ptrs, shift, _, stride, proto = col
+        return _address_ptr(ptrs[r >> shift] + (r & ((1 << shift) - 1)) * stride, proto)[0]
     return impl
 
 
@@ -88,8 +92,8 @@ def _ov_put(col, r, x):
         return flat
 
     def impl(col, r, x):
-        ptrs, shift, _, proto = col
-        p = _address_ptr(ptrs[r >> shift] + (r & ((1 << shift) - 1)) * proto.itemsize, proto)
+        ptrs, shift, _, stride, proto = col
+        p = _address_ptr(ptrs[r >> shift] + (r & ((1 << shift) - 1)) * stride, proto)
         p[0] = x
     return impl
 
@@ -126,29 +130,45 @@ def compact_rows(col, keep, n):
     return w
 
 
-def _new_page(rows, width, dtype):
-    """A page in its own anonymous mmap, 2 MB aligned and advised to use huge pages
-    (as numpy does for its big arrays: random row access over GBs misses the TLB
-    otherwise, measured 1.7x slower pulls at 5M rows)."""
-    shape = (rows, width) if width else (rows,)
-    count = rows * max(width, 1)
-    nbytes = count * np.dtype(dtype).itemsize
+def record_dtype(spec):
+    """Structured dtype of one row: fields largest element first, size a multiple of 8."""
+    order = sorted(spec, key=lambda name: -np.dtype(spec[name][0]).itemsize)
+    names, formats, offsets, pos = [], [], [], 0
+    for name in order:
+        dtype, width = np.dtype(spec[name][0]), int(spec[name][1])
+        names.append(name)
+        formats.append((dtype, (width,)) if width else dtype)
+        offsets.append(pos)
+        pos += dtype.itemsize * max(width, 1)
+    return np.dtype({'names': names, 'formats': formats, 'offsets': offsets,
+                     'itemsize': -(-pos // 8) * 8})
+
+
+def _new_page(rows, dtype):
+    """A page in its own anonymous mmap, 2 MB aligned, its whole 2 MB blocks advised to
+    use huge pages (as numpy does for its big arrays: random rows over GBs miss the TLB
+    otherwise; measured 1.7x slower pulls at 5M rows)."""
+    nbytes = rows * dtype.itemsize
     buf = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     offset = -np.frombuffer(buf, np.uint8, count=1).ctypes.data % HUGE
-    if hasattr(mmap, 'MADV_HUGEPAGE'):
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(buf, dtype, count=count, offset=offset).reshape(shape)
+    whole = nbytes // HUGE * HUGE          # (a huge page past the end would be all RSS)
+    if whole and hasattr(mmap, 'MADV_HUGEPAGE'):
+        buf.madvise(mmap.MADV_HUGEPAGE, offset, whole)
+    return np.frombuffer(buf, dtype, count=rows, offset=offset)
 
 
 class PagedColumns:
-    """Row-aligned columns stored in pages of ``page_rows`` rows.
+    """Row-aligned fields stored as records in pages of ``page_rows`` rows.
 
     Parameters
     ----------
-    spec : dict name -> (dtype, width)    width 0: a 1-D column (one scalar per row)
+    spec : dict name -> (dtype, width)    width 0: a scalar field (1-D column)
     page_rows : int                       a power of two
     capacity : int                        initial rows
     growth : float                        growth factor of the first page while small
+
+    ``col[name]`` is the paged column the kernels take; ``col[RECORD]`` is the whole
+    record as ``stride`` bytes (for moving rows).
     """
 
     def __init__(self, spec, page_rows, capacity, growth):
@@ -159,60 +179,60 @@ class PagedColumns:
         self.shift = page_rows.bit_length() - 1
         self.growth = float(growth)
         self.spec = {name: (np.dtype(dt), int(w)) for name, (dt, w) in spec.items()}
-        self.pages = {name: [] for name in self.spec}
+        self.dtype = record_dtype(self.spec)
+        self.pages = []
         self.col = {}
         self._set_first(min(int(capacity), page_rows), 0)
         while self.capacity < capacity:
             self._add_page()
 
     # ------------------------------------------------------------ layout
-    def _alloc(self, name, rows):
-        dtype, width = self.spec[name]
+    def _alloc(self, rows):
         if rows >= self.page_rows:
-            return _new_page(rows, width, dtype)
-        return np.empty((rows, width) if width else (rows,), dtype)
+            return _new_page(rows, self.dtype)
+        return np.empty(rows, self.dtype)
 
     def _refresh(self):
+        bases = np.array([p.ctypes.data for p in self.pages], np.int64)
+        stride = np.int64(self.dtype.itemsize)
+        shift = np.int64(self.shift)
         for name, (dtype, width) in self.spec.items():
-            ptrs = np.array([p.ctypes.data for p in self.pages[name]], np.int64)
-            self.col[name] = (ptrs, np.int64(self.shift), np.int64(max(width, 1)),
-                              np.empty(0, dtype))
+            self.col[name] = (bases + self.dtype.fields[name][1], shift,
+                              np.int64(max(width, 1)), stride, np.empty(0, dtype))
+        self.col[RECORD] = (bases, shift, stride, stride, np.empty(0, np.uint8))
 
     def _set_first(self, rows, keep):
         """(Re)allocate page 0 with ``rows`` rows, copying its first ``keep`` rows."""
-        for name in self.spec:
-            new = self._alloc(name, rows)
-            if keep:
-                new[:keep] = self.pages[name][0][:keep]
-            if self.pages[name]:
-                self.pages[name][0] = new
-            else:
-                self.pages[name].append(new)
+        new = self._alloc(rows)
+        if keep:
+            new[:keep] = self.pages[0][:keep]
+        if self.pages:
+            self.pages[0] = new
+        else:
+            self.pages.append(new)
         self._refresh()
 
     def _add_page(self):
-        for name in self.spec:
-            self.pages[name].append(self._alloc(name, self.page_rows))
+        self.pages.append(self._alloc(self.page_rows))
         self._refresh()
 
     @property
     def capacity(self):
-        first = self.pages['keys'][0].shape[0]
-        return first + (len(self.pages['keys']) - 1) * self.page_rows
+        return self.pages[0].shape[0] + (len(self.pages) - 1) * self.page_rows
 
     @property
     def n_pages(self):
-        return len(self.pages['keys'])
+        return len(self.pages)
 
     @property
     def nbytes(self):
-        return sum(p.nbytes for pages in self.pages.values() for p in pages)
+        return sum(p.nbytes for p in self.pages)
 
     def grow(self, need, n_live):
         """Make room for ``need`` rows; ``n_live`` rows are in use (copied if page 0 moves)."""
         if need <= self.capacity:
             return
-        first = self.pages['keys'][0].shape[0]
+        first = self.pages[0].shape[0]
         if first < self.page_rows:
             self._set_first(min(self.page_rows, max(need, int(first * self.growth) + 1)),
                             n_live)
@@ -223,14 +243,12 @@ class PagedColumns:
         """Give back pages past ``n_live`` rows; a table below a page gets ``small_cap`` rows."""
         if small_cap < self.page_rows:
             if self.n_pages > 1 or small_cap < self.capacity:
-                for name in self.spec:
-                    del self.pages[name][1:]
+                del self.pages[1:]
                 self._set_first(small_cap, n_live)
             return
         keep = max(1, -(-n_live // self.page_rows))
         if keep < self.n_pages:
-            for name in self.spec:
-                del self.pages[name][keep:]
+            del self.pages[keep:]
             self._refresh()
 
     # ------------------------------------------------------------ bulk access
@@ -243,12 +261,11 @@ class PagedColumns:
             yield p, a - p * size, b - p * size, a
 
     def slices(self, name, lo, hi):
-        """Views of column ``name`` covering rows ``lo .. hi-1``, in order."""
-        pages = self.pages[name]
-        return [pages[p][a:b] for p, a, b, _ in self.spans(lo, hi)]
+        """Views of field ``name`` covering rows ``lo .. hi-1``, in order."""
+        return [self.pages[p][name][a:b] for p, a, b, _ in self.spans(lo, hi)]
 
     def flat(self, name, n):
-        """A copy of rows ``0 .. n-1`` of column ``name`` as one array."""
+        """A copy of rows ``0 .. n-1`` of field ``name`` as one array."""
         dtype, width = self.spec[name]
         out = np.empty((n, width) if width else (n,), dtype)
         pos = 0
@@ -264,7 +281,7 @@ class PagedColumns:
         return out if width else out.reshape(-1)
 
     def scatter(self, name, rows, values):
-        """``column[rows] = values`` (an array of len(rows) rows, or one scalar for all)."""
+        """``field[rows] = values`` (an array of len(rows) rows, or one scalar for all)."""
         dtype, width = self.spec[name]
         n, width = rows.shape[0], max(width, 1)
         if np.ndim(values) == 0:

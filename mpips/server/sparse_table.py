@@ -10,7 +10,7 @@ Storage is a set of numpy columns indexed by row (see ``row_fields()``):
   ``clear_dirty``), ``seen_flag`` uint8 (seen since the last ``shrink``)
 
 plus an open-addressing slot array (``mpips.kernels.hashmap``). Live rows are
-``0 .. len-1``; new ids are appended. The columns are paged
+``0 .. len-1``; new ids are appended. The rows are records in pages
 (:class:`mpips.kernels.pages.PagedColumns`, ``PAGE_ROWS`` rows a page): a table grows by
 adding pages and never copies its rows (only the first page grows by ``ROW_GROWTH``
 copies while the table is below one page). The slot array (4 B a slot) doubles to keep
@@ -47,7 +47,7 @@ import numpy as np
 from mpips.kernels.hashmap import (age_rows, init_rows, insert_missing, lookup_rows,
                                    read_rows, rebuild_slots, touch_rows)
 from mpips.kernels.optim import add_rows
-from mpips.kernels.pages import PagedColumns, compact_rows
+from mpips.kernels.pages import RECORD, PagedColumns, compact_rows
 from mpips.server.optim import OptimizerConfig, apply_rows
 
 LOAD_FACTOR = 0.6      # max live rows / slots
@@ -139,14 +139,13 @@ class SparseTable:
 
     def _init_new(self, lo, hi):
         """Initialise freshly appended rows ``lo .. hi-1``; they start dirty."""
-        pages = self._store.pages
         for p, a, b, _ in self._store.spans(lo, hi):
-            init_rows(pages['keys'][p][a:b], self.seed, self.init_range,
-                      pages['values'][p][a:b])
+            rec = self._store.pages[p][a:b]
+            init_rows(rec['keys'], self.seed, self.init_range, rec['values'])
             for name, (_, _, fill) in self._spec.items():
                 if fill is not None and name != 'keys':
-                    pages[name][p][a:b] = fill
-            pages['dirty'][p][a:b] = 1
+                    rec[name] = fill
+            rec['dirty'] = 1
 
     def _rows_for(self, keys, create):
         """Row of each key (-1: none) in a scratch buffer; creates rows if asked."""
@@ -349,8 +348,7 @@ class SparseTable:
         if kept == n:
             return 0
         self._evicted.append(self._store.gather('keys', np.flatnonzero(~keep)))
-        for name in self._spec:
-            compact_rows(c[name], keep, n)
+        compact_rows(c[RECORD], keep, n)
         self._n = kept
         small = max(kept + int(kept * SHRINK_SLACK), MIN_CAPACITY)
         self._store.fit(kept, small)
