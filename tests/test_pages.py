@@ -87,27 +87,27 @@ def test_shrink_frees_pages_and_reinserted_ids_start_fresh():
 
 
 def test_growth_never_moves_full_pages():
-    cols = PagedColumns({'keys': (np.int64, 0), 'values': (np.float32, 4),
-                         'flag': (np.uint8, 0)}, 8, 3, 1.25)
-    assert cols.dtype.itemsize == 32 and cols.dtype.fields['values'][1] == 8
+    cols = PagedColumns({'keys': (np.int64, 0, 'a'), 'values': (np.float32, 4, 'b'),
+                         'flag': (np.uint8, 0, 'a')}, 8, 3, 1.25)
+    assert cols.dtypes['a'].itemsize == 16 and cols.dtypes['b'].itemsize == 16
     assert cols.capacity == 3 and cols.n_pages == 1
     cols.grow(5, 3)
     assert cols.capacity == 5
-    cols.pages[0]['values'][:5] = np.arange(20).reshape(5, 4)
+    cols.view('values', 0)[:5] = np.arange(20).reshape(5, 4)
     cols.grow(20, 5)                                  # page 0 grows to full, then pages
     assert cols.n_pages == 3 and cols.capacity == 24
-    assert (cols.pages[0]['values'][:5] == np.arange(20).reshape(5, 4)).all()
-    addresses = [p.ctypes.data for p in cols.pages]
+    assert (cols.view('values', 0)[:5] == np.arange(20).reshape(5, 4)).all()
+    addresses = [p.ctypes.data for p in cols.pages['a']]
     cols.grow(100, 20)
-    assert [p.ctypes.data for p in cols.pages[:3]] == addresses
-    assert cols.col['values'][0].tolist()[:3] == [a + 8 for a in addresses]
+    assert [p.ctypes.data for p in cols.pages['a'][:3]] == addresses
+    assert cols.col['flag'][0].tolist()[:3] == [a + 8 for a in addresses]
     rows = np.array([0, 9, 23, 99, 4], np.int64)
     cols.scatter('values', rows, np.arange(20).reshape(5, 4))
     cols.scatter('flag', rows, 7)
     np.testing.assert_array_equal(cols.gather('values', rows), np.arange(20).reshape(5, 4))
-    assert cols.pages[99 // 8]['values'][99 % 8].tolist() == [12, 13, 14, 15]
-    assert cols.gather('flag', rows).tolist() == [7] * 5 and cols.pages[1]['flag'][1] == 7
+    assert cols.view('values', 99 // 8)[99 % 8].tolist() == [12, 13, 14, 15]
+    assert cols.gather('flag', rows).tolist() == [7] * 5 and cols.view('flag', 1)[1] == 7
     np.testing.assert_array_equal(cols.flat('values', 10)[[0, 4, 9]],
                                   np.arange(20).reshape(5, 4)[[0, 4, 1]])
     with pytest.raises(ValueError):
-        PagedColumns({'keys': (np.int64, 0)}, 12, 3, 1.25)
+        PagedColumns({'keys': (np.int64, 0, 'a')}, 12, 3, 1.25)

@@ -3,8 +3,8 @@
 Rows live in pages of ``page_rows = 2**shift`` rows, so a table grows by adding a page
 and never copies its rows. Only the first page may be smaller while the table is small
 (it grows by copying until it reaches ``page_rows``, then pages are added). A page is
-one array of records: all fields of a row (key, values, optimizer state, metadata) are
-adjacent, so touching a row costs 2-3 cache lines, not one per field (a big table
+one array of records per *group* of fields: the fields of a group read together are
+adjacent, so touching a row costs a few cache lines, not one per field (a big table
 misses the cache on every row).
 
 Kernels receive a field (a *paged column*) as a tuple ``(ptrs, shift, width, stride,
@@ -33,7 +33,6 @@ from numba import carray, njit, types
 from numba.extending import intrinsic, overload
 
 HUGE = 2 << 20             # huge page size (x86-64)
-RECORD = '_record'         # PagedColumns.col key of the whole record (bytes)
 
 
 @intrinsic
@@ -130,12 +129,13 @@ def compact_rows(col, keep, n):
     return w
 
 
-def record_dtype(spec):
-    """Structured dtype of one row: fields largest element first, size a multiple of 8."""
-    order = sorted(spec, key=lambda name: -np.dtype(spec[name][0]).itemsize)
+def record_dtype(fields):
+    """Structured dtype of ``fields`` {name: (dtype, width)}: largest element first, size
+    a multiple of 8."""
+    order = sorted(fields, key=lambda name: -np.dtype(fields[name][0]).itemsize)
     names, formats, offsets, pos = [], [], [], 0
     for name in order:
-        dtype, width = np.dtype(spec[name][0]), int(spec[name][1])
+        dtype, width = np.dtype(fields[name][0]), int(fields[name][1])
         names.append(name)
         formats.append((dtype, (width,)) if width else dtype)
         offsets.append(pos)
@@ -162,13 +162,14 @@ class PagedColumns:
 
     Parameters
     ----------
-    spec : dict name -> (dtype, width)    width 0: a scalar field (1-D column)
-    page_rows : int                       a power of two
-    capacity : int                        initial rows
-    growth : float                        growth factor of the first page while small
+    spec : dict name -> (dtype, width, group)    width 0: a scalar field; the fields of
+                                                 one group share a record (and its pages)
+    page_rows : int                              a power of two
+    capacity : int                               initial rows
+    growth : float                               growth of the first page while small
 
-    ``col[name]`` is the paged column the kernels take; ``col[RECORD]`` is the whole
-    record as ``stride`` bytes (for moving rows).
+    ``col[name]`` is the paged column the kernels take. Groups let fields read together
+    share cache lines while the hash probe's field (the key) stays in a small record.
     """
 
     def __init__(self, spec, page_rows, capacity, growth):
@@ -178,77 +179,102 @@ class PagedColumns:
         self.page_rows = page_rows
         self.shift = page_rows.bit_length() - 1
         self.growth = float(growth)
-        self.spec = {name: (np.dtype(dt), int(w)) for name, (dt, w) in spec.items()}
-        self.dtype = record_dtype(self.spec)
-        self.pages = []
+        self.spec = {name: (np.dtype(dt), int(w)) for name, (dt, w, _) in spec.items()}
+        self.group = {name: g for name, (_, _, g) in spec.items()}
+        self.dtypes = {g: record_dtype({n: self.spec[n] for n in spec if self.group[n] == g})
+                       for g in dict.fromkeys(self.group.values())}
+        self.pages = {g: [] for g in self.dtypes}
         self.col = {}
         self._set_first(min(int(capacity), page_rows), 0)
         while self.capacity < capacity:
             self._add_page()
 
     # ------------------------------------------------------------ layout
-    def _alloc(self, rows):
+    def _alloc(self, g, rows):
         if rows >= self.page_rows:
-            return _new_page(rows, self.dtype)
-        return np.empty(rows, self.dtype)
+            return _new_page(rows, self.dtypes[g])
+        return np.empty(rows, self.dtypes[g])
 
     def _refresh(self):
-        bases = np.array([p.ctypes.data for p in self.pages], np.int64)
-        stride = np.int64(self.dtype.itemsize)
         shift = np.int64(self.shift)
-        for name, (dtype, width) in self.spec.items():
-            self.col[name] = (bases + self.dtype.fields[name][1], shift,
-                              np.int64(max(width, 1)), stride, np.empty(0, dtype))
-        self.col[RECORD] = (bases, shift, stride, stride, np.empty(0, np.uint8))
+        self.records = {}
+        for g, dtype in self.dtypes.items():
+            bases = np.array([p.ctypes.data for p in self.pages[g]], np.int64)
+            stride = np.int64(dtype.itemsize)
+            for name in dtype.names:
+                fdt, width = self.spec[name]
+                self.col[name] = (bases + dtype.fields[name][1], shift, np.int64(max(width, 1)),
+                                  stride, np.empty(0, fdt))
+            self.records[g] = (bases, shift, stride, stride, np.empty(0, np.uint8))
 
     def _set_first(self, rows, keep):
         """(Re)allocate page 0 with ``rows`` rows, copying its first ``keep`` rows."""
-        new = self._alloc(rows)
-        if keep:
-            new[:keep] = self.pages[0][:keep]
-        if self.pages:
-            self.pages[0] = new
-        else:
-            self.pages.append(new)
+        for g, pages in self.pages.items():
+            new = self._alloc(g, rows)
+            if keep:
+                new[:keep] = pages[0][:keep]
+            if pages:
+                pages[0] = new
+            else:
+                pages.append(new)
         self._refresh()
 
     def _add_page(self):
-        self.pages.append(self._alloc(self.page_rows))
+        for g, pages in self.pages.items():
+            pages.append(self._alloc(g, self.page_rows))
         self._refresh()
+
+    def _drop_pages(self, keep):
+        for pages in self.pages.values():
+            del pages[keep:]
+
+    @property
+    def _first(self):
+        return next(iter(self.pages.values()))
 
     @property
     def capacity(self):
-        return self.pages[0].shape[0] + (len(self.pages) - 1) * self.page_rows
+        first = self._first
+        return first[0].shape[0] + (len(first) - 1) * self.page_rows
 
     @property
     def n_pages(self):
-        return len(self.pages)
+        return len(self._first)
 
     @property
     def nbytes(self):
-        return sum(p.nbytes for p in self.pages)
+        return sum(p.nbytes for pages in self.pages.values() for p in pages)
+
+    def view(self, name, p):
+        """Field ``name`` of page ``p`` (a strided numpy view)."""
+        return self.pages[self.group[name]][p][name]
 
     def grow(self, need, n_live):
         """Make room for ``need`` rows; ``n_live`` rows are in use (copied if page 0 moves)."""
         if need <= self.capacity:
             return
-        first = self.pages[0].shape[0]
+        first = self._first[0].shape[0]
         if first < self.page_rows:
             self._set_first(min(self.page_rows, max(need, int(first * self.growth) + 1)),
                             n_live)
         while self.capacity < need:
             self._add_page()
 
+    def compact(self, keep, n):
+        """Move the rows ``r < n`` with ``keep[r]`` to ``0, 1, ...`` in order (in place)."""
+        for rec in self.records.values():
+            compact_rows(rec, keep, n)
+
     def fit(self, n_live, small_cap):
         """Give back pages past ``n_live`` rows; a table below a page gets ``small_cap`` rows."""
         if small_cap < self.page_rows:
             if self.n_pages > 1 or small_cap < self.capacity:
-                del self.pages[1:]
+                self._drop_pages(1)
                 self._set_first(small_cap, n_live)
             return
         keep = max(1, -(-n_live // self.page_rows))
         if keep < self.n_pages:
-            del self.pages[keep:]
+            self._drop_pages(keep)
             self._refresh()
 
     # ------------------------------------------------------------ bulk access
@@ -262,7 +288,7 @@ class PagedColumns:
 
     def slices(self, name, lo, hi):
         """Views of field ``name`` covering rows ``lo .. hi-1``, in order."""
-        return [self.pages[p][name][a:b] for p, a, b, _ in self.spans(lo, hi)]
+        return [self.view(name, p)[a:b] for p, a, b, _ in self.spans(lo, hi)]
 
     def flat(self, name, n):
         """A copy of rows ``0 .. n-1`` of field ``name`` as one array."""

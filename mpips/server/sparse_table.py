@@ -47,7 +47,7 @@ import numpy as np
 from mpips.kernels.hashmap import (age_rows, init_rows, insert_missing, lookup_rows,
                                    read_rows, rebuild_slots, touch_rows)
 from mpips.kernels.optim import add_rows
-from mpips.kernels.pages import RECORD, PagedColumns, compact_rows
+from mpips.kernels.pages import PagedColumns
 from mpips.server.optim import OptimizerConfig, apply_rows
 
 LOAD_FACTOR = 0.6      # max live rows / slots
@@ -111,8 +111,12 @@ class SparseTable:
         for name, dtype in META_FIELDS:
             self._spec[name] = (dtype, False, 0)
         self._n = 0
+        # two records a row: key + metadata (16 B: what a probe and a pull's
+        # bookkeeping touch), values + optimizer state (Adam dim 10: 128 B, 2 cache lines)
+        index = {'keys'} | {name for name, _ in META_FIELDS}
         self._store = PagedColumns(
-            {name: (dt, self.dim if per_el else 0) for name, (dt, per_el, _) in self._spec.items()},
+            {name: (dt, self.dim if per_el else 0, 'index' if name in index else 'row')
+             for name, (dt, per_el, _) in self._spec.items()},
             page_rows, max(int(capacity), MIN_CAPACITY), ROW_GROWTH)
         self._cols = self._store.col      # name -> paged column, as the kernels take it
         self._slots = np.full(slots_for(self.capacity), -1, np.int32)
@@ -139,13 +143,13 @@ class SparseTable:
 
     def _init_new(self, lo, hi):
         """Initialise freshly appended rows ``lo .. hi-1``; they start dirty."""
+        view = self._store.view
         for p, a, b, _ in self._store.spans(lo, hi):
-            rec = self._store.pages[p][a:b]
-            init_rows(rec['keys'], self.seed, self.init_range, rec['values'])
+            init_rows(view('keys', p)[a:b], self.seed, self.init_range, view('values', p)[a:b])
             for name, (_, _, fill) in self._spec.items():
                 if fill is not None and name != 'keys':
-                    rec[name] = fill
-            rec['dirty'] = 1
+                    view(name, p)[a:b] = fill
+            view('dirty', p)[a:b] = 1
 
     def _rows_for(self, keys, create):
         """Row of each key (-1: none) in a scratch buffer; creates rows if asked."""
@@ -348,7 +352,7 @@ class SparseTable:
         if kept == n:
             return 0
         self._evicted.append(self._store.gather('keys', np.flatnonzero(~keep)))
-        compact_rows(c[RECORD], keep, n)
+        self._store.compact(keep, n)
         self._n = kept
         small = max(kept + int(kept * SHRINK_SLACK), MIN_CAPACITY)
         self._store.fit(kept, small)
