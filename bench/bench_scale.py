@@ -5,17 +5,19 @@
     python bench/bench_scale.py --data DATA --runs 2x2,1x2,local --parts 4
 
 Each run trains one epoch (Adam lr 1e-3, batch 512, the train defaults) over the first
-``--parts`` part files of DATA/train (all by default) with ``--progress-every 1000000`` (``--every``),
-launched as ``mpiexec -n S+W python -m mpips.train --servers S`` (``SxW``) or
-``python -m mpips.train --local`` (``local``).  While it runs, this script samples every
-rank's /proc (CPU seconds, peak RSS) and, for every PROGRESS line (each 1M examples), it
-reports: examples/s over that 1M, table rows (all servers), server CPU seconds in that
-1M, the first worker's compute / wait seconds in that 1M, peak RSS per rank so far.  At
-the end: the TIMES line of each worker (read, dedup/plan, gather, forward/backward,
-scatter, AUC, pull/push calls, wait), the SERVER lines (rows and bytes per row), the
-EPOCH line, and ``ratio_last_to_first`` = ex/s of the last full 1M / ex/s of the first.
-Results go to bench/out/bench_scale.json and a plot of ex/s and table rows against
-examples seen to docs/scale.png (``--plot``; needs matplotlib, the ``bench`` extra).
+``--parts`` part files of DATA/train (all by default) with ``--progress-every 1000000``
+(``--every``), launched as ``mpiexec -n S+W python -m mpips.train --servers S`` (``SxW``)
+or ``python -m mpips.train --local`` (``local``).  While it runs, this script samples
+every rank's /proc (CPU seconds, peak RSS) and, for every PROGRESS line (each 1M
+examples), reports: examples/s over that 1M, table rows (all servers), server CPU seconds
+and all ranks' CPU seconds in that 1M (the load-proof measure of cost per example on a
+shared machine; for ``local`` "server" is the whole process), the first worker's
+compute / wait seconds in that 1M, and peak RSS per rank so far.  At the end: the TIMES
+line of each worker (read, dedup/plan, gather, forward/backward, scatter, AUC, pull/push
+calls, wait), the SERVER lines (rows and bytes per row), the EPOCH line, and
+``ratio_last_to_first`` = ex/s of the last 1M / ex/s of the first.  Results go to
+bench/out/bench_scale.json and a plot of ex/s and table rows against examples seen to
+docs/scale.png (``--plot``; needs matplotlib, the ``bench`` extra).
 """
 import argparse
 import json
@@ -67,8 +69,8 @@ class Sampler(threading.Thread):
 
 
 def command(run, files, test, every, extra):
-    base = ["-m", "mpips.train", "--train", ",".join(files), "--test", test,
-            "--progress-every", str(every), "--print-every", "1000000"] + extra
+    base = ["-m", "mpips.train", "--train", ",".join(files), "--progress-every", str(every),
+            "--print-every", "1000000"] + (["--test", test] if os.path.isdir(test) else []) + extra
     if run == "local":
         return [sys.executable] + base + ["--local"]
     s, w = (int(x) for x in run.split("x"))
@@ -104,8 +106,10 @@ def one_run(run, files, test, every, extra, log_path):
                 snap = {pid: sampler.last.get(pid) or proc_sample(pid) for pid in roles}
                 srv_cpu = sum(s[0] for pid, s in snap.items()
                               if s and roles[pid][0] in ("server", "local"))
+                all_cpu = sum(s[0] for s in snap.values() if s)
                 rec = {"examples": int(ex), "seconds": sec, "compute_s": comp, "wait_s": wait,
                        "table_rows": int(trows), "bytes_per_row": bpr, "server_cpu_s": srv_cpu,
+                       "cpu_s": all_cpu,
                        "peak_rss_mb": {f"{roles[p][0]} {roles[p][1]} (rank {roles[p][2]})":
                                        round(s[1]) for p, s in snap.items() if s}}
                 if prev is not None:
@@ -113,16 +117,19 @@ def one_run(run, files, test, every, extra, log_path):
                     rec.update(interval_ex_s=round((ex - prev["examples"]) / dt) if dt else 0,
                                interval_compute_s=round(comp - prev["compute_s"], 2),
                                interval_wait_s=round(wait - prev["wait_s"], 2),
-                               interval_server_cpu_s=round(srv_cpu - prev["server_cpu_s"], 2))
+                               interval_server_cpu_s=round(srv_cpu - prev["server_cpu_s"], 2),
+                               interval_cpu_s=round(all_cpu - prev["cpu_s"], 2))
                 else:
                     rec.update(interval_ex_s=round(ex / sec) if sec else 0,
                                interval_compute_s=comp, interval_wait_s=wait,
-                               interval_server_cpu_s=round(srv_cpu, 2))
+                               interval_server_cpu_s=round(srv_cpu, 2),
+                               interval_cpu_s=round(all_cpu, 2))
                 rows.append(rec)
                 prev = rec
                 print(f"[{run}] {rec['examples'] / 1e6:5.1f}M ex {rec['interval_ex_s']:7d} ex/s "
                       f"rows {rec['table_rows']:>10,} ({bpr:.0f} B/row) server cpu "
-                      f"{rec['interval_server_cpu_s']:6.1f}s  worker0 compute "
+                      f"{rec['interval_server_cpu_s']:6.1f}s all ranks {rec['interval_cpu_s']:6.1f}s "
+                      f" worker0 compute "
                       f"{rec['interval_compute_s']:6.1f}s wait {rec['interval_wait_s']:6.1f}s  "
                       f"peak MB {list(rec['peak_rss_mb'].values())}", flush=True)
             if line.startswith(("TIMES", "SERVER", "EPOCH", "PROFILE")):
