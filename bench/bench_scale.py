@@ -5,10 +5,10 @@
     python bench/bench_scale.py --data DATA --runs 2x2,1x2,local --parts 4
 
 Each run trains one epoch (Adam lr 1e-3, batch 512, the train defaults) over the first
-``--parts`` part files of DATA/train (all by default) with ``--progress-every 1000000``
+``--parts`` part files of DATA/train (all by default) with ``--table-every 1000000``
 (``--every``), launched as ``mpiexec -n S+W python -m mpips.train --servers S`` (``SxW``)
 or ``python -m mpips.train --local`` (``local``).  While it runs, this script samples
-every rank's /proc (CPU seconds, peak RSS) and, for every PROGRESS line (each 1M
+every rank's /proc (CPU seconds, peak RSS) and, for every TABLE line (each 1M
 examples), reports: examples/s over that 1M, table rows (all servers), server CPU seconds
 and all ranks' CPU seconds in that 1M (the load-proof measure of cost per example on a
 shared machine; for ``local`` "server" is the whole process), the first worker's
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ENV, ROOT, mpiexec  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
-PROGRESS = re.compile(r"PROGRESS --> examples: (\d+) seconds: ([\d.]+) compute_s: ([\d.]+) "
+TABLE = re.compile(r"TABLE --> examples: (\d+) seconds: ([\d.]+) compute_s: ([\d.]+) "
                       r"wait_s: ([\d.]+) table_rows: (\d+) bytes_per_row: ([\d.]+)")
 ROLE = re.compile(r"rank (\d+) host \S+ (server|worker) (\d+).* pid (\d+)")
 
@@ -69,7 +69,7 @@ class Sampler(threading.Thread):
 
 
 def command(run, files, test, every, extra):
-    base = ["-m", "mpips.train", "--train", ",".join(files), "--progress-every", str(every),
+    base = ["-m", "mpips.train", "--train", ",".join(files), "--table-every", str(every),
             "--print-every", "1000000"] + (["--test", test] if os.path.isdir(test) else []) + extra
     if run == "local":
         return [sys.executable] + base + ["--local"]
@@ -100,7 +100,7 @@ def one_run(run, files, test, every, extra, log_path):
                 pid = int(m.group(4))
                 roles[pid] = (m.group(2), int(m.group(3)), int(m.group(1)))
                 sampler.pids[pid] = m.group(2)
-            m = PROGRESS.search(line)
+            m = TABLE.search(line)
             if m:
                 ex, sec, comp, wait, trows, bpr = (float(g) for g in m.groups())
                 snap = {pid: sampler.last.get(pid) or proc_sample(pid) for pid in roles}
