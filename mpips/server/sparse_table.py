@@ -1,6 +1,6 @@
 """Sparse parameter table of one server: int64 id -> embedding row + optimizer state.
 
-Storage is a set of numpy columns indexed by row (see ``row_fields()``):
+Each row has these fields (see ``row_fields()``; ``export_rows`` returns them as arrays):
 
 * ``keys`` int64 (R,), ``values`` float32 (R, dim)
 * optimizer state: Adagrad ``accum`` (R, dim); Adam ``m``, ``v`` (R, dim) and
