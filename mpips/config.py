@@ -57,8 +57,6 @@ class Config:
     mode: str = _f("async", "training mode", choices=MODES)
     geo_steps: int = _f(100, "GEO-SGD: send deltas every K local steps")
     staleness: int = _f(4, "ssp: a worker may run at most this many steps ahead of the slowest")
-    dense_every: int = _f(4, "async: dense weights travel every N steps: their gradients are "
-                             "averaged over N steps and pushed, fresh weights pulled")
     # --- model and optimiser
     embedding_dim: int = _f(10, "embedding size per sparse slot")
     fc: str = _f("400,400,400", "hidden layer sizes, comma-separated")
@@ -128,7 +126,7 @@ class Config:
                                                int(self.save_every) > 0):
             raise ValueError(f"--save-every must be 'epoch' or a number of batches >= 1; got "
                              f"{self.save_every!r}")
-        positive = ("embedding_dim", "batch_size", "epochs", "geo_steps", "dense_every",
+        positive = ("embedding_dim", "batch_size", "epochs", "geo_steps",
                     "print_every", "local_workers")
         for name in positive:
             if getattr(self, name) < 1:
@@ -222,6 +220,9 @@ def _given_flags(argv, prog):
 def parse_args(argv=None, prog="python -m mpips.train"):
     """Parse flags (and the TOML file they name) into a validated Config."""
     parser = build_parser(prog)
+    if any(a.split("=")[0] == "--dense-every" for a in (argv or [])):
+        raise ValueError("--dense-every is retired: dense weights are replicated on the "
+                         "workers and updated every step (docs/modes.md); drop the flag")
     args = parser.parse_args(argv)
     given = _given_flags(argv, prog)
     values = {}

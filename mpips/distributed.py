@@ -7,6 +7,7 @@ the servers for saves and shrinks.
 import json
 import os
 import time
+import zlib
 
 import numpy as np
 from mpi4py import MPI
@@ -27,6 +28,7 @@ from mpips.runner import admission_of, inner_table, run_epochs
 from mpips.server.loop import Server
 from mpips.stream import Pass, run_stream
 from mpips.worker.client import PSClient
+from mpips.worker.dense_sync import DenseAllgather
 from mpips.worker.trainer import EpochStats, GeoTrainer, Trainer
 
 # One PROFILE row per rank, gathered to the first worker at the end of the job.
@@ -108,11 +110,18 @@ def work(cfg, cluster, model, bounds):
         trainer = GeoTrainer(cfg, model, client, lambda ids: plan_keys(ids, S), log=logger,
                              n_workers=W)
     else:
+        replica = make_tables(cfg, model)[1]      # from the servers at first use (DistBackend)
+        dense_sync = DenseAllgather(cluster.role_comm, model.n_params,
+                                    client.timeout) if W > 1 else None
         trainer = Trainer(cfg, model, client, lambda ids: plan_keys(ids, S), log=logger,
-                          overlap=(cfg.mode == "async"))
+                          overlap=(cfg.mode == "async"), replica=replica,
+                          dense_sync=dense_sync, sync=is_sync(cfg))
     slow = os.environ.get("MPIPS_DEBUG_SLOW_WORKER", "")   # "I:SECONDS": a test aid
     if slow and int(slow.split(":")[0]) == wi:
         trainer.step_delay = float(slow.split(":")[1])
+    stretch = os.environ.get("MPIPS_BENCH_SLOW_WORKER", "")  # "I:F": benchmarks only; worker
+    if stretch and int(stretch.split(":")[0]) == wi:         # I sleeps F x its compute time
+        trainer.stretch = float(stretch.split(":")[1])
     backend = DistBackend(cfg, trainer, client, cluster.role_comm, wi, W, resume_point(cfg)[0])
     if cfg.stream:
         run_stream(cfg, backend, log_line)
@@ -120,7 +129,8 @@ def work(cfg, cluster, model, bounds):
         run_epochs(cfg, backend, train_files, test_files)
     client.control(Op.FINISH)
     log_line(trainer.times_line(f"worker {wi} (rank {cluster.comm.rank})"))
-    return profile_row(compute_s=trainer.compute_s, wait_s=client.wait_s,
+    wait_s = client.wait_s + (trainer.dense_sync.wait_s if trainer.dense_sync else 0.0)
+    return profile_row(compute_s=trainer.compute_s, wait_s=wait_s,
                        requests=client.messages, mb_sent=client.bytes_sent / 1e6,
                        mb_recv=client.bytes_recv / 1e6, peak_rss_mb=peak_rss_mb())
 
@@ -134,6 +144,15 @@ class DistBackend:
         self.is_logger = wi == 0
         self.lineage = ck.Lineage(cfg.save_dir, loaded) if cfg.save_dir and wi == 0 else None
         self.warned = False         # told the user this worker has no files
+        self.fetched = False        # the dense replica holds the servers' values
+
+    def _replica_ready(self):
+        """At first use, start the dense replica from the servers' dense slices: the seed's
+        weights, or a resumed checkpoint's (with optimizer state).  Not earlier: a server
+        may still be loading the checkpoint, and this wait counts against --peer-timeout."""
+        if self.trainer.replica is not None and not self.fetched:
+            self.client.dense_get(self.trainer.replica)
+            self.fetched = True
 
     def _sum(self, arr):
         out = np.empty_like(arr)
@@ -162,6 +181,7 @@ class DistBackend:
                                  worker=(self.wi, self.W) if self.W > 1 else None)
         self.trainer.progress = prog
         try:
+            self._replica_ready()
             st = self.trainer.train_epoch(reader or [], epoch, self.cfg.max_steps, skip)
         finally:
             if reader is not None:
@@ -174,11 +194,27 @@ class DistBackend:
                                    c.messages - msgs0], np.float64))
         span = self._max(span)
         metrics = BinaryMetrics.from_state(self._sum(st.metrics.state()))
+        extra = {"workers": self.W, "servers": c.n_servers,
+                 "bytes_sent_per_example": round(sums[2] / max(sums[0], 1), 1),
+                 "messages_sent": int(sums[3])}
+        if self.trainer.replica is not None:
+            extra["dense_crc"] = self._replica_crcs()
         return EpochStats(examples=int(sums[0]), steps=st.steps, loss_sum=sums[1], seconds=span,
-                          metrics=metrics, extra={
-                              "workers": self.W, "servers": c.n_servers,
-                              "bytes_sent_per_example": round(sums[2] / max(sums[0], 1), 1),
-                              "messages_sent": int(sums[3])})
+                          metrics=metrics, extra=extra)
+
+    def _replica_crcs(self):
+        """CRC-32 of every worker's dense replica (values and optimizer state); they must
+        be equal (the replicas are updated by the same sums in the same order)."""
+        crc = 0
+        for arr in self.trainer.replica.export_state().values():
+            crc = zlib.crc32(arr.tobytes(), crc)
+        out = np.empty(self.W, np.int64)
+        wait_collective(self.wcomm.Iallgather(np.array([crc], np.int64), out),
+                        "Iallgather of the workers' dense checksums")
+        if len(set(out.tolist())) != 1:
+            raise RuntimeError(f"dense replicas differ between workers (CRC-32 per worker: "
+                               f"{out.tolist()}); please report this as a bug")
+        return out.tolist()
 
     def _max(self, value):
         out = np.empty(1, np.float64)
@@ -190,6 +226,7 @@ class DistBackend:
         if not files:
             return None
         mine = files[self.wi::self.W]
+        self._replica_ready()
         local = BinaryMetrics()
         if mine:
             reader = make_reader(self.cfg, mine, self.cfg.batch_size, log_line)
@@ -208,6 +245,9 @@ class DistBackend:
         parent = self.lineage.parent if mode == "delta" else None
         path = ck.new_checkpoint_dir(self.cfg.save_dir, mode, parent)
         seq = int(os.path.basename(path).split("-")[1])
+        if self.trainer.replica is not None:        # the servers write what the workers hold
+            self._replica_ready()
+            self.client.dense_put(self.trainer.replica)
         infos = [json.loads(b) for b in self.client.save(seq, SAVE_MODES.index(mode), step)]
         ck.write_manifest(path, {"shards": infos, "config": self.cfg.to_json(), "meta": meta,
                                  "parent": parent})
@@ -252,6 +292,11 @@ class DistBackend:
     def emit(self, rec):
         if self.is_logger:
             write_metrics(self.cfg.metrics_out, rec)
+
+
+def is_sync(cfg):
+    """Do the servers apply steps BSP (sync mode, or ssp with staleness 0)?"""
+    return cfg.mode == "sync" or (cfg.mode == "ssp" and cfg.staleness == 0)
 
 
 def report_profile(comm, root, prof):

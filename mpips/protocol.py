@@ -60,6 +60,10 @@ class Op(IntEnum):
                   # step = in sync mode, save once that many steps of the phase are applied;
                   # reply: the shard's manifest entry as UTF-8 JSON on TAG_CONTROL
     SHRINK = 8    # age rows, evict those unseen for > step shrinks; reply int64[1] removed
+    DENSE_PUT = 9   # a worker's dense replica for this server's slice, to be checkpointed:
+                    # dense = values then optimizer state (server.dense_table.pack_state)
+    DENSE_GET = 10  # reply this server's dense slice and its optimizer state (same packing)
+                    # on TAG_REPLY_DENSE: what workers start their replicas from
 
 
 class ProtocolError(ValueError):

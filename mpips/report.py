@@ -27,8 +27,6 @@ def epoch_record(cfg, epoch, st, test_m):
         rec["geo_steps"] = cfg.geo_steps
     if cfg.mode == "ssp":
         rec["staleness"] = cfg.staleness
-    if cfg.mode == "async":
-        rec["dense_every"] = cfg.dense_every
     if test_m is not None:
         rec.update(test_examples=int(test_m.count), test_auc=test_m.auc(),
                    test_logloss=test_m.logloss(), test_mean_pred=test_m.mean_pred(),

@@ -86,7 +86,9 @@ class LocalBackend:
         prog = self.trainer.progress = make_progress(
             cfg, readers, label or f"epoch {epoch}", redraw=sys.stdout.isatty(),
             offset_batches=skip, lag=lag, write=log_line)
-        st = self.trainer.train_epoch(concat_batches(readers), epoch, cfg.max_steps, skip)
+        groups = (concat_batches(readers) if self.trainer.replica is None    # GEO
+                  else zip_batches(readers))
+        st = self.trainer.train_epoch(groups, epoch, cfg.max_steps, skip)
         if prog is not None:
             prog.finish(st.examples, st.loss_sum)
         st.extra = {"workers": 0, "servers": 0, "local_workers": self.cfg.local_workers,
@@ -137,6 +139,21 @@ def inner_table(table):
 def admission_of(table):
     """The admission filter in front of a table (its counts are saved too), or None."""
     return table if isinstance(table, AdmittedTable) else None
+
+
+def zip_batches(readers):
+    """Zip W readers into steps: lists of the W workers' batches (fewer at the end, when
+    some readers ran out), closing the readers after."""
+    its = [iter(r) for r in readers]
+    try:
+        while True:
+            parts = [b for b in (next(i, None) for i in its) if b is not None]
+            if not parts:
+                return
+            yield parts
+    finally:
+        for r in readers:
+            r.close()
 
 
 def concat_batches(readers):

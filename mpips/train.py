@@ -29,8 +29,11 @@ def run_local(cfg):
     train_files, test_files = ([], []) if cfg.stream else resolve_data(cfg)
     model = make_model(cfg)
     ps = LocalPS(*make_tables(cfg, model))
-    cls = GeoTrainer if cfg.mode == "geo" else Trainer
-    trainer = cls(cfg, model, ps, lambda ids: plan_keys(ids, 1), log=log_line)
+    plan = lambda ids: plan_keys(ids, 1)  # noqa: E731
+    if cfg.mode == "geo":
+        trainer = GeoTrainer(cfg, model, ps, plan, log=log_line)
+    else:
+        trainer = Trainer(cfg, model, ps, plan, log=log_line, replica=ps.dense)
     log_line(f"mpips local: batch {cfg.local_workers} x {cfg.batch_size}, "
              f"{model.n_params} dense parameters")
     path = resume_point(cfg)[0]

@@ -41,7 +41,7 @@ def trained(data, tmp_path_factory):
                  lr=0.01, print_every=4, prefetch=False)
     model = make_model(cfg)
     ps = LocalPS(*make_tables(cfg, model))
-    trainer = Trainer(cfg, model, ps, lambda ids: plan_keys(ids, 1))
+    trainer = Trainer(cfg, model, ps, lambda ids: plan_keys(ids, 1), replica=ps.dense)
     root = str(tmp_path_factory.mktemp("infer_ckpt"))
     results = []
     for mode, steps in (("base", 0), ("delta", 5)):

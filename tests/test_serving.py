@@ -46,7 +46,7 @@ def root(data, tmp_path_factory):
                  lr=0.01, print_every=1000, prefetch=False)
     model = make_model(cfg)
     ps = LocalPS(*make_tables(cfg, model))
-    trainer = Trainer(cfg, model, ps, lambda ids: plan_keys(ids, 1))
+    trainer = Trainer(cfg, model, ps, lambda ids: plan_keys(ids, 1), replica=ps.dense)
     out = str(tmp_path_factory.mktemp("serve_ckpt"))
     for mode, steps in (("base", 0), ("delta", 5), ("delta", 3)):
         trainer.train_epoch(make_reader(cfg, data[0], 128, quiet), 0, max_steps=steps)

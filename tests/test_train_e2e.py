@@ -17,7 +17,7 @@ def read_metrics(path):
 def common(tiny_data, tmp_path, *extra):
     train, test = tiny_data
     return ["-m", "mpips.train", "--train", train, "--test", test, "--batch-size", "256",
-            "--fc", "64,32", "--print-every", "10", "--lr", "0.003", "--dense-every", "1",
+            "--fc", "64,32", "--print-every", "10", "--lr", "0.003",
             "--metrics-out", str(tmp_path / "m.jsonl")] + list(extra)
 
 

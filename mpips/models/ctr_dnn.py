@@ -196,8 +196,8 @@ class CTRDNN:
         logit += b_out[0]
         return logit
 
-    def forward_backward(self, params, emb, dense, label, grad_out, grad_emb_out):
-        """Loss, probabilities and gradients of the MEAN loss over the batch.
+    def forward_backward(self, params, emb, dense, label, grad_out, grad_emb_out, scale=None):
+        """Loss, probabilities and gradients of ``scale`` x the SUMMED loss of the batch.
 
         Parameters
         ----------
@@ -207,6 +207,8 @@ class CTRDNN:
         label : (B,) 0/1 labels (any numeric dtype).
         grad_out : (n_params,) model dtype, output; overwritten with d(loss)/d(params).
         grad_emb_out : (B, n_sparse*dim) model dtype, output; overwritten with d(loss)/d(emb).
+        scale : gradient scale; default 1/B (the gradients of the mean loss); 1.0 gives the
+            gradients of the summed loss, which W workers' parts add up exactly.
 
         Returns
         -------
@@ -226,7 +228,7 @@ class CTRDNN:
         ws = self._workspace(batch)
         logit = self._forward(params, emb, dense, ws, batch)
         probs, dlogit = ws.probs[:batch], ws.dlogit[:batch]
-        total = sigmoid_bce_(logit, label, probs, dlogit, 1.0 / batch)
+        total = sigmoid_bce_(logit, label, probs, dlogit, 1.0 / batch if scale is None else scale)
         self._backward(params, grad_out, grad_emb_out, ws, batch)
         return total / batch, probs
 

@@ -53,6 +53,12 @@ class DenseTable:
         apply_rows(self.opt, self._hyper, self._values, self._state, self._rows, grads,
                    float(scale))
 
+    @property
+    def values(self):
+        """The live values (n,): a view that every update writes (a worker's replica
+        computes with it directly)."""
+        return self._values[0]
+
     def add(self, delta):
         """``values += delta`` (GEO-SGD); delta (n,)."""
         self._values += self._check(delta, 'delta')
@@ -89,3 +95,34 @@ class DenseTable:
                 raise ValueError(f'import_state: {name} must have {arr.size} elements; '
                                  f'got {src.size}')
             arr[...] = src.reshape(arr.shape)
+
+
+def packed_size(opt, n):
+    """Floats of :func:`pack_state` for an ``n``-value slice under optimizer ``opt``."""
+    return n + sum(n if per_el else 1 for _, per_el in opt.state_arrays())
+
+
+def pack_state(table, lo, hi):
+    """``[values[lo:hi], each state array's slice (per-table ones whole)]`` as float32.
+
+    What a worker hands a server for slice [lo, hi) of its dense replica (DENSE_PUT), and
+    what a server sends back whole (DENSE_GET); :func:`unpack_state` inverts it.
+    """
+    parts = [table._values[0, lo:hi]]
+    for name, per_el in table.opt.state_arrays():
+        arr = table._state[name].reshape(-1)
+        parts.append(arr[lo:hi] if per_el else arr)
+    return np.concatenate(parts).astype(np.float32, copy=False)
+
+
+def unpack_state(opt, flat, n):
+    """The ``import_state`` dict of an ``n``-value slice packed by :func:`pack_state`."""
+    if len(flat) != packed_size(opt, n):
+        raise ValueError(f"a packed dense slice of {n} values under {opt.name} has "
+                         f"{packed_size(opt, n)} floats; got {len(flat)}")
+    out, off = {"values": flat[:n]}, n
+    for name, per_el in opt.state_arrays():
+        k = n if per_el else 1
+        out[name] = flat[off:off + k]
+        off += k
+    return out

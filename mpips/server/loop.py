@@ -6,8 +6,13 @@ applies the mode's ordering rules and sends replies.
 Ordering rules per mode (steps count from 0 within a phase; a phase ends with BARRIER):
 - async / geo: pushes and adds apply on arrival; pulls are answered at once.
 - sync (and ssp with staleness 0): pushes of step t are held until every active worker's
-  push of step t is in, then applied once from their average; a pull of step t is answered
-  only after steps 0..t-1 were applied.
+  push of step t is in, then applied once from their sum (workers send gradients already
+  weighted by their share of the step's examples); the training pulls of step t are held
+  until every active worker's pull of step t is in and steps 0..t-1 were applied, then
+  answered in worker-rank order (so admission counts are taken in a fixed order).
+Dense weights: in async/sync/ssp the workers keep replicas (mpips.worker.dense_sync); the
+server's dense slice is only what checkpoints hold (DENSE_PUT before a save, DENSE_GET at
+start).  In geo the servers' dense slice is trained by the workers' ADDs.
 - ssp: pushes apply on arrival; a pull of step t waits until every active worker has pushed
   at least t - staleness steps.
 An idle server sleeps with exponential back-off (``mpips.backoff.IDLE``) instead of
@@ -34,6 +39,7 @@ from mpi4py import MPI
 from mpips.backoff import IDLE, Backoff
 from mpips.config import SAVE_MODES
 from mpips.kernels.embedding import sum_duplicates
+from mpips.server.dense_table import pack_state, packed_size, unpack_state
 from mpips.liveness import WATCH, err_line, wait_for
 from mpips.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, STATS_DTYPE, TAG_CONTROL,
                             TAG_REPLY_DENSE, TAG_REPLY_SPARSE, TAG_REQUEST, Op, ProtocolError,
@@ -44,7 +50,7 @@ MAX_REJECT_LINES = 100  # malformed requests logged one line each; later ones on
 MAX_SHRINK_THRESHOLD = np.iinfo(np.uint16).max - 1   # rows age in a uint16 counter
 MAX_COUNT = 2.0 ** 24   # largest occurrence count per id in one pull (float32 integers)
 MAX_ABS = 1e15          # largest |gradient| or |delta| accepted: squares stay finite in float32
-CONTROL_OPS = (Op.FINISH, Op.STATS, Op.BARRIER, Op.SAVE, Op.SHRINK)
+CONTROL_OPS = (Op.FINISH, Op.STATS, Op.BARRIER, Op.SAVE, Op.SHRINK, Op.DENSE_GET)
 
 
 class Server:
@@ -84,6 +90,7 @@ class Server:
         self.pending = {}                   # sync: step -> {worker: (keys, grads, dense)}
         self.clock = {w: 0 for w in self.workers}   # ssp: pushes received per worker
         self.deferred = []                  # pulls waiting for their step
+        self.held = {}                      # sync: step -> {worker: training pull}
         self.deferred_saves = []            # sync: (seq, mode, step, source) until step applied
 
     # ---- main loop
@@ -153,10 +160,23 @@ class Server:
                 bad("sent twice in one phase")
             if req.op == Op.SHRINK and not 0 <= req.step <= MAX_SHRINK_THRESHOLD:
                 bad(f"threshold {req.step}: must be 0..{MAX_SHRINK_THRESHOLD} (shrink calls)")
+        elif req.op == Op.DENSE_PUT:
+            if self.mode == "geo":
+                bad("in geo mode (the servers train the dense weights there)")
+            want = packed_size(self.dense.opt, self.dense.size)
+            if req.count or req.dense is None or len(req.dense) != want:
+                bad(f"must carry no keys and {want} dense floats (values + optimizer state "
+                    f"of this server's slice); got count={req.count} dense="
+                    f"{0 if req.dense is None else len(req.dense)}")
+            if not np.isfinite(req.dense.sum()):
+                bad("non-finite dense values")
         elif req.op == Op.PULL:
             if req.dense is not None or (req.values is not None and req.dim != 1):
                 bad(f"may carry only occurrence counts (width 1); got dim={req.dim} "
                     f"dense={0 if req.dense is None else len(req.dense)}")
+            if self.mode == "sync" and req.flags & F_CREATE and req.step < self.version:
+                bad(f"for step {req.step}, already applied (phase at step {self.version}): "
+                    "a training pull would be held for good")
             if req.values is not None and req.count:
                 c = req.values[:, 0]
                 if not (0 <= c.min() <= c.max() <= MAX_COUNT and (c == np.floor(c)).all()):
@@ -165,6 +185,8 @@ class Server:
         else:                                   # PUSH, ADD
             if req.count and req.dim != self.sparse.dim:
                 bad(f"rows of width {req.dim}; this table has dim {self.sparse.dim}")
+            if req.dense is not None and req.op == Op.PUSH:
+                bad("carrying dense gradients: the workers combine those among themselves")
             if req.dense is not None and len(req.dense) != self.dense.size:
                 bad(f"a dense slice of {len(req.dense)}; this server holds {self.dense.size}")
             for arr in (req.values, req.dense):     # (min/max propagate NaN: no pass of abs)
@@ -213,9 +235,10 @@ class Server:
     # ---- liveness
     def _check(self, now):
         """Fail if a worker holds the others up in silence; keep barrier waiters informed."""
-        waiting = bool(self.at_barrier or self.deferred or self.pending)
+        waiting = bool(self.at_barrier or self.deferred or self.pending or self.held)
         if waiting:
             held = {src for _, src in self.deferred} | set(self.pending.get(self.version, ()))
+            held |= {src for got in self.held.values() for src in got}
             silent = [w for w in sorted(self.active - self.finished - held)
                       if now - self.last_seen[w] > self.timeout]
             if silent:
@@ -238,6 +261,9 @@ class Server:
         if self.pending:
             have = sorted(self.pending.get(self.version, {}))
             parts.append(f"sync step {self.version} has the pushes of {have}")
+        if self.held:
+            parts.append("sync PULLs held: " + ", ".join(
+                f"step {s} from {sorted(got)}" for s, got in sorted(self.held.items())[:3]))
         if self.deferred:
             parts.append(f"{len(self.deferred)} PULL(s) held, steps "
                          f"{sorted({r.step for r, _ in self.deferred})[:5]}, from "
@@ -264,7 +290,10 @@ class Server:
     # ---- dispatch
     def handle(self, req, source):
         if req.op == Op.PULL:
-            if self._pull_ready(req.step):
+            if self.mode == "sync" and req.flags & F_CREATE:
+                self.held.setdefault(req.step, {})[source] = self._copy(req)
+                self._after_progress()
+            elif self._pull_ready(req.step):
                 self._answer_pull(req, source)
             else:
                 self.deferred.append((self._copy(req), source))
@@ -287,6 +316,10 @@ class Server:
                 self.deferred_saves.append(save)      # after step `req.step` is applied
             else:
                 self._save(*save)
+        elif req.op == Op.DENSE_PUT:
+            self.dense.import_state(unpack_state(self.dense.opt, req.dense, self.dense.size))
+        elif req.op == Op.DENSE_GET:
+            self._send(pack_state(self.dense, 0, self.dense.size), source, TAG_REPLY_DENSE)
         elif req.op == Op.SHRINK:
             removed = self.sparse.shrink(req.step)
             self.evicted += removed
@@ -349,8 +382,6 @@ class Server:
         if self.mode != "sync":
             if req.count:
                 self.sparse.push(req.keys, req.values)
-            if req.dense is not None:
-                self.dense.push(req.dense)
             self.clock[source] += 1
             if self.mode == "ssp":
                 self._after_progress()
@@ -368,6 +399,12 @@ class Server:
             self.deferred_saves = [x for x in self.deferred_saves if x[2] > self.version]
             for save in ready:
                 self._save(*save)
+        for step in sorted(self.held):
+            got = self.held[step]
+            if step <= self.version and self.active <= set(got):
+                del self.held[step]
+                for w in sorted(got):
+                    self._answer_pull(got[w], w)
         if self.deferred:
             still = []
             for req, source in self.deferred:
@@ -386,18 +423,14 @@ class Server:
             self._new_phase()
 
     def _apply_sync(self, pushes):
-        """One update from the average of the workers' gradients of this step."""
-        reqs = [pushes[w] for w in sorted(pushes)]
-        scale = 1.0 / len(reqs)
-        keyed = [r for r in reqs if r.count]
+        """One update from the sum of the workers' gradients of this step, taken in
+        worker-rank order (each worker scaled its rows by 1 / the step's examples)."""
+        keyed = [pushes[w] for w in sorted(pushes) if pushes[w].count]
         if keyed:
             keys = np.concatenate([r.keys for r in keyed])
             grads = np.concatenate([r.values for r in keyed])
             ukeys, ugrads = sum_duplicates(keys, grads)
-            self.sparse.push(ukeys, ugrads, scale)
-        dense = [r.dense for r in reqs if r.dense is not None]
-        if dense:
-            self.dense.push(np.sum(dense, axis=0, dtype=np.float32), scale)
+            self.sparse.push(ukeys, ugrads)
 
     # ---- sends
     def _send(self, arr, dest, tag):

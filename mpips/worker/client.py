@@ -17,6 +17,7 @@ from mpips.liveness import WATCH, wait_for, wait_requests
 from mpips.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, STATS_DTYPE, STATS_LEN,
                             TAG_CONTROL, TAG_REPLY_DENSE, TAG_REPLY_SPARSE, TAG_REQUEST, Op,
                             encode, message_nbytes)
+from mpips.server.dense_table import pack_state, packed_size, unpack_state
 
 WORKER_GRACE = 1.0  # s a worker waits beyond --peer-timeout: a server, which knows which
                     # worker holds the others up, gets to report first
@@ -118,6 +119,33 @@ class PSClient:
             reqs.append(r)
             bufs.append(b)
         return Handle(self, reqs, self.servers, bufs, Op(op).name, step)
+
+    def dense_put(self, table):
+        """Hand every server its slice of the dense replica `table` (a DenseTable of all
+        the dense weights) with its optimizer state, for the checkpoint that follows."""
+        empty = np.empty(0, np.int64)
+        sent = [self._request(s, Op.DENSE_PUT, empty, None, 0, 0,
+                              pack_state(table, self.bounds[s], self.bounds[s + 1]))
+                for s in range(self.n_servers)]
+        Handle(self, [r for r, _ in sent], list(self.servers), [b for _, b in sent],
+               "DENSE_PUT").wait()
+
+    def dense_get(self, table):
+        """Load the servers' dense slices and their optimizer state into `table` (a
+        DenseTable of all the dense weights): a worker's replica at the start."""
+        opt, bounds = table.opt, self.bounds
+        bufs = [np.empty(packed_size(opt, bounds[s + 1] - bounds[s]), np.float32)
+                for s in range(self.n_servers)]
+        reqs = [self.comm.Irecv(b, srv, TAG_REPLY_DENSE) for b, srv in zip(bufs, self.servers)]
+        sent, peers, sbufs = self._send_all(Op.DENSE_GET)
+        Handle(self, reqs + sent, self.servers + peers, sbufs, "DENSE_GET").wait()
+        parts = [unpack_state(opt, b, bounds[s + 1] - bounds[s]) for s, b in enumerate(bufs)]
+        state = {k: np.concatenate([p[k] for p in parts]) for k in ("values",) + tuple(
+            name for name, per_el in opt.state_arrays() if per_el)}
+        for name, per_el in opt.state_arrays():
+            if not per_el:          # per-table state (Adam's beta powers): every slice took
+                state[name] = parts[0][name]        # the same number of steps
+        table.import_state(state)
 
     def _send_all(self, op, step=0, flags=0):
         """Send a bodyless op to every server: (requests, their server ranks, buffers)."""

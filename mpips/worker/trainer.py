@@ -3,24 +3,39 @@
 `ps` is a PSClient (MPI) or a LocalPS (one process); the loop does not know which: both
 follow ``mpips.interfaces.ParamStore``.
 
+A step takes one *group* of batches: a distributed worker's own batch (or none, when it ran
+out of data before the others), or, in one process with ``--local-workers W``, the W
+batches that W workers would take.  Each batch gets its own forward/backward (gradients of
+its summed loss); the step's update is from the mean over all the step's examples:
+- dense weights: a replica on every worker (mpips.worker.dense_sync), updated every step
+  from the workers' gradients added in worker order (an Iallgather among the workers; one
+  process adds its parts in the same order);
+- sparse rows: on the servers; a batch's rows are scaled by 1 / (examples they average over)
+  and pushed.  async/ssp: scaled by the worker's own examples, applied on arrival; sync:
+  by the step's examples over all workers, which the servers sum in worker order.
+So ``--local --local-workers W`` computes exactly what W sync workers and the servers do.
+
 Step ordering (step t uses batch t):
 - async (distributed): the pull of batch t+1 is sent before batch t is computed, so the
-  next rows arrive while this batch computes (parameters one step stale per worker);
+  next rows arrive while this batch computes (sparse rows one step stale per worker);
 - sync / ssp / local: the pull of batch t+1 is sent after the push of batch t; the servers
   decide when to answer it (sync: after step t was applied by all workers).
-Dense weights are pulled every step, or every --dense-every steps in async mode.
+Every worker takes part in every step until no worker has data left (a worker without a
+batch contributes no examples, and sends empty pushes; in sync mode empty pulls too).
 """
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpips.kernels.embedding import gather_rows, scatter_add_rows
+from mpips.kernels.embedding import gather_rows, scatter_add_rows, sum_duplicates
 from mpips.metrics import BinaryMetrics
+from mpips.ownership import KeyPlan
 from mpips.protocol import Op
 from mpips.server.dense_table import DenseTable
 from mpips.server.optim import OptimizerConfig
 from mpips.server.sparse_table import SparseTable
+from mpips.worker.dense_sync import DenseStep
 
 
 @dataclass
@@ -50,17 +65,46 @@ class _Prepared:
                 np.float32).reshape(-1, 1)
 
 
-class Trainer:
-    """Runs epochs of CTR-DNN training against a parameter store `ps`."""
+class _Done:
+    def wait(self):
+        return self
 
-    def __init__(self, cfg, model, ps, plan_fn, log=None, overlap=False):
+
+class _Handles:
+    """Several handles waited for together."""
+
+    def __init__(self, handles):
+        self.handles = handles
+
+    def wait(self):
+        for h in self.handles:
+            h.wait()
+        return self
+
+
+class Trainer:
+    """Runs epochs of CTR-DNN training against a parameter store `ps`.
+
+    replica: DenseTable of all dense weights (this worker's replica; in one process the
+    table itself); dense_sync: a DenseAllgather among the workers, or None in one process
+    (or with one worker); overlap: async (pull t+1 before computing t); sync: the servers
+    apply steps BSP (sync mode, ssp with staleness 0).
+    """
+
+    def __init__(self, cfg, model, ps, plan_fn, log=None, overlap=False, replica=None,
+                 dense_sync=None, sync=False):
         self.cfg, self.model, self.ps = cfg, model, ps
         self.plan_fn = plan_fn                    # ids -> KeyPlan for ps's servers
         self.log = log                            # callable(str) on the logging worker, else None
-        self.overlap = overlap                    # async: pull t+1 before computing t
+        self.overlap, self.sync = overlap, sync
         self.dim = cfg.embedding_dim
         P = model.n_params
-        self.params = [np.zeros(P, np.float32), np.zeros(P, np.float32)]  # double buffer
+        self.replica, self.dense_sync = replica, dense_sync
+        if replica is not None:
+            self.params = [replica.values]        # the live weights: every update lands there
+            self.acc = DenseStep(replica)
+        else:                                     # GEO keeps its own dense copy
+            self.params = [np.zeros(P, np.float32)]
         self.grad_dense = np.zeros(P, np.float32)
         self.compute_s = 0.0       # gather + fwd_bwd + scatter
         # seconds per phase of a training step (with ps.wait_s, the whole loop): reading
@@ -69,12 +113,11 @@ class Trainer:
         # or the table work itself for a LocalPS)
         self.times = dict.fromkeys(TIMES, 0.0)
         self.step_delay = 0.0      # seconds slept per step: slows one worker in tests
-        self.on_step = None        # callable(done, phase_steps) after each push (mid-epoch saves)
+        self.stretch = 0.0         # benchmarks: sleep this fraction of each step's compute
+        self.on_step = None        # callable(done, phase_steps) after each step (mid-epoch saves)
         self.progress = None       # mpips.progress.Progress of this phase (first worker) or None
         self._emb = self._grad_emb = None
-        # async: dense gradients are averaged over --dense-every steps, then pushed
-        self.dense_k = cfg.dense_every if overlap else 1
-        self.dense_acc = np.zeros(P, np.float32) if self.dense_k > 1 else None
+        self._empty = None
 
     def times_line(self, who):
         """One line with this worker's seconds per step phase (``self.times``) and wait."""
@@ -85,7 +128,7 @@ class Trainer:
         """TRAIN line every --print-every steps; the PROGRESS line when it is due."""
         if self.progress is not None:
             self.progress.tick(st.examples, st.loss_sum)
-        if self.log and step % self.cfg.print_every == 0:
+        if self.log and st.examples and step % self.cfg.print_every == 0:
             if self.progress is not None:
                 self.progress.clear()
             self.log(f"TRAIN --> pass: {epoch} batch: {step} loss: {st.loss_sum / st.examples:.6f}"
@@ -121,8 +164,10 @@ class Trainer:
             self._grad_emb = np.empty((n_rows, self.dim), np.float32)
         return self._emb[:n_rows], self._grad_emb[:n_rows]
 
-    def _step_math(self, prep, params):
-        """Forward/backward of one batch; returns (loss, probs, row grads (u, dim))."""
+    def _step_math(self, prep, params, scale=None):
+        """Forward/backward of one batch; returns (mean loss, probs, row grads (u, dim)).
+
+        Gradients of the mean loss (scale None), or of scale x the summed loss."""
         b = prep.batch
         n = len(b.label)
         tm = self.times
@@ -131,7 +176,8 @@ class Trainer:
         gather_rows(prep.rows, prep.plan.inverse, emb)
         t1 = time.perf_counter()
         loss, probs = self.model.forward_backward(params, emb.reshape(n, -1), b.dense, b.label,
-                                                  self.grad_dense, grad_emb.reshape(n, -1))
+                                                  self.grad_dense, grad_emb.reshape(n, -1),
+                                                  scale)
         t2 = time.perf_counter()
         grads = np.empty_like(prep.rows)                                    # (u, dim)
         scatter_add_rows(grad_emb, prep.plan.inverse, grads)               # zeroes grads first
@@ -140,83 +186,135 @@ class Trainer:
         tm["gather"] += t1 - t0
         return loss, probs, grads
 
+    # ---- one step's pieces
+    def _group(self, it, done, max_steps):
+        """The next step's batches (a list: one per part; empty when this worker is done),
+        after `done` batches of the epoch (--max-steps counts batches skipped on resume)."""
+        if max_steps and done >= max_steps:
+            return []
+        t0 = time.perf_counter()
+        item = next(it, None)
+        self.times["read"] += time.perf_counter() - t0
+        if item is None:
+            return []
+        return [self._prepare(b) for b in (item if isinstance(item, list) else [item])]
+
+    def _empty_prep(self):
+        if self._empty is None:
+            self._empty = _Prepared(None, self.plan_fn(np.empty(0, np.int64)), self.dim, False)
+        return self._empty
+
+    def _pull_group(self, group, step, more):
+        """Pull the rows of every part (in part order: admission counts in worker order).
+        A sync worker without a batch sends an empty pull while others go on."""
+        if not group and self.sync and self.dense_sync is not None and more:
+            group = [self._empty_prep()]
+        if not group:
+            return _Done()
+        return _Handles([self._pull(p, step, None) for p in group])
+
+    def _push(self, parts, examples, step):
+        """Scale each part's row gradients by 1 / examples and push them (one process: the
+        parts' rows summed per id in part order, as the servers sum the workers')."""
+        if not parts:
+            if self.dense_sync is None:
+                return _Done()
+            p = self._empty_prep()                 # keeps sync/ssp servers' step count
+            return self.ps.push(p.plan, p.rows, step=step)
+        inv = np.float32(1.0 / examples)
+        for _, g in parts:
+            g *= inv
+        if len(parts) == 1:
+            return self.ps.push(parts[0][0].plan, parts[0][1], step=step)
+        keys, grads = sum_duplicates(np.concatenate([p.plan.keys for p, _ in parts]),
+                                     np.concatenate([g for _, g in parts]))
+        return self.ps.push(KeyPlan(keys, None, np.array([0, len(keys)], np.int64)), grads,
+                            step=step)
+
     def train_epoch(self, batches, epoch, max_steps=0, skip=0):
-        """Train over an iterable of Batch (after skipping `skip` of them, already trained
-        before a resume); return this worker's EpochStats."""
+        """Train over an iterable of Batch, or of lists of Batch (one per part), after
+        skipping `skip` of them (trained before a resume); return this worker's EpochStats."""
+        if self.replica is None:
+            raise ValueError("Trainer.train_epoch needs the dense weights it trains: pass "
+                             "replica= (a DenseTable of all of them; in one process ps.dense)")
         st = EpochStats()
         it = iter(batches)
         for _ in range(skip):
             next(it, None)
         t_start = time.perf_counter()
+        params, sync_d, acc = self.params[0], self.dense_sync, self.acc
         if max_steps and skip >= max_steps:        # --max-steps counts the skipped batches
             return st
-        cur = self._next(it)
-        if cur is None:
-            return st
-        which = 0                     # params buffer holding the freshest dense weights
-        h = self._pull(cur, 0, self.params[which])
-        push = None
+        cur = self._group(it, skip, max_steps)
+        h = self._pull_group(cur, 0, True)
+        push = _Done()
         step = 0
-        while cur is not None:
-            last = max_steps and skip + step + 1 >= max_steps
-            nxt = None if last else self._next(it)
-            dense_next = (step + 1) % self.cfg.dense_every == 0 or not self.overlap
-            nbuf = 1 - which if dense_next else None
+        while True:
+            nxt = self._group(it, skip + step + 1, max_steps)
             h.wait()
-            if self.overlap and nxt is not None:
-                h = self._pull(nxt, step + 1, None if nbuf is None else self.params[nbuf])
+            if self.overlap and nxt:
+                h = self._pull_group(nxt, step + 1, True)
             t0 = time.perf_counter()
-            loss, probs, grads = self._step_math(cur, self.params[which])
-            self.compute_s += time.perf_counter() - t0
-            if push is not None:
-                push.wait()
-            t0 = time.perf_counter()
-            push = self.ps.push(cur.plan, grads, self._dense_to_push(step, nxt is None),
-                                step=step)
-            self.times["send"] += time.perf_counter() - t0
+            parts, n_here = [], 0
+            if sync_d is None:
+                acc.reset()
+            for p in cur:
+                loss, probs, grads = self._step_math(p, params, 1.0)
+                n = len(p.batch.label)
+                n_here += n
+                st.loss_sum += loss * n
+                tm0 = time.perf_counter()
+                st.metrics.update(probs, p.batch.label)
+                self.times["metrics"] += time.perf_counter() - tm0
+                parts.append((p, grads))
+                if sync_d is None:
+                    acc.add(n, self.grad_dense)
+            dt = time.perf_counter() - t0
+            self.compute_s += dt
+            if self.stretch:
+                time.sleep(self.stretch * dt)
+            st.examples += n_here
+            push.wait()
+            ts0 = time.perf_counter()
+            if sync_d is None:
+                more = bool(nxt)
+                push = self._push(parts, n_here, step)
+            else:
+                sync_d.start(self.grad_dense, n_here, bool(nxt), step)
+                if not self.sync:                  # async/ssp: rows averaged over this worker
+                    push = self._push(parts, n_here, step)
+                more = sync_d.finish(acc)
+                if self.sync:                      # sync: over the step's examples
+                    push = self._push(parts, acc.examples, step)
+            self.times["send"] += time.perf_counter() - ts0
+            acc.apply()
             if self.step_delay:
                 time.sleep(self.step_delay)
             if self.on_step is not None:           # (batches done in the epoch, in this phase)
                 self.on_step(skip + step + 1, step + 1)
-            if not self.overlap and nxt is not None:
-                h = self._pull(nxt, step + 1, self.params[nbuf])
-            n = len(cur.batch.label)
-            st.examples += n
-            st.loss_sum += loss * n
-            t0 = time.perf_counter()
-            st.metrics.update(probs, cur.batch.label)
-            self.times["metrics"] += time.perf_counter() - t0
+            if not self.overlap and more:
+                h = self._pull_group(nxt, step + 1, more)
             step += 1
             self._report(epoch, step, st)
-            if nbuf is not None and nxt is not None:
-                which = nbuf
             cur = nxt
-        if push is not None:
-            push.wait()
+            if not more:
+                break
+        push.wait()
         st.steps = step
         st.seconds = time.perf_counter() - t_start
         return st
 
-    def _dense_to_push(self, step, last):
-        """The dense gradient to send with step's push, or None (accumulating)."""
-        if self.dense_acc is None:
-            return self.grad_dense
-        self.dense_acc += self.grad_dense
-        if (step + 1) % self.dense_k and not last:
-            return None
-        out = self.dense_acc / np.float32((step % self.dense_k) + 1)
-        self.dense_acc[:] = 0.0
-        return out
-
     def evaluate(self, batches, max_steps=0):
-        """Predict over an iterable of Batch with the current parameters (no rows created)."""
+        """Predict over an iterable of Batch with the current parameters (no rows created).
+
+        With a dense replica its weights are used; otherwise (GEO) the servers' are pulled."""
         m = BinaryMetrics()
         params = self.params[0]
         it = iter(batches)
         cur = self._prepare(next(it, None))
         if cur is None:
             return m
-        h = self._pull(cur, 0, params, create=False)
+        h = self._pull(cur, 0, params if self.replica is None else None, create=False)
         step = 0
         while cur is not None:
             step += 1
