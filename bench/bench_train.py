@@ -21,7 +21,7 @@ from common import ENV, ROOT, mpiexec  # noqa: E402
 
 # name -> (mpips.train flags, ranks); bench_vs_torch.py uses the same table
 RUNS = {"local": (["--local"], 1), "local2": (["--local", "--local-workers", "2"], 1),
-        "async": (["--mode", "async"], 4), "async1": (["--mode", "async", "--dense-every", "1"], 4),
+        "async": (["--mode", "async"], 4),
         "sync": (["--mode", "sync"], 4), "geo": (["--mode", "geo", "--geo-steps", "100"], 4),
         "ssp": (["--mode", "ssp", "--staleness", "4"], 4)}
 

@@ -1,7 +1,7 @@
 """mpips against the PyTorch reference (bench/torch_ref.py), alternating, on a Criteo-like set.
 
     python bench/bench_vs_torch.py                              # 1M/200k, x0.05, 2 rounds
-    python bench/bench_vs_torch.py --rounds 3 --runs torch,local,async,async1,sync
+    python bench/bench_vs_torch.py --rounds 3 --runs torch,local,async,sync
     python bench/bench_vs_torch.py --gen "--interactions 0.45 --signal 1.4" --runs torch,local,async
     python bench/bench_vs_torch.py --data DIR                   # any DIR/train + DIR/test
     python bench/bench_vs_torch.py --run "async-hb=--mode async --hash-bucket 1000001"
@@ -14,7 +14,7 @@ shared machine's speed hits every entry alike); figures are the median over roun
 Runs: ``torch`` (the reference: one process, 2 threads, ``--hash-bucket 1000001``,
 ``OMP_WAIT_POLICY=PASSIVE``), ``torch-full`` (full 64-bit ids through a vocabulary),
 ``torch-rowadam`` (per-row lazy Adam), ``torch-spin`` (OpenMP's default spinning), and
-mpips's ``local``, ``local2``, ``async``, ``async1``, ``sync``, ``geo``, ``ssp``
+mpips's ``local``, ``local2``, ``async``, ``sync``, ``geo``, ``ssp``
 (bench_train.RUNS; 2 servers x 2 workers, ``OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1``),
 plus any ``--run NAME=FLAGS`` (4 ranks, or 1 with ``--local``).  ``--extra`` goes to every mpips
 run, ``--torch-extra`` to every torch run.
