@@ -97,16 +97,16 @@ def test_geo_two_workers_resume_mid_epoch(tiny_data, tmp_path):
 def test_mid_epoch_save_and_resume_async_ssp(tiny_data, tmp_path, mode, n):
     """What async/ssp guarantee: a consistent checkpoint mid-epoch (every shard at a
     request boundary, CRC-checked on load), the batches done recorded, and a resume that
-    trains only the rest (no batch twice).  ssp runs 3 workers, one slowed: the lead
-    bound holds for every worker."""
+    trains only the rest (no batch twice).  ssp runs 3 workers, one slowed: with dense
+    replicas no worker gets ahead of it at all (lead 0)."""
     W = n - 2
     common = ("--mode", *mode, "--servers", "2", "--batch-size", "128", "--lr", "0.003",
               "--epochs", "2", "--save-every", "10")
     env = {"MPIPS_DEBUG_SLOW_WORKER": f"{W - 1}:0.01"} if mode[0] == "ssp" else None
     full = train(tiny_data, tmp_path, "full", *common, n=n, env=env)
     assert [r["train_examples"] for r in full] == [16000, 16000] and full[0]["workers"] == W
-    if mode[0] == "ssp":
-        assert 1 <= full[0]["ssp_max_lead"] <= 2
+    if mode[0] == "ssp":        # the dense allgather keeps even the slowed worker in step
+        assert full[0]["ssp_max_lead"] == 0
     mid = mid_checkpoint(tmp_path / "full", 1, 10)
     keys, values, dense = load_params(mid)
     assert len(keys) > 1000 and np.isfinite(values).all() and np.isfinite(dense).all()
