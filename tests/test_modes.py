@@ -4,7 +4,7 @@
   parameter equal bit for bit in the checkpoints both runs save;
 - resume: 2 epochs == 1 epoch + resume + 1 epoch (sync);
 - GEO with one worker and K=1 == local SGD; GEO sends ~K times fewer messages than async;
-- SSP: with dense replicas a slowed worker never falls behind at all (lead 0); s=0 == sync.
+- SSP: with dense replicas a slowed worker is never more than one step behind; s=0 == sync.
 """
 import json
 
@@ -99,13 +99,14 @@ def test_geo_sends_k_times_fewer_messages(tiny_data, tmp_path):
     assert asy["bytes_sent_per_example"] > geo["bytes_sent_per_example"]
 
 
-def test_ssp_lead_stays_zero_with_dense_replicas(tiny_data, tmp_path):
+def test_ssp_lead_at_most_one_with_dense_replicas(tiny_data, tmp_path):
     """With the dense weights updated by an allgather every step, a fast worker cannot run
-    ahead of a slowed one: every pull the servers answer finds the other worker's push of
-    the previous step in (lead 0), so the ssp bound never binds (docs/modes.md)."""
+    ahead of a slowed one: its pull of step t+1 may only overtake the other's push of step t
+    (sent just after the allgather starts), so the lead is at most 1 and a staleness bound
+    s >= 1 never binds (docs/modes.md)."""
     rec = train(tiny_data, tmp_path, "ssp", "--mode", "ssp", "--staleness", "2",
                 "--batch-size", "128", env={"MPIPS_DEBUG_SLOW_WORKER": "1:0.01"})[0]
-    assert rec["ssp_max_lead"] == 0
+    assert rec["ssp_max_lead"] <= 1
 
 
 def test_ssp_zero_is_sync(tiny_data, tmp_path):

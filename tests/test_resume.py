@@ -98,7 +98,7 @@ def test_mid_epoch_save_and_resume_async_ssp(tiny_data, tmp_path, mode, n):
     """What async/ssp guarantee: a consistent checkpoint mid-epoch (every shard at a
     request boundary, CRC-checked on load), the batches done recorded, and a resume that
     trains only the rest (no batch twice).  ssp runs 3 workers, one slowed: with dense
-    replicas no worker gets ahead of it at all (lead 0)."""
+    replicas no worker gets more than one step ahead of it."""
     W = n - 2
     common = ("--mode", *mode, "--servers", "2", "--batch-size", "128", "--lr", "0.003",
               "--epochs", "2", "--save-every", "10")
@@ -106,7 +106,7 @@ def test_mid_epoch_save_and_resume_async_ssp(tiny_data, tmp_path, mode, n):
     full = train(tiny_data, tmp_path, "full", *common, n=n, env=env)
     assert [r["train_examples"] for r in full] == [16000, 16000] and full[0]["workers"] == W
     if mode[0] == "ssp":        # the dense allgather keeps even the slowed worker in step
-        assert full[0]["ssp_max_lead"] == 0
+        assert full[0]["ssp_max_lead"] <= 1
     mid = mid_checkpoint(tmp_path / "full", 1, 10)
     keys, values, dense = load_params(mid)
     assert len(keys) > 1000 and np.isfinite(values).all() and np.isfinite(dense).all()
