@@ -142,13 +142,6 @@ class Trainer:
         self.times["plan"] += time.perf_counter() - t0
         return prep
 
-    def _next(self, it):
-        """The next prepared batch of ``it`` (None at the end), timing read and plan."""
-        t0 = time.perf_counter()
-        batch = next(it, None)
-        self.times["read"] += time.perf_counter() - t0
-        return self._prepare(batch)
-
     def _pull(self, prep, step, dense_buf, create=True):
         counts = prep.counts if create else None
         t0 = time.perf_counter()
