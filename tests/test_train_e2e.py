@@ -54,7 +54,9 @@ def test_async_2x2(tiny_data, tmp_path):
              for role in ("server", "worker") for c in ("MB_sent", "MB_recv")}
     assert abs(total["server", "MB_sent"] - total["worker", "MB_recv"]) <= 0.2, total   # rounding
     assert abs(total["server", "MB_recv"] - total["worker", "MB_sent"]) <= 0.2, total
-    assert total["server", "MB_recv"] > total["server", "MB_sent"] + 0.3, total   # keys go one way
+    # keys go one way: a push carries keys and rows, a pull's reply rows only (the dense
+    # slices a worker fetches at start, DENSE_GET, go the other way)
+    assert total["server", "MB_recv"] > total["server", "MB_sent"], total
 
 
 def test_missing_path_fails_fast(tmp_path):

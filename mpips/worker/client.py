@@ -139,6 +139,7 @@ class PSClient:
         reqs = [self.comm.Irecv(b, srv, TAG_REPLY_DENSE) for b, srv in zip(bufs, self.servers)]
         sent, peers, sbufs = self._send_all(Op.DENSE_GET)
         Handle(self, reqs + sent, self.servers + peers, sbufs, "DENSE_GET").wait()
+        self.bytes_recv += sum(b.nbytes for b in bufs)
         parts = [unpack_state(opt, b, bounds[s + 1] - bounds[s]) for s, b in enumerate(bufs)]
         state = {k: np.concatenate([p[k] for p in parts]) for k in ("values",) + tuple(
             name for name, per_el in opt.state_arrays() if per_el)}
