@@ -6,10 +6,13 @@
 """
 import json
 import resource
+import sys
 
 
 def log_line(text):
-    print(text, flush=True)
+    """One line in one write, so lines of several ranks merged by the launcher never mix."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def peak_rss_mb():
