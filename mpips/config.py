@@ -62,6 +62,8 @@ class Config:
     fc: str = _f("400,400,400", "hidden layer sizes, comma-separated")
     optimizer: str = _f("adam", "server optimizer (sparse and dense)", choices=OPTIMIZERS)
     lr: float = _f(1e-3, "learning rate")
+    dense_lr_scale: float = _f(0.0, "dense weights learn at --lr x this; 0 = x the batches one "
+                                    "dense step averages (the workers, or --local-workers; GEO 1)")
     adagrad_init: float = _f(0.0, "adagrad: initial accumulator (Paddle's default 0; > 0 makes "
                                   "the first steps smooth in the gradient)")
     init_range: float = _f(0.05, "new embedding rows start uniform in [-r, r] from (seed, id)")
@@ -159,6 +161,9 @@ class Config:
             raise ValueError("--idle-sleep, --progress-every and --shuffle-window must be >= 0")
         if self.lr <= 0 or self.peer_timeout <= 0:
             raise ValueError("--lr and --peer-timeout must be positive")
+        if not self.dense_lr_scale >= 0:
+            raise ValueError(f"--dense-lr-scale must be >= 0 (0 = by the workers); got "
+                             f"{self.dense_lr_scale}")
         if self.staleness < 0 or self.servers < 0 or self.hash_bucket < 0 or self.max_steps < 0:
             raise ValueError("--staleness, --servers, --hash-bucket and --max-steps must be >= 0")
         if self.train == "" and self.test != "" and not self.stream:

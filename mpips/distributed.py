@@ -28,7 +28,7 @@ from mpips.runner import admission_of, inner_table, run_epochs
 from mpips.server.loop import Server
 from mpips.stream import Pass, run_stream
 from mpips.worker.client import PSClient
-from mpips.worker.dense_sync import DenseAllgather
+from mpips.worker.dense_sync import DenseExchange
 from mpips.worker.trainer import EpochStats, GeoTrainer, Trainer
 
 # One PROFILE row per rank, gathered to the first worker at the end of the job.
@@ -110,9 +110,9 @@ def work(cfg, cluster, model, bounds):
         trainer = GeoTrainer(cfg, model, client, lambda ids: plan_keys(ids, S), log=logger,
                              n_workers=W)
     else:
-        replica = make_tables(cfg, model)[1]      # from the servers at first use (DistBackend)
-        dense_sync = DenseAllgather(cluster.role_comm, model.n_params,
-                                    client.timeout) if W > 1 else None
+        replica = make_tables(cfg, model, dense_batches=W)[1]  # from the servers at first use
+        dense_sync = DenseExchange(cluster.role_comm, model.n_params,
+                                   client.timeout) if W > 1 else None
         trainer = Trainer(cfg, model, client, lambda ids: plan_keys(ids, S), log=logger,
                           overlap=(cfg.mode == "async"), replica=replica,
                           dense_sync=dense_sync, sync=is_sync(cfg))
@@ -198,9 +198,16 @@ class DistBackend:
                  "bytes_sent_per_example": round(sums[2] / max(sums[0], 1), 1),
                  "messages_sent": int(sums[3])}
         if self.trainer.replica is not None:
+            self._replica_whole()
             extra["dense_crc"] = self._replica_crcs()
         return EpochStats(examples=int(sums[0]), steps=st.steps, loss_sum=sums[1], seconds=span,
                           metrics=metrics, extra=extra)
+
+    def _replica_whole(self):
+        """Every worker's replica holds the whole optimizer state (each worker keeps only
+        its shard's current; a collective of all workers)."""
+        if self.trainer.dense_sync is not None:
+            self.trainer.dense_sync.gather_state(self.trainer.replica)
 
     def _replica_crcs(self):
         """CRC-32 of every worker's dense replica (values and optimizer state); they must
@@ -238,7 +245,12 @@ class DistBackend:
 
     def save(self, mode, meta, step=0):
         """Checkpoint now (after a barrier: step 0) or, mid-epoch, at `step` steps done
-        (sync mode: exactly that step; async: whatever the servers hold when they save)."""
+        (sync mode: exactly that step; async: whatever the servers hold when they save).
+        Every worker calls it (their replicas' optimizer state is made whole first); the
+        first worker saves."""
+        if self.trainer.replica is not None:
+            self._replica_ready()
+            self._replica_whole()
         if not self.is_logger:
             return None
         mode = self.lineage.mode(mode)
@@ -246,7 +258,6 @@ class DistBackend:
         path = ck.new_checkpoint_dir(self.cfg.save_dir, mode, parent)
         seq = int(os.path.basename(path).split("-")[1])
         if self.trainer.replica is not None:        # the servers write what the workers hold
-            self._replica_ready()
             self.client.dense_put(self.trainer.replica)
         infos = [json.loads(b) for b in self.client.save(seq, SAVE_MODES.index(mode), step)]
         ck.write_manifest(path, {"shards": infos, "config": self.cfg.to_json(), "meta": meta,

@@ -135,15 +135,21 @@ def wait_for(done, backoff, timeout=None, failure=None, since=None):
         backoff.sleep()
 
 
-def wait_requests(reqs, timeout, what):
+def wait_requests(reqs, timeout, what, spin=0.0):
     """Wait for all MPI requests, sleeping between polls and answering status requests.
 
     what: text, or a callable giving it, naming the awaited op, step and peers; after
     `timeout` seconds the job fails with it, following a status dump of every rank.
+    spin: poll without sleeping for up to this many seconds first (a wait that is usually
+    short and on the critical path of every rank, such as the workers' dense exchange).
     """
     WATCH.poll()
     if not reqs or MPI.Request.Testall(reqs):
         return
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < spin:
+        if MPI.Request.Testall(reqs):
+            return
     WATCH.waiting(what)
     wait_for(lambda: MPI.Request.Testall(reqs), Backoff(*REPLY), timeout,
              lambda: f"no answer within {timeout:.0f} s: {what() if callable(what) else what}")

@@ -27,9 +27,10 @@ def should_save(cfg, epoch):
 
 
 def step_saver(cfg, backend, epoch):
-    """Trainer hook: save every --save-every N batches (first worker / local run)."""
+    """Trainer hook: save every --save-every N batches (every worker calls the backend's
+    save, in step: their dense replicas take part; the first worker saves)."""
     n = cfg.save_steps
-    if not (cfg.save_dir and n and backend.is_logger):
+    if not (cfg.save_dir and n):
         return None
 
     def hook(done, phase_steps):

@@ -28,7 +28,7 @@ def run_local(cfg):
     """Train in one process (the yardstick); returns the list of epoch/pass records."""
     train_files, test_files = ([], []) if cfg.stream else resolve_data(cfg)
     model = make_model(cfg)
-    ps = LocalPS(*make_tables(cfg, model))
+    ps = LocalPS(*make_tables(cfg, model, dense_batches=cfg.local_workers))
     plan = lambda ids: plan_keys(ids, 1)  # noqa: E731
     if cfg.mode == "geo":
         trainer = GeoTrainer(cfg, model, ps, plan, log=log_line)

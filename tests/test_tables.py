@@ -204,6 +204,42 @@ def test_dense_table_matches_sparse_row(name):
         d.push(np.ones(6))
 
 
+@pytest.mark.parametrize('name', ['sgd', 'adagrad', 'adam'])
+@pytest.mark.parametrize('W', [2, 3])
+def test_dense_shards_updated_apart_equal_one_whole_update(name, W):
+    """The workers' split of the dense optimizer (mpips.worker.dense_sync): each of W
+    replicas updates only its shard, the shards are put together; after several steps
+    the weights and the owners' state are bit for bit those of whole-vector pushes."""
+    from mpips.worker.dense_sync import shard_bounds
+    n = 1003                                            # not a multiple of W, nor of 16
+    b = shard_bounds(n, W)
+    assert b[0] == 0 and b[-1] == n and all(b[k] <= b[k + 1] for k in range(W))
+    assert max(np.diff(b)) - min(np.diff(b)) <= 1
+    opt = OptimizerConfig(name, lr=0.05)
+    init = np.random.default_rng(1).normal(size=n)
+    whole = DenseTable(init, opt)
+    parts = [DenseTable(init, opt) for _ in range(W)]
+    rng = np.random.default_rng(2)
+    for _ in range(4):
+        g = rng.normal(size=n).astype(np.float32)
+        whole.push(g, scale=0.25)
+        for k, t in enumerate(parts):
+            t.push_range(g[b[k]:b[k + 1]], 0.25, b[k], b[k + 1])
+        merged = np.concatenate([t.values[b[k]:b[k + 1]] for k, t in enumerate(parts)])
+        for t in parts:                                  # the weights allgather
+            t.assign(merged)
+    assert np.array_equal(parts[0].values, whole.values)
+    ref = whole.export_state()
+    for k, t in enumerate(parts):
+        for key, arr in t.export_state().items():
+            sl = slice(b[k], b[k + 1]) if arr.size == n else slice(None)
+            assert np.array_equal(arr[sl], ref[key][sl]), (k, key)
+    with pytest.raises(ValueError, match='outside'):
+        whole.push_range(np.ones(2, np.float32), 1.0, n - 1, n + 1)
+    with pytest.raises(ValueError, match='shape'):
+        whole.push_range(np.ones(3, np.float32), 1.0, 0, 2)
+
+
 def test_row_count_beyond_the_int32_slots_fails_clearly(monkeypatch):
     from mpips.server import sparse_table
     monkeypatch.setattr(sparse_table, "MAX_ROWS", 100)    # the real limit is 2**31 - 1 rows

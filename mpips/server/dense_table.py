@@ -49,9 +49,22 @@ class DenseTable:
 
     def push(self, grads, scale=1.0):
         """Apply the optimizer with ``grads * scale``; grads (n,)."""
-        grads = self._check(grads, 'grads')
-        apply_rows(self.opt, self._hyper, self._values, self._state, self._rows, grads,
-                   float(scale))
+        self.push_range(grads, scale, 0, self.size)
+
+    def push_range(self, grads, scale, lo, hi):
+        """Apply the optimizer to values [lo, hi) only, with ``grads * scale``; grads
+        (hi - lo,).  Elementwise, so it gives those weights exactly what :meth:`push` of the
+        whole vector would; per-table state (Adam's beta powers) advances as in a push."""
+        if not 0 <= lo <= hi <= self.size:
+            raise ValueError(f'range [{lo}, {hi}) is outside [0, {self.size})')
+        n = hi - lo
+        grads = np.ascontiguousarray(grads, dtype=np.float32)
+        if grads.shape != (n,):
+            raise ValueError(f'grads must have shape ({n},); got {grads.shape}')
+        state = {name: (arr[0, lo:hi].reshape(1, n) if arr.ndim == 2 else arr)
+                 for name, arr in self._state.items()}
+        apply_rows(self.opt, self._hyper, self._values[0, lo:hi].reshape(1, n), state,
+                   self._rows, grads.reshape(1, n), float(scale))
 
     @property
     def values(self):

@@ -2,35 +2,52 @@
 
 The dense MLP is small and every example touches it, so staleness hurts it; the sparse rows
 are huge and each is touched rarely.  So (as in PERSIA and Monolith) every worker keeps the
-whole dense vector with its optimizer state (a :class:`DenseTable` of all P weights, the
-servers' optimizer code), and after each backward:
+whole dense vector (a :class:`DenseTable` of all P weights, the servers' optimizer code),
+and the W workers split the optimizer's work: worker k owns the contiguous shard
+``[bounds[k], bounds[k+1])`` (:func:`shard_bounds`).  After each backward:
 
-1. each worker starts ``Iallgather`` of ``[sum over its examples of the dense gradient, its
-   example count, whether it has another batch]`` (P + 2 float32) on the workers'
+1. each worker starts ``Ialltoallv``: to worker k it sends ``[its example-summed dense
+   gradient on shard k, its example count, whether it has another batch]`` on the workers'
    communicator; the sparse push and the next batch's pull go ahead meanwhile;
-2. every worker adds the W gradients in worker-rank order, skipping workers without examples
-   (:class:`DenseStep`), and applies its optimizer with scale 1 / (the step's examples).
+2. worker k adds the W gradients of its shard in worker-rank order, skipping workers without
+   examples (:class:`DenseStep`), and applies its optimizer to its shard only, with scale
+   1 / (the step's examples);
+3. each worker starts ``Iallgatherv`` of its updated shard into everyone's weights; it is
+   completed just before the next forward, after the next batch is read and its pull waited.
 
-A sum in a fixed order, not ``Iallreduce`` (whose result may depend on the algorithm MPI
-picks), makes the replicas identical bit for bit by construction, and lets a single process
-(``--local --local-workers W``) compute exactly the same numbers: it adds its W parts'
-gradients in the same order with the same :class:`DenseStep`.  With W = 2 the bytes moved
-equal an allreduce's.  Example weighting makes a short final batch (or a worker that ran out
-of data) exact: the update is from the mean gradient over the step's examples.
+Adam (and Adagrad, SGD) is elementwise, so updating shard by shard gives the same bits as
+updating the whole vector: the replicas are identical by construction, and a single process
+(``--local --local-workers W``) computes exactly the same numbers by adding its W parts'
+gradients in the same order with one whole-vector :class:`DenseStep`.  A sum in a fixed
+order, not ``Iallreduce`` (whose result may depend on the algorithm MPI picks), is what
+makes that exact.  The bytes moved equal one allreduce's (2 (W-1)/W x P floats a worker);
+each worker runs 1/W of the optimizer.  Optimizer state (Adam's m, v) is only current on
+its owner's shard; :meth:`DenseExchange.gather_state` makes every replica whole before a
+checkpoint or a replica check.  Example weighting makes a short final batch (or a worker
+that ran out of data) exact: the update is from the mean gradient over the step's examples.
 """
 import time
 
 import numpy as np
+from mpi4py import MPI
 
-from mpips.liveness import wait_requests
+from mpips.backoff import SPIN
+from mpips.liveness import wait_collective, wait_requests
+
+
+def shard_bounds(n, W):
+    """Bounds of W contiguous shards of n weights: shard k is [b[k], b[k+1])."""
+    return [n * k // W for k in range(W + 1)]
 
 
 class DenseStep:
-    """Accumulates the dense gradient sums of one step in a fixed order, then applies them."""
+    """Accumulates one step's dense gradient sums on weights [lo, hi) in a fixed order,
+    then applies them to that range of the table (the whole table by default)."""
 
-    def __init__(self, table):
+    def __init__(self, table, lo=0, hi=None):
         self.table = table                      # DenseTable of all dense weights
-        self.total = np.zeros(table.size, np.float32)
+        self.lo, self.hi = lo, table.size if hi is None else hi
+        self.total = np.zeros(self.hi - self.lo, np.float32)
         self.examples = 0
 
     def reset(self):
@@ -38,7 +55,8 @@ class DenseStep:
         self.examples = 0
 
     def add(self, n, grad_sum):
-        """Add one part's gradient of its summed loss over n examples (n = 0: nothing)."""
+        """Add one part's gradient (on [lo, hi)) of its summed loss over n examples
+        (n = 0: nothing)."""
         if n:
             self.total += grad_sum
             self.examples += int(n)
@@ -46,45 +64,82 @@ class DenseStep:
     def apply(self):
         """One optimizer step from the mean gradient; returns the step's examples."""
         if self.examples:
-            self.table.push(self.total, 1.0 / self.examples)
+            self.table.push_range(self.total, 1.0 / self.examples, self.lo, self.hi)
         return self.examples
 
 
-class DenseAllgather:
-    """Worker side of step 1: a non-blocking allgather of the P + 2 floats per worker."""
+class DenseExchange:
+    """Worker side of steps 1 and 3: the gradient shards out, the updated weights back."""
 
     def __init__(self, comm, n_params, timeout):
         self.comm, self.P, self.timeout = comm, n_params, timeout
-        self.send = np.zeros(n_params + 2, np.float32)
-        self.recv = np.zeros((comm.size, n_params + 2), np.float32)
-        self.req = None
+        W, me = comm.size, comm.rank
+        self.bounds = b = shard_bounds(n_params, W)
+        self.lo, self.hi = b[me], b[me + 1]
+        m = self.hi - self.lo
+        sizes = [b[k + 1] - b[k] + 2 for k in range(W)]            # shard + count + more
+        offs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist()
+        self.send = np.zeros(n_params + 2 * W, np.float32)        # W blocks, one per owner
+        self.blocks = [self.send[o:o + z] for o, z in zip(offs, sizes)]
+        self.send_spec = [self.send, (sizes, offs), MPI.FLOAT]
+        self.recv = np.zeros((W, m + 2), np.float32)               # my shard from each worker
+        self.recv_spec = [self.recv, ([m + 2] * W, [k * (m + 2) for k in range(W)]), MPI.FLOAT]
+        self.counts = [b[k + 1] - b[k] for k in range(W)]          # weights allgather
+        self.req = self.wreq = None
         self.step = 0
         self.wait_s = 0.0              # seconds spent waiting for the other workers
 
     def start(self, grad_sum, n, more, step):
-        """Share this worker's gradient sum over n examples (ignored when n = 0) and
-        whether it has a batch for the next step."""
-        if n:
-            self.send[:self.P] = grad_sum
-        self.send[self.P] = n
-        self.send[self.P + 1] = 1.0 if more else 0.0
+        """Send each owner its shard of this worker's gradient sum over n examples (not
+        read when n = 0) and whether this worker has a batch for the next step."""
+        for k, blk in enumerate(self.blocks):
+            m = len(blk) - 2
+            if n:
+                blk[:m] = grad_sum[self.bounds[k]:self.bounds[k + 1]]
+            blk[m] = n
+            blk[m + 1] = 1.0 if more else 0.0
         self.step = step
-        self.req = self.comm.Iallgather(self.send, self.recv)
+        self.req = self.comm.Ialltoallv(self.send_spec, self.recv_spec)
 
-    def _describe(self):
-        return (f"dense Iallgather of step {self.step} among the {self.comm.size} workers "
-                f"(a worker that is slow or stopped holds the others here)")
+    def _describe(self, what):
+        return lambda: (f"dense {what} of step {self.step} among the {self.comm.size} "
+                        f"workers (a worker that is slow or stopped holds the others here)")
+
+    def _wait(self, req, what):
+        t0 = time.perf_counter()
+        wait_requests([req], self.timeout, self._describe(what), spin=SPIN)
+        self.wait_s += time.perf_counter() - t0
 
     def finish(self, acc):
-        """Wait, then add every worker's gradient into `acc` (a DenseStep, reset here) in
-        rank order; returns whether any worker has another batch."""
-        t0 = time.perf_counter()
-        wait_requests([self.req], self.timeout, self._describe)
-        self.wait_s += time.perf_counter() - t0
+        """Wait, then add every worker's gradient on my shard into `acc` (a DenseStep of
+        [lo, hi), reset here) in rank order; returns whether any worker has another batch."""
+        self._wait(self.req, "Ialltoallv of the gradients")
         self.req = None
         acc.reset()
-        P = self.P
+        m = self.hi - self.lo
         for w in range(self.comm.size):
-            acc.add(int(self.recv[w, P]), self.recv[w, :P])
-        return bool(self.recv[:, P + 1].any())
+            acc.add(int(self.recv[w, m]), self.recv[w, :m])
+        return bool(self.recv[:, m + 1].any())
 
+    def share(self, values):
+        """Start sending my updated shard of `values` (the live weights) to every worker;
+        the other shards arrive in place."""
+        self.wreq = self.comm.Iallgatherv(MPI.IN_PLACE,
+                                          [values, (self.counts, self.bounds[:-1]), MPI.FLOAT])
+
+    def wait_shared(self):
+        """Complete :meth:`share`: every worker's weights are whole again."""
+        if self.wreq is not None:
+            self._wait(self.wreq, "Iallgatherv of the updated weights")
+            self.wreq = None
+
+    def gather_state(self, table):
+        """Make `table`'s per-weight optimizer state whole from every shard's owner (a
+        collective of all workers: before a checkpoint or a replica check)."""
+        self.wait_shared()
+        for name, per_el in table.opt.state_arrays():
+            if per_el:
+                arr = table._state[name].reshape(-1)
+                wait_collective(self.comm.Iallgatherv(
+                    MPI.IN_PLACE, [arr, (self.counts, self.bounds[:-1]), MPI.FLOAT]),
+                    f"Iallgatherv of the dense optimizer state ({name})")

@@ -8,8 +8,8 @@ out of data before the others), or, in one process with ``--local-workers W``, t
 batches that W workers would take.  Each batch gets its own forward/backward (gradients of
 its summed loss); the step's update is from the mean over all the step's examples:
 - dense weights: a replica on every worker (mpips.worker.dense_sync), updated every step
-  from the workers' gradients added in worker order (an Iallgather among the workers; one
-  process adds its parts in the same order);
+  from the workers' gradients added in worker order (each worker updates its shard, then
+  the shards are shared; one process adds its parts in the same order);
 - sparse rows: on the servers; a batch's rows are scaled by 1 / (examples they average over)
   and pushed.  async/ssp: scaled by the worker's own examples, applied on arrival; sync:
   by the step's examples over all workers, which the servers sum in worker order.
@@ -49,7 +49,8 @@ class EpochStats:
     extra: dict = field(default_factory=dict)   # facts of the run for the record (the backend's)
 
 
-TIMES = ("read", "plan", "gather", "fwd_bwd", "scatter", "metrics", "send")
+TIMES = ("read", "plan", "gather", "fwd_bwd", "scatter", "metrics", "send", "dense_wait",
+         "dense_opt")
 
 
 class _Prepared:
@@ -102,7 +103,8 @@ class Trainer:
         self.replica, self.dense_sync = replica, dense_sync
         if replica is not None:
             self.params = [replica.values]        # the live weights: every update lands there
-            self.acc = DenseStep(replica)
+            self.acc = (DenseStep(replica) if dense_sync is None else
+                        DenseStep(replica, dense_sync.lo, dense_sync.hi))
         else:                                     # GEO keeps its own dense copy
             self.params = [np.zeros(P, np.float32)]
         self.grad_dense = np.zeros(P, np.float32)
@@ -247,6 +249,10 @@ class Trainer:
             h.wait()
             if self.overlap and nxt:
                 h = self._pull_group(nxt, step + 1, True)
+            if sync_d is not None:                 # the last step's weights, whole again
+                td0 = time.perf_counter()
+                sync_d.wait_shared()
+                self.times["dense_wait"] += time.perf_counter() - td0
             t0 = time.perf_counter()
             parts, n_here = [], 0
             if sync_d is None:
@@ -276,11 +282,19 @@ class Trainer:
                 sync_d.start(self.grad_dense, n_here, bool(nxt), step)
                 if not self.sync:                  # async/ssp: rows averaged over this worker
                     push = self._push(parts, n_here, step)
+                td0 = time.perf_counter()
+                self.times["send"] += td0 - ts0
                 more = sync_d.finish(acc)
+                ts0 = time.perf_counter()
+                self.times["dense_wait"] += ts0 - td0
                 if self.sync:                      # sync: over the step's examples
                     push = self._push(parts, acc.examples, step)
             self.times["send"] += time.perf_counter() - ts0
+            td0 = time.perf_counter()
             acc.apply()
+            if sync_d is not None:
+                sync_d.share(params)
+            self.times["dense_opt"] += time.perf_counter() - td0
             if self.step_delay:
                 time.sleep(self.step_delay)
             if self.on_step is not None:           # (batches done in the epoch, in this phase)
@@ -292,6 +306,8 @@ class Trainer:
             cur = nxt
             if not more:
                 break
+        if sync_d is not None:
+            sync_d.wait_shared()
         push.wait()
         st.steps = step
         st.seconds = time.perf_counter() - t_start
