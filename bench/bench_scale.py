@@ -3,6 +3,7 @@
     python -m data_prep.criteo_like --out DATA --rows 20000000 --test-rows 200000 --card-scale 1
     python bench/bench_scale.py --data DATA                       # 2 servers x 2 workers async
     python bench/bench_scale.py --data DATA --runs 2x2,1x2,local --parts 4
+    python bench/bench_scale.py --replot a.json,b.json              # plot saved runs together
 
 Each run trains one epoch (Adam lr 1e-3, batch 512, the train defaults) over the first
 ``--parts`` part files of DATA/train (all by default) with ``--table-every 1000000``
@@ -180,15 +181,23 @@ def plot(results, path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", required=True, help="a data_prep.criteo_like output directory")
+    ap.add_argument("--data", default="", help="a data_prep.criteo_like output directory")
     ap.add_argument("--runs", default="2x2", help="comma list of SxW (servers x workers, "
                     "async) and 'local'")
     ap.add_argument("--parts", type=int, default=0, help="train on the first N parts (0 = all)")
     ap.add_argument("--every", type=int, default=1_000_000, help="examples per report line")
     ap.add_argument("--plot", default=str(ROOT / "docs" / "scale.png"), help="PNG ('' = none)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "bench_scale.json"))
+    ap.add_argument("--replot", default="", help="comma list of --out JSON files of earlier "
+                    "runs: plot their results together to --plot, run nothing")
     ap.add_argument("extra", nargs="*", help="more mpips.train arguments (after --)")
     a = ap.parse_args()
+    if a.replot:
+        plot([r for f in a.replot.split(",") for r in json.loads(Path(f).read_text())["results"]],
+             a.plot)
+        return 0
+    if not a.data:
+        ap.error("--data is required (or --replot)")
     files = sorted(str(p) for p in Path(a.data, "train").glob("part-*"))
     if a.parts:
         files = files[:a.parts]
