@@ -72,7 +72,7 @@ class DenseExchange:
     """Worker side of steps 1 and 3: the gradient shards out, the updated weights back."""
 
     def __init__(self, comm, n_params, timeout):
-        self.comm, self.P, self.timeout = comm, n_params, timeout
+        self.comm, self.timeout = comm, timeout
         W, me = comm.size, comm.rank
         self.bounds = b = shard_bounds(n_params, W)
         self.lo, self.hi = b[me], b[me + 1]
