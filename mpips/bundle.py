@@ -34,7 +34,8 @@ import numpy as np
 
 from mpips.checkpoint.load import _dense_slice, _in_sorted, _Shard, _sorted_unique
 from mpips.checkpoint.load import _schema as shard_schema
-from mpips.checkpoint.manifest import CheckpointError, chain_manifests, fsync, resolve
+from mpips.checkpoint.load import resolve
+from mpips.checkpoint.manifest import CheckpointError, chain_manifests, fsync
 from mpips.checkpoint.save import _write_whole
 from mpips.data.criteo import make_norm
 from mpips.data.binary import load_stats

@@ -27,6 +27,10 @@ CONT_MIN = np.array([0, -3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], dtype=np.float64)
 CONT_DIFF = np.array([20, 603, 100, 50, 64000, 500, 100, 50, 500, 10, 10, 10, 50],
                      dtype=np.float64)
 PADDLE_HASH_BUCKET = 1000001
+# The feature-id hashing of this version (TSV: hash_feature; slot: slot_feature_id), stored
+# in every checkpoint: change it whenever either hash changes, so that checkpoints holding
+# rows under the old ids are refused instead of silently never read.
+ID_HASH = "fnv1a64-splitmix64/1"
 
 BAD_LINE_TOO_LONG = 5  # Python-side: line longer than the reader's max_line_bytes
 BAD_SLOT_TOKENS = 6  # slot format: wrong token count; detail = tokens found
