@@ -288,10 +288,12 @@ def saved_meaning(manifest):
     return _meaning(config, saved_settings(manifest))
 
 
-def run_meaning(cfg):
-    """The MEANING values of a run config (a Config or its dict); reads its --stats file."""
+def run_meaning(cfg, skip=()):
+    """The MEANING values of a run config (a Config or its dict); reads its --stats file
+    unless "norm" is in ``skip`` (keys in ``skip`` read UNKNOWN: never compared)."""
     config = cfg if isinstance(cfg, dict) else json.loads(cfg.to_json())
-    return _meaning(config, run_settings(config))
+    settings = run_settings(dict(config, stats="") if "norm" in skip else config)
+    return dict(_meaning(config, settings), **dict.fromkeys(skip, UNKNOWN))
 
 
 def _show(key, flag, value, config, other):
@@ -330,13 +332,14 @@ def first_difference(saved, now):
     return None
 
 
-def check_compatible(manifest, cfg, fix=None):
-    """Raise CheckpointError naming the first setting where ``cfg`` cannot use the
-    checkpoint: one line with the setting, both values and ``fix`` (default: run with the
-    saved value, or do not resume)."""
+def check_compatible(manifest, cfg, fix=None, skip=()):
+    """Raise CheckpointError naming the first setting where ``cfg`` (a Config or a config
+    dict) cannot use the checkpoint: one line with the setting, both values and ``fix``
+    (default: run with the saved value, or do not resume).  ``skip``: MEANING keys not
+    to compare (scoring and export use the stored normalisation values, not the file's)."""
     now = cfg if isinstance(cfg, dict) else json.loads(cfg.to_json())
     saved = dict(manifest["config"])
-    s_val, n_val = saved_meaning(manifest), run_meaning(now)
+    s_val, n_val = saved_meaning(manifest), run_meaning(now, skip)
     diff = first_difference(s_val, n_val)
     if diff is not None:
         key, flag, what = diff
@@ -372,11 +375,3 @@ def check_chain(elements):
                 f"{_show(key, flag, want[key], last['config'], saved_meaning(m)[key])} "
                 "(use a checkpoint whose base and deltas come from one run)")
 
-
-def config_of(manifest):
-    """The stored run config as a Config (fields unknown to this version are dropped)."""
-    names = {f.name for f in dataclasses.fields(Config)}
-    stored = {k: v for k, v in manifest["config"].items() if k in names}
-    stored.setdefault("embedding_dim", manifest["embedding_dim"])
-    stored.setdefault("optimizer", manifest["optimizer"]["name"])
-    return Config(**stored).validate()
