@@ -305,8 +305,8 @@ def _show(key, flag, value, config, other):
     where = config.get("stats") or "?"
     if not isinstance(other, dict):
         return f"--stats {where}"
-    k = next(i for i in range(13) if (value["cont_min"][i], value["cont_diff"][i]) !=
-             (other["cont_min"][i], other["cont_diff"][i]))
+    k = next((i for i in range(13) if (value["cont_min"][i], value["cont_diff"][i]) !=
+              (other["cont_min"][i], other["cont_diff"][i])), 0)
     return (f"--stats {where} (I{k + 1}: cont_min {value['cont_min'][k]:g}, cont_diff "
             f"{value['cont_diff'][k]:g})")
 

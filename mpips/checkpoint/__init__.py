@@ -48,12 +48,12 @@ one that does not is passed over with a warning for the next older one.
 from mpips.checkpoint.load import (latest, load_config, load_local, load_shard_into, resolve,
                                    verify)
 from mpips.checkpoint.manifest import (MANIFEST, MODES, CheckpointError, Lineage, chain,
-                                       check_files, list_checkpoints, new_checkpoint_dir,
-                                       read_manifest, saved_settings, run_settings,
-                                       shard_name, write_manifest)
+                                       list_checkpoints, new_checkpoint_dir, read_manifest,
+                                       run_settings, saved_settings, shard_name,
+                                       write_manifest)
 from mpips.checkpoint.save import save_local, save_shard, server_save_hooks
 
-__all__ = ["MANIFEST", "MODES", "CheckpointError", "Lineage", "chain", "check_files", "latest",
+__all__ = ["MANIFEST", "MODES", "CheckpointError", "Lineage", "chain", "latest",
            "list_checkpoints",
            "load_config", "load_local", "load_shard_into", "new_checkpoint_dir",
            "read_manifest", "resolve", "run_settings", "save_local", "save_shard",

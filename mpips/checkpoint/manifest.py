@@ -114,17 +114,6 @@ def list_checkpoints(root):
     return out
 
 
-def check_files(path):
-    """Raise CheckpointError unless every element of path's chain has its manifest and all
-    its shard files at their recorded sizes (checksums are verified on load)."""
-    for d, m in chain_manifests(path):
-        for sh in m["shards"]:
-            f = os.path.join(d, sh["file"])
-            if not os.path.isfile(f) or os.path.getsize(f) != sh["bytes"]:
-                raise CheckpointError(f"{path}: shard file {f} is missing or not "
-                                      f"{sh['bytes']} bytes")
-
-
 class Lineage:
     """The parent of the next delta: the checkpoint the tables were loaded from or last
     saved as base/delta, not the newest one in the root (which may belong to an abandoned
@@ -253,13 +242,14 @@ def seal(m):
     return m
 
 
-_NOTED = set()                          # legacy manifests already noted in this process
+_NOTED = set()                # roots whose legacy manifests were noted in this process
 
 
 def _check_seal(path, m):
     if not isinstance(m, dict) or m.get("version") in LEGACY_VERSIONS and CHECKSUM not in m:
-        if isinstance(m, dict) and os.path.abspath(path) not in _NOTED:
-            _NOTED.add(os.path.abspath(path))
+        root = os.path.dirname(os.path.abspath(path))
+        if isinstance(m, dict) and root not in _NOTED:          # once per root
+            _NOTED.add(root)
             stderr_warn(f"note: {path}: a version {m['version']} {MANIFEST} (written before "
                         "manifests were sealed): read as it is, edits to it cannot be detected")
         return
