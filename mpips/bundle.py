@@ -36,8 +36,8 @@ from mpips.checkpoint.load import _dense_slice, _in_sorted, _Shard, _sorted_uniq
 from mpips.checkpoint.load import _schema as shard_schema
 from mpips.checkpoint.load import resolve
 from mpips.checkpoint.manifest import CheckpointError, chain_manifests, fsync, saved_settings
-from mpips.config import check_chain, check_compatible
 from mpips.checkpoint.save import _write_whole
+from mpips.config import check_chain, check_compatible
 from mpips.data.criteo import make_norm
 from mpips.data.binary import load_stats
 from mpips.server.dense_table import DenseTable
@@ -135,8 +135,7 @@ def check_elements(elements):
     ``mpips.config.MEANING``), and its ids this mpips's hashing (scoring and export take
     the rest from the stored config and settings)."""
     check_chain(elements)
-    check_compatible(elements[-1][1], elements[-1][1]["config"], skip=("norm",),
-                     fix="use the mpips version that saved it, or train a new model")
+    check_compatible(elements[-1][1], elements[-1][1]["config"], skip=("norm",))
 
 
 class Snapshot:

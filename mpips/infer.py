@@ -11,10 +11,10 @@ read-only table (``mpips.scoring.ServingModel``; ids the checkpoint does not hol
 zeros).  The data are read as the run read them: its hash bucket, and the normalisation
 values the checkpoint recorded from the run's ``--stats`` (not the file as it is now).  A
 chain whose elements disagree on a setting that changes what the numbers mean
-(``mpips.config.MEANING``) is refused.  No server ranks: scoring needs no messages.  Under mpirun the first rank of each
-node loads the table into MPI shared memory and the node's other ranks map it, so a node
-holds one copy whatever N is (``--table-per-rank``: every rank loads its own;
-docs/serving.md has the measurements).
+(``mpips.config.MEANING``) is refused.  No server ranks: scoring needs no messages.
+Under mpirun the first rank of each node loads the table into MPI shared memory and the
+node's other ranks map it, so a node holds one copy whatever N is (``--table-per-rank``:
+every rank loads its own; docs/serving.md has the measurements).
 
 Data parallel: the files are split over the ranks in contiguous blocks as in training
 (``split_files``; with fewer files than ranks, rank r takes file r).  Each file is scored
