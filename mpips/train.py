@@ -17,7 +17,8 @@ from mpips.cluster import check_servers, default_servers
 from mpips.checkpoint.manifest import chain_manifests
 from mpips.config import check_chain, check_compatible, parse_args
 from mpips.report import log_line, peak_rss_mb
-from mpips.resume import choose, first_rank_decides, pin, resume_point
+from mpips.data.files import resolve_paths
+from mpips.resume import choose, first_rank_decides, pin, resume_point, start_point
 from mpips.ownership import plan_keys
 from mpips.runner import LocalBackend, admission_of, inner_table, run_epochs
 from mpips.stream import install_sigterm, run_stream
@@ -69,7 +70,17 @@ def precheck(cfg, comm=None):
         check_chain(elements)
         check_compatible(elements[-1][1], cfg)
         resume_point(cfg)                      # its position, checked against the run
+        start_point(cfg, _train_files(cfg))    # (and against the data, when given)
     return cfg
+
+
+def _train_files(cfg):
+    """The --train files, or None (the embedded dataset, a stream, a path that the run
+    itself will report)."""
+    try:
+        return resolve_paths(cfg.train) if cfg.train else None
+    except OSError:
+        return None
 
 
 def main(argv=None):

@@ -28,6 +28,8 @@ from mpips.build import make_reader
 from mpips.checkpoint.manifest import seal
 from mpips.config import MEANING, Config, check_compatible
 from mpips.data.criteo import ID_HASH
+from mpips.data.files import resolve_paths
+from mpips.resume import max_batches
 from mpips.server.dense_table import DenseTable
 from mpips.server.optim import OptimizerConfig
 from mpips.server.sparse_table import SparseTable
@@ -299,11 +301,12 @@ def test_d10_meta_out_of_range_is_refused(data, trained, tmp_path, capsys):
     assert "holds the end of epoch 0, and --epochs 1 ends before epoch 1" in \
         capsys.readouterr().err
     edit(path, lambda m: m["meta"].update(epoch=1, steps=10 ** 9, complete=False), reseal=True)
-    assert train(data, tmp_path / "new", *args, "--epochs", "2") == 1
+    assert train(data, tmp_path / "new", *args, "--epochs", "2") == 2      # before any work
     line = one_line(capsys.readouterr().err)
-    assert f"was saved after {10 ** 9} batches of epoch 1, but the training data hold at " \
-           "most" in line and line.endswith("resume with the --train data and --batch-size "
-                                             "it was saved with")
+    assert line.startswith(f"mpips: error: checkpoint seq 1 ({path}) was saved after "
+                           f"{10 ** 9} batches of epoch 1, but the training data hold at most ")
+    assert line.endswith("resume with the --train data and --batch-size it was saved with")
+    assert max_batches(resolve_paths(str(data / "train")), 200)[1] >= 3000   # a true bound
     for bad in ({"epoch": 1.5}, {"steps": -1}, {"complete": "no"}, {"pass": 3}):
         edit(path, lambda m: m.update(meta=dict({"epoch": 0}, **bad)), reseal=True)
         assert train(data, tmp_path / "new", *args, "--epochs", "2") == 2
