@@ -20,6 +20,7 @@ from mpips.resume import resume_point
 from mpips.ownership import plan_keys
 from mpips.runner import LocalBackend, admission_of, inner_table, run_epochs
 from mpips.stream import install_sigterm, run_stream
+from mpips.warmup import report_new, signatures, warm
 from mpips.worker.local import LocalPS
 from mpips.worker.trainer import GeoTrainer, Trainer
 
@@ -27,6 +28,9 @@ from mpips.worker.trainer import GeoTrainer, Trainer
 def run_local(cfg):
     """Train in one process (the yardstick); returns the list of epoch/pass records."""
     train_files, test_files = ([], []) if cfg.stream else resolve_data(cfg)
+    log_line(f"mpips: kernels compiled or loaded from numba's cache in "
+             f"{warm(cfg, train_files[:1] or None):.1f} s (before training; in no rate)")
+    jit0 = signatures()
     model = make_model(cfg)
     ps = LocalPS(*make_tables(cfg, model, dense_batches=cfg.local_workers))
     plan = lambda ids: plan_keys(ids, 1)  # noqa: E731
@@ -48,6 +52,7 @@ def run_local(cfg):
     log_line(trainer.times_line("local"))
     log_line(f"PROFILE --> local compute_s={trainer.compute_s:.2f} rows={len(ps.sparse)} "
              f"peak_rss_mb={peak_rss_mb():.0f}")
+    report_new(jit0, "local")
     return records
 
 
