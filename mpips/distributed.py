@@ -23,7 +23,7 @@ from mpips.ownership import dense_bounds, plan_keys
 from mpips.progress import make_progress
 from mpips.protocol import Op
 from mpips.report import log_line, peak_rss_mb, write_metrics
-from mpips.resume import resume_point
+from mpips.resume import resume_line, resume_point
 from mpips.runner import admission_of, inner_table, run_epochs
 from mpips.server.loop import Server
 from mpips.stream import Pass, run_stream
@@ -130,7 +130,10 @@ def work(cfg, cluster, model, bounds):
     stretch = os.environ.get("MPIPS_BENCH_SLOW_WORKER", "")  # "I:F": benchmarks only; worker
     if stretch and int(stretch.split(":")[0]) == wi:         # I sleeps F x its compute time
         trainer.stretch = float(stretch.split(":")[1])
-    backend = DistBackend(cfg, trainer, client, cluster.role_comm, wi, W, resume_point(cfg)[0])
+    path = resume_point(cfg)[0]
+    if path and wi == 0:
+        log_line(resume_line(path, ck.read_manifest(path)))
+    backend = DistBackend(cfg, trainer, client, cluster.role_comm, wi, W, path)
     if cfg.stream:
         run_stream(cfg, backend, log_line)
     else:

@@ -16,7 +16,7 @@ from mpips.build import make_model, make_tables, resolve_data
 from mpips.cluster import check_servers, default_servers
 from mpips.config import check_compatible, parse_args
 from mpips.report import log_line, peak_rss_mb
-from mpips.resume import resume_point
+from mpips.resume import check_kind, resume_line, resume_point
 from mpips.ownership import plan_keys
 from mpips.runner import LocalBackend, admission_of, inner_table, run_epochs
 from mpips.stream import install_sigterm, run_stream
@@ -43,7 +43,7 @@ def run_local(cfg):
     path = resume_point(cfg)[0]
     if path:
         ck.load_local(path, inner_table(ps.sparse), ps.dense, admission_of(ps.sparse))
-        log_line(f"RESUME --> {path}")
+        log_line(resume_line(path, ck.read_manifest(path)))
     backend = LocalBackend(cfg, trainer, ps, path)
     if cfg.stream:
         records = run_stream(cfg, backend, log_line)
@@ -65,7 +65,9 @@ def precheck(cfg):
         install_sigterm()
     path = resume_point(cfg)[0]
     if path:
-        check_compatible(ck.read_manifest(path), cfg)
+        manifest = ck.read_manifest(path)
+        check_kind(cfg, path, manifest)
+        check_compatible(manifest, cfg)
 
 
 def main(argv=None):
