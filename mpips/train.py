@@ -4,14 +4,18 @@
     python -m mpips.train --local                # one process, same tables and kernels
 
 Only this module touches COMM_WORLD.  A failure on any rank prints one line
-`mpips: rank R: Error: message` and aborts the whole job with a non-zero exit.
+`mpips: rank R: Error: message` and aborts the whole job with a non-zero exit.  Ctrl-C
+(SIGINT, which mpiexec forwards to every rank) prints one line for the job and exits with
+code 130 on every rank, without tracebacks.
 """
 import os
+import signal
 import sys
 import time
 import traceback
 
 from mpips import checkpoint as ck
+from mpips.backoff import COLLECTIVE, Backoff
 from mpips.build import make_model, make_tables, resolve_data
 from mpips.cluster import check_servers, default_servers
 from mpips.config import check_compatible, parse_args
@@ -82,6 +86,7 @@ def main(argv=None):
         return _guarded(None, lambda: run_local(cfg))
     from mpi4py import MPI      # here, not at the top: --local runs without MPI
     comm = MPI.COMM_WORLD
+    icomm = comm.Dup()          # for the interrupt barrier only: never out of order
     if comm.rank != 0:       # usage errors and --help print once
         sys.stdout = sys.stderr = open(os.devnull, "w")
     try:
@@ -98,16 +103,48 @@ def main(argv=None):
     if comm.size == 1:
         return _guarded(None, lambda: run_local(cfg))
     from mpips.distributed import run_distributed     # imports mpi4py.MPI (see above)
-    return _guarded(comm, lambda: run_distributed(cfg, comm))
+    return _guarded(comm, lambda: run_distributed(cfg, comm), icomm)
 
 
-def _guarded(comm, fn):
+INTERRUPT_GRACE = 3.0   # seconds an interrupted rank waits for every rank to be interrupted
+
+
+def _interrupted(comm, icomm):
+    """After SIGINT: the exit code 130, with one line on stderr for the job.
+
+    mpiexec (and srun) forward Ctrl-C to every rank: all meet in a barrier on `icomm`
+    and rank 0 says so, and every rank leaves normally (MPI_Finalize, whose notes about
+    requests left pending are not shown; the launcher prints no failure banner).  A rank interrupted alone (the others not in the barrier within
+    INTERRUPT_GRACE s) names itself and aborts the job."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # a second Ctrl-C is for the launcher
+    if comm is None or comm.size == 1:
+        print("mpips: interrupted (SIGINT); stopping", file=sys.stderr, flush=True)
+        return 130
+    req, deadline, backoff = icomm.Ibarrier(), time.monotonic() + INTERRUPT_GRACE, \
+        Backoff(*COLLECTIVE)
+    while not req.Test():
+        if time.monotonic() > deadline:
+            print(f"mpips: interrupted (SIGINT) on rank {comm.rank}; stopping the job",
+                  file=sys.stderr, flush=True)
+            time.sleep(0.2)   # let the line reach the launcher before the job is torn down
+            comm.Abort(130)
+        backoff.sleep()
+    if comm.rank == 0:
+        print(f"mpips: interrupted (SIGINT) on all {comm.size} ranks; stopping",
+              file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)     # MPI_Finalize's notes on the requests
+    os.dup2(devnull, 2)                            # the interruption left pending: noise here
+    return 130
+
+
+def _guarded(comm, fn, icomm=None):
     """Run fn; on any exception print one line naming the rank and abort every rank."""
     try:
         fn()
         return 0
     except KeyboardInterrupt:
-        raise
+        return _interrupted(comm, icomm)
     except Exception as e:  # noqa: BLE001 - the boundary of the program
         rank = "local" if comm is None else f"rank {comm.rank}"
         print(f"mpips: {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -120,4 +157,8 @@ def _guarded(comm, fn):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:      # before training started (parsing, MPI start-up)
+        print("mpips: interrupted (SIGINT) while starting; stopping", file=sys.stderr)
+        sys.exit(130)

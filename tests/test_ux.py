@@ -101,3 +101,34 @@ def test_waiting_line_once_per_interval(tmp_path, monkeypatch):
     monkeypatch.setattr(stream, "WAIT_REPORT_EVERY", 0.0)          # a line at every look
     assert feed.next("20261129/00", 0.3) is None
     assert len(lines) >= 3 and all("after 20261129/00" in x for x in lines[:-1])
+
+
+# ---------------------------------------------------------------- Ctrl-C
+@pytest.mark.parametrize("n", [None, 3], ids=["local", "mpiexec-3"])
+def test_ctrl_c_one_line_exit_130_no_traceback(tiny_data, n):
+    """SIGINT to the launcher's process group (what Ctrl-C in a terminal does) once
+    training runs: exit code 130, one line on stderr, no traceback, no MPICH banner."""
+    cmd = [sys.executable, "-m", "mpips.train", "--train", tiny_data[0], "--epochs", "100",
+           "--fc", "16", "--batch-size", "64", "--print-every", "2"]
+    if n:
+        cmd = [mpiexec_path(), "-n", str(n)] + cmd
+    else:
+        cmd.append("--local")
+    p = subprocess.Popen(cmd, cwd=str(ROOT), env=dict(os.environ, **MPI_ENV), text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        for line in p.stdout:                   # training has started: a TRAIN line
+            if line.startswith("TRAIN -->"):
+                break
+        else:
+            pytest.fail(f"no TRAIN line; stderr: {p.stderr.read()[-2000:]}")
+        os.killpg(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130, (p.returncode, err[-3000:])
+    assert "Traceback" not in err and "BAD TERMINATION" not in out + err, err[-3000:]
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("mpips: interrupted (SIGINT)"), lines
