@@ -132,3 +132,50 @@ def test_ctrl_c_one_line_exit_130_no_traceback(tiny_data, n):
     assert "Traceback" not in err and "BAD TERMINATION" not in out + err, err[-3000:]
     lines = [x for x in err.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("mpips: interrupted (SIGINT)"), lines
+
+
+# ---------------------------------------------------------------- --help and typos
+def test_help_says_each_default_once_and_nothing_stale():
+    from mpips.config import build_parser
+    parser = build_parser()
+    fmt = parser._get_formatter()
+    for action in parser._actions:
+        text = fmt._expand_help(action) if action.help else ""
+        assert text.count("default") <= 1, text
+        assert "(default: )" not in text and "(default: False)" not in text, text
+    full = parser.format_help()
+    assert "server optimizer" not in full          # dense weights live on the workers now
+    assert "--save-every epochs" not in full       # --save-every is 'epoch' or N batches
+    shuffle = next(a for a in parser._actions if "--shuffle" in a.option_strings)
+    assert fmt._expand_help(shuffle).endswith("window (default: off, file order)")
+    lr = next(a for a in parser._actions if "--lr" in a.option_strings)
+    assert fmt._expand_help(lr).endswith("(default: 0.001)")
+
+
+@pytest.mark.parametrize("argv,hint", [
+    (["--shufle"], "unrecognized arguments: --shufle (did you mean --shuffle?) (see --help)"),
+    (["--epoch", "2", "--batchsize=64"],
+     "--batchsize=64 (did you mean --batch-size?) (see --help)"),
+    (["--lr-scale", "2", "--stream-timout", "3"],
+     "(--lr-scale: did you mean --dense-lr-scale?; --stream-timout: did you mean "
+     "--stream-timeout?) (see --help)"),
+])
+def test_unknown_flag_one_line_did_you_mean(capsys, argv, hint):
+    from mpips.config import parse_args
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.endswith(hint + "\n"), err
+
+
+def test_unknown_toml_key_did_you_mean(tmp_path):
+    from mpips.config import parse_args
+    path = tmp_path / "run.toml"
+    for text, msg in (("epoch = 2\n", "unknown key 'epoch' (did you mean 'epochs'?)"),
+                      ("batch-sise = 64\n", "unknown key 'batch-sise' (did you mean "
+                                            "'batch-size'?)"),
+                      ("zzz = 1\n", "unknown key 'zzz' (known: adagrad_init, batch_size, ")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            parse_args(["--config", str(path)])
