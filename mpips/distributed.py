@@ -27,7 +27,7 @@ from mpips.resume import resume_line, resume_point
 from mpips.runner import admission_of, inner_table, run_epochs
 from mpips.server.loop import Server
 from mpips.stream import Pass, run_stream
-from mpips.warmup import report_new, signatures, staged, warm
+from mpips.warmup import cache_misses, report_new, signatures, warm
 from mpips.worker.client import PSClient
 from mpips.worker.dense_sync import DenseExchange
 from mpips.worker.trainer import EpochStats, GeoTrainer, Trainer
@@ -319,6 +319,25 @@ class DistBackend:
 def is_sync(cfg):
     """Do the servers apply steps BSP (sync mode, or ssp with staleness 0)?"""
     return cfg.mode == "sync" or (cfg.mode == "ssp" and cfg.staleness == 0)
+
+
+def staged(comm, hosts, fn):
+    """fn() on every rank of `comm`, rank 0 first; returns this rank's seconds in fn.
+
+    If rank 0 had to compile (numba's cache was cold), the first rank of each other host
+    (`hosts`: host name per rank) goes next, then the rest, which load what is cached;
+    with a warm cache all the others at once.  Ranks waiting for a stage sleep between
+    polls (they leave the core to the compiling rank)."""
+    seconds = fn() if comm.rank == 0 else 0.0
+    cold = np.array([comm.rank == 0 and cache_misses() > 0], np.int64)
+    wait_collective(comm.Ibcast(cold, root=0), "Ibcast after the kernel warm-up of rank 0")
+    leader = hosts.index(hosts[comm.rank]) == comm.rank
+    stages = [leader, not leader] if cold[0] else [True]
+    for run_now in stages:
+        if run_now and comm.rank != 0:
+            seconds = fn()
+        wait_collective(comm.Ibarrier(), "Ibarrier after a kernel warm-up stage")
+    return seconds
 
 
 def report_profile(comm, root, prof):

@@ -9,12 +9,14 @@ training step, so the first PROGRESS line showed ~18 ex/s and an ETA of hours.
 and an evaluation with the run's model, optimizer, admission and mode, on the first rows of
 the run's own first file (or on a few synthetic Criteo lines when there is none yet, e.g. a
 stream with no ready pass), so every kernel the run calls is compiled, or loaded from the
-cache, for exactly the types the run calls it with.  ``staged`` runs it on rank 0 first,
-then on one rank per node, then on the others: a cold cache directory is compiled once and
+cache, for exactly the types the run calls it with (``MPIPS_DEBUG_JIT=1`` makes each rank
+list any kernel compiled after it; the end-to-end tests expect none).  Under mpirun
+``mpips.distributed.staged`` runs it on rank 0 first and, if that found the cache cold, on
+one rank per node next, then on the others: a cold cache directory is compiled once and
 read by the rest, instead of every rank compiling the same code on the same cores at once.
-(numba writes cache files to a temporary name and renames them into place, so concurrent
-writers never leave a torn file; the stages also keep two processes from picking the same
-file number for different signatures of a kernel.)
+(numba writes each cache file to a temporary name and renames it into place, so concurrent
+writers never leave a torn file; the stages also keep two processes from giving the same
+file number to different signatures of one kernel, which numba's index does not guard.)
 
     python -m mpips.warmup [train flags]     # the same, ahead of time (e.g. after install)
 """
@@ -27,6 +29,16 @@ import tempfile
 import time
 
 import numpy as np
+from numba.core.registry import CPUDispatcher
+
+import mpips.kernels
+from mpips.build import make_model, make_reader, make_tables, resolve_data
+from mpips.config import parse_args
+from mpips.data.reader import DataError
+from mpips.ownership import plan_keys
+from mpips.stream import ready_passes
+from mpips.worker.local import LocalPS
+from mpips.worker.trainer import GeoTrainer, Trainer
 
 WARM_BATCH = 64     # rows per step of the miniature run (types, not sizes, pick the code)
 WARM_STEPS = 3      # steps: the first, one with a pull in flight, and one more
@@ -35,10 +47,8 @@ DEBUG_ENV = "MPIPS_DEBUG_JIT"   # test aid: each rank prints the kernels compile
 
 def dispatchers():
     """Every numba dispatcher in mpips.kernels: {module.name: dispatcher}."""
-    from numba.core.registry import CPUDispatcher
-    import mpips.kernels as pkg
     out = {}
-    for info in pkgutil.iter_modules(pkg.__path__):
+    for info in pkgutil.iter_modules(mpips.kernels.__path__):
         mod = importlib.import_module(f"mpips.kernels.{info.name}")
         for name, obj in vars(mod).items():
             if isinstance(obj, CPUDispatcher) and obj.__module__ == mod.__name__:
@@ -69,8 +79,6 @@ def _synthetic_file(folder):
 
 def _first_files(cfg):
     """The run's first data file (a stream: its first ready pass's), or [] if none yet."""
-    from mpips.build import resolve_data
-    from mpips.stream import ready_passes
     try:
         if cfg.stream:
             ready = ready_passes(cfg.stream)
@@ -85,7 +93,6 @@ def warm(cfg, files=None):
     `files` (default: the run's first file), or on synthetic lines if those yield no batch
     (the run reports its own data's problems later); returns the seconds it took.
     Nothing is saved or logged."""
-    from mpips.data.reader import DataError
     t0 = time.perf_counter()
     mini = dataclasses.replace(cfg, batch_size=WARM_BATCH, shuffle=False, local_workers=1,
                                save_dir="", metrics_out="", progress_every=0.0,
@@ -103,10 +110,6 @@ def warm(cfg, files=None):
 
 def _mini_run(mini, files):
     """WARM_STEPS steps of local training and an evaluation on `files`; the steps done."""
-    from mpips.build import make_model, make_reader, make_tables
-    from mpips.ownership import plan_keys
-    from mpips.worker.local import LocalPS
-    from mpips.worker.trainer import GeoTrainer, Trainer
     model = make_model(mini)
     ps = LocalPS(*make_tables(mini, model))
     plan = lambda ids: plan_keys(ids, 2)  # noqa: E731 - two owners: the grouping path too
@@ -128,25 +131,6 @@ def cache_misses():
     return sum(sum(d.stats.cache_misses.values()) for d in dispatchers().values())
 
 
-def staged(comm, hosts, fn):
-    """fn() on every rank of `comm`, rank 0 first; returns this rank's seconds in fn.
-
-    If rank 0 had to compile (a cold cache), the first rank of each other host (`hosts`:
-    host name per rank) goes next, then the rest; with a warm cache all the others at
-    once.  Ranks waiting for a stage sleep between polls (they leave the core to it)."""
-    from mpips.liveness import wait_collective
-    seconds = fn() if comm.rank == 0 else 0.0
-    cold = np.array([comm.rank == 0 and cache_misses() > 0], np.int64)
-    wait_collective(comm.Ibcast(cold, root=0), "Ibcast after the kernel warm-up of rank 0")
-    leader = hosts.index(hosts[comm.rank]) == comm.rank
-    stages = [leader, not leader] if cold[0] else [True]
-    for run_now in stages:
-        if run_now and comm.rank != 0:
-            seconds = fn()
-        wait_collective(comm.Ibarrier(), "Ibarrier after a kernel warm-up stage")
-    return seconds
-
-
 def report_new(before, label):
     """With MPIPS_DEBUG_JIT set: print kernels compiled since `before` (a test aid)."""
     if not os.environ.get(DEBUG_ENV):
@@ -158,7 +142,6 @@ def report_new(before, label):
 
 def main(argv=None):
     """``python -m mpips.warmup [train flags]``: warm the numba cache for that run."""
-    from mpips.config import parse_args
     try:
         cfg = parse_args(sys.argv[1:] if argv is None else argv, prog="python -m mpips.warmup")
     except ValueError as e:
