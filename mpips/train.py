@@ -114,8 +114,9 @@ def _interrupted(comm, icomm):
 
     mpiexec (and srun) forward Ctrl-C to every rank: all meet in a barrier on `icomm`
     and rank 0 says so, and every rank leaves normally (MPI_Finalize, whose notes about
-    requests left pending are not shown; the launcher prints no failure banner).  A rank interrupted alone (the others not in the barrier within
-    INTERRUPT_GRACE s) names itself and aborts the job."""
+    requests left pending are not shown; the launcher prints no failure banner).  A rank
+    interrupted alone (the others not in the barrier within INTERRUPT_GRACE s) names
+    itself and aborts the job."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # a second Ctrl-C is for the launcher
     if comm is None or comm.size == 1:
         print("mpips: interrupted (SIGINT); stopping", file=sys.stderr, flush=True)
