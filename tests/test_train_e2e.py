@@ -36,14 +36,28 @@ def check_run(proc, tmp_path, n_train):
     return rec
 
 
+def check_warmed(proc, ranks):
+    """Every kernel signature the run used was compiled (or loaded) by the warm-up before
+    training (mpips.warmup; MPIPS_DEBUG_JIT makes each rank list any compiled later)."""
+    first_train = proc.stdout.index("TRAIN -->")
+    assert 0 <= proc.stdout.find("mpips: kernels compiled or loaded") < first_train
+    counts = [x for x in proc.stderr.splitlines() if x.startswith("JIT --> ") and "after" in x]
+    assert len(counts) == ranks, proc.stderr[-3000:]
+    assert all(" 0 kernel signature(s) compiled after warm-up" in x for x in counts), \
+        proc.stderr[-3000:]
+
+
 def test_local_run(tiny_data, tmp_path):
-    proc = run_cmd(common(tiny_data, tmp_path, "--local"), timeout=300)
+    proc = run_cmd(common(tiny_data, tmp_path, "--local"), timeout=300,
+                   env={"MPIPS_DEBUG_JIT": "1"})
     check_run(proc, tmp_path, 16000)
+    check_warmed(proc, 1)
 
 
 def test_async_2x2(tiny_data, tmp_path):
-    proc = run_cmd(common(tiny_data, tmp_path), n=4, timeout=300)
+    proc = run_cmd(common(tiny_data, tmp_path), n=4, timeout=300, env={"MPIPS_DEBUG_JIT": "1"})
     rec = check_run(proc, tmp_path, 16000)
+    check_warmed(proc, 4)
     assert rec["workers"] == 2 and rec["servers"] == 2
     assert "worker 0" in proc.stdout and "server 1" in proc.stdout   # role map
     assert proc.stdout.count("PROFILE --> ") == 5
