@@ -61,6 +61,7 @@ def trained(data, tmp_path_factory):
     return root, results
 
 
+@pytest.mark.exact
 def test_infer_matches_in_process_auc(trained, data, tmp_path, capsys):
     root, [(base, m_base, _), (delta, m_delta, _)] = trained
     for model_arg, m in ((root, m_delta), (base, m_base)):

@@ -211,6 +211,7 @@ def test_stream_resumed_into_more_servers(small_stream, local_ref, tmp_path):
     assert_same_run(tmp_path / "run", local_ref)
 
 
+@pytest.mark.exact
 def test_distributed_stream_sync(stream_dir, tmp_path):
     proc = run_cmd(args(stream_dir, tmp_path, "--mode", "sync", "--entry", "count:2"), n=4)
     assert proc.returncode == 0, proc.stderr[-2000:]
