@@ -97,13 +97,24 @@ class LocalBackend:
         return st
 
     def evaluate(self, files):
+        """Evaluate as `--local-workers` workers would: worker i reads files[i::W] in its
+        own batches, and the counts are added in worker order.  A row's prediction depends
+        on the batch it is scored in (BLAS rounds by the batch's shape on some CPUs), so
+        this keeps --local-workers W's test metrics equal to W workers'."""
         if not files:
             return None
-        reader = make_reader(self.cfg, files, self.cfg.batch_size, log_line)
-        try:
-            return self.trainer.evaluate(reader)
-        finally:
-            reader.close()
+        W = self.cfg.local_workers
+        total = None
+        for part in (files[i::W] for i in range(W)):
+            if not part:
+                continue
+            reader = make_reader(self.cfg, part, self.cfg.batch_size, log_line)
+            try:
+                m = self.trainer.evaluate(reader)
+            finally:
+                reader.close()
+            total = m if total is None else total.merge(m)
+        return total
 
     def save(self, mode, meta, step=0):
         if self.trainer.progress is not None:      # a mid-epoch save: clear a redrawn line
