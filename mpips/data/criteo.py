@@ -92,6 +92,10 @@ class ParseResult:
     bad: np.ndarray  # (min(n_bad, MAX_BAD_RECORDS), 3) int64: line (0-based), reason, detail
     n_lines: int  # lines in the buffer (incl. blank and bad)
     n_bad: int  # all bad lines (may exceed len(bad))
+    offsets: np.ndarray | None = None  # None: sparse is (n, S); else (n*S + 1,) CSR bag offsets
+    padded: int = 0  # lines read with missing trailing fields as empty (Criteo TSV)
+    undeclared: int = 0  # tokens of slots the schema does not declare, skipped
+    truncated: int = 0  # bags cut to their slot's max_len
 
     @property
     def n_rows(self) -> int:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpips.data import binary, criteo, slot
+from mpips.data import bags, binary, criteo, slot
 from mpips.data.files import resolve_paths
 from mpips.kernels.tsv_parse import BAD_FIELDS
 
@@ -42,11 +42,13 @@ EXAMPLES_KEPT = 5  # bad-line examples kept per file in stats
 
 @dataclass
 class Batch:
-    """One mini-batch."""
+    """One mini-batch (layout shared by every consumer; see docs/data.md)."""
 
-    dense: np.ndarray  # (n, 13) float32, normalised
-    sparse: np.ndarray  # (n, 26) int64 feature ids
+    dense: np.ndarray  # (n, D) float32, normalised
+    sparse: np.ndarray  # int64 ids: (n, S) one per slot if offsets is None, else (nnz,) bags
     label: np.ndarray  # (n,) float32, 0/1 (0 without a label column)
+    offsets: np.ndarray | None = None  # None, or (n*S + 1,) int64: bag (i, s) is
+    #                                    sparse[offsets[i*S + s]:offsets[i*S + s + 1]]
 
     def __len__(self) -> int:
         return int(self.label.shape[0])
@@ -166,17 +168,17 @@ def _skip_to_newline(f, chunk_bytes: int) -> bytes:
 
 
 class _Batcher:
-    """Cuts parsed pieces into batches of exactly ``size`` rows."""
+    """Cuts parsed pieces (dense, sparse, label, offsets) into batches of exactly ``size`` rows."""
 
     def __init__(self, size: int):
         self.size = size
-        self.pieces: list = []  # [(dense, sparse, label)]
+        self.pieces: list = []  # [(dense, sparse, label, offsets)]
         self.count = 0
 
-    def add(self, dense, sparse, label):
-        if label.shape[0]:
-            self.pieces.append((dense, sparse, label))
-            self.count += label.shape[0]
+    def add(self, piece):
+        if bags.n_rows(piece):
+            self.pieces.append(piece)
+            self.count += bags.n_rows(piece)
         while self.count >= self.size:
             yield self._take(self.size)
 
@@ -185,23 +187,16 @@ class _Batcher:
             yield self._take(self.count)
 
     def _take(self, n: int) -> Batch:
-        d, s, l = self.pieces[0]
-        if d.shape[0] >= n:  # within one piece: views, no copy
-            out = Batch(d[:n], s[:n], l[:n])
-            rest = (d[n:], s[n:], l[n:])
-            self.pieces[0:1] = [rest] if rest[2].shape[0] else []
-        else:
-            taken, k = [], 0
-            while k < n:
-                d, s, l = self.pieces.pop(0)
-                m = min(n - k, d.shape[0])
-                taken.append((d[:m], s[:m], l[:m]))
-                if m < d.shape[0]:
-                    self.pieces.insert(0, (d[m:], s[m:], l[m:]))
-                k += m
-            out = Batch(*(np.concatenate(col) for col in zip(*taken)))
+        taken, k = [], 0
+        while k < n:  # within one piece: views, no copy
+            p = self.pieces.pop(0)
+            m = min(n - k, bags.n_rows(p))
+            taken.append(bags.slice_rows(p, 0, m))
+            if m < bags.n_rows(p):
+                self.pieces.insert(0, bags.slice_rows(p, m, bags.n_rows(p)))
+            k += m
         self.count -= n
-        return out
+        return Batch(*bags.concat(taken))
 
 
 class _Shuffler:
@@ -212,10 +207,10 @@ class _Shuffler:
         self.pieces: list = []
         self.count = 0
 
-    def add(self, dense, sparse, label):
-        if label.shape[0]:
-            self.pieces.append((dense, sparse, label))
-            self.count += label.shape[0]
+    def add(self, piece):
+        if bags.n_rows(piece):
+            self.pieces.append(piece)
+            self.count += bags.n_rows(piece)
         if self.count >= self.window:
             yield self._mix()
 
@@ -224,10 +219,10 @@ class _Shuffler:
             yield self._mix()
 
     def _mix(self):
-        cols = [np.concatenate(c) for c in zip(*self.pieces)]
+        whole = bags.concat(self.pieces)
         perm = self.rng.permutation(self.count)
         self.pieces, self.count = [], 0
-        return tuple(c[perm] for c in cols)
+        return bags.take(whole, perm)
 
 
 class DataReader:
@@ -340,7 +335,7 @@ class DataReader:
             fst.rows += n
             fst.lines += n
             self.stats.rows += n
-            yield dense, sparse, label
+            yield dense, sparse, label, None
 
     def size(self):
         """(rows of the binary parts, bytes of the text files) this reader will read."""
@@ -353,13 +348,13 @@ class DataReader:
         return rows, nbytes
 
     def _iter_pieces(self):
-        """(dense, sparse, label) pieces of all files in order."""
+        """(dense, sparse, label, offsets) pieces of all files in order."""
         for path in self.files:
             if os.path.isdir(path):
                 yield from self._iter_part(path)
                 continue
             for res, _ in self.iter_parsed(path):
-                yield res.dense, res.sparse, res.label
+                yield res.dense, res.sparse, res.label, res.offsets
 
     def _iter_batches(self):
         self.stats = ReaderStats()
@@ -367,13 +362,13 @@ class DataReader:
         if self.shuffle_window > 0:
             mixer = _Shuffler(self.shuffle_window, self.shuffle_seed)
             for piece in self._iter_pieces():
-                for mixed in mixer.add(*piece):
-                    yield from batcher.add(*mixed)
+                for mixed in mixer.add(piece):
+                    yield from batcher.add(mixed)
             for mixed in mixer.flush():
-                yield from batcher.add(*mixed)
+                yield from batcher.add(mixed)
         else:
             for piece in self._iter_pieces():
-                yield from batcher.add(*piece)
+                yield from batcher.add(piece)
         if not self.drop_last:
             yield from batcher.flush()
 
