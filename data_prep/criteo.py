@@ -78,7 +78,8 @@ def parse_raw(data, has_label: bool, hash_bucket: int) -> C.ParseResult:
     bad = np.empty((C.MAX_BAD_RECORDS, 3), dtype=np.int64)
     counts = np.zeros(3, dtype=np.int64)
     opts = np.array([1 if has_label else 0, hash_bucket], dtype=np.int64)
-    n = K.parse_criteo_tsv(buf, opts, RAW_NORM, dense, sparse, label, bad, counts)
+    n = K.parse_criteo_tsv(buf, opts, RAW_NORM, K.CRITEO_SEEDS, dense, sparse, label, bad,
+                           counts)
     n_bad = int(counts[K.CNT_BAD])
     return C.ParseResult(dense[:n], sparse[:n], label[:n], bad[:min(n_bad, C.MAX_BAD_RECORDS)],
                          int(counts[K.CNT_LINES]), n_bad)

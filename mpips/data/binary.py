@@ -256,8 +256,8 @@ def iter_part(part: str, norm=None, hash_bucket=None, piece_rows: int = PIECE_RO
 
 
 # ---------------------------------------------------------------- statistics
-def load_stats(path: str):
-    """(cont_min, cont_diff) float64 (13,) from a stats.json, a prep root or a split dir."""
+def load_stats(path: str, n_dense: int = N_DENSE):
+    """(cont_min, cont_diff) float64 (n_dense,) from a stats.json, a prep root or a split dir."""
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, STATS)):
             path = os.path.join(path, STATS)
@@ -269,9 +269,9 @@ def load_stats(path: str):
                                 f"writes OUT/{STATS})")
     st = _read_json(path)
     if not isinstance(st, dict) or "cont_min" not in st or "cont_diff" not in st:
-        raise PartError(f"{path}: needs 'cont_min' and 'cont_diff' lists of {N_DENSE} numbers")
+        raise PartError(f"{path}: needs 'cont_min' and 'cont_diff' lists of {n_dense} numbers")
     try:
-        norm = make_norm(st["cont_min"], st["cont_diff"])
+        norm = make_norm(st["cont_min"], st["cont_diff"], n_dense)
     except (ValueError, TypeError) as exc:
         raise PartError(f"{path}: {exc}") from None
     return norm[0].copy(), norm[1].copy()

@@ -59,6 +59,9 @@ class FileStats:
     rows: int = 0  # rows yielded from this file
     lines: int = 0  # lines read (incl. blank and bad)
     bad: int = 0  # bad lines skipped
+    padded: int = 0  # Criteo lines missing trailing fields, read with them empty
+    undeclared: int = 0  # tokens of slots the schema does not declare, skipped
+    truncated: int = 0  # bags cut to their slot's max_len
     examples: list = field(default_factory=list)  # first few "file:line: reason"
     reasons: dict = field(default_factory=dict)  # (reason, detail) -> bad lines listed with it
 
@@ -69,6 +72,9 @@ class ReaderStats:
 
     rows: int = 0
     bad_lines: int = 0
+    padded: int = 0  # lines read with missing trailing fields empty (Criteo TSV)
+    undeclared: int = 0  # tokens of undeclared slots skipped
+    truncated: int = 0  # bags cut to max_len
     files: dict = field(default_factory=dict)  # path -> FileStats
     text_rows: int = 0  # rows parsed from text files (with text_bytes: rows per byte)
     text_bytes: int = 0  # bytes of text parsed
