@@ -12,7 +12,7 @@ import time
 import traceback
 
 from mpips import checkpoint as ck
-from mpips.build import make_model, make_tables, resolve_data
+from mpips.build import make_model, make_schema, make_tables, resolve_data
 from mpips.cluster import check_servers, default_servers
 from mpips.config import check_compatible, parse_args
 from mpips.report import log_line, peak_rss_mb
@@ -36,6 +36,7 @@ def run_local(cfg):
         trainer = Trainer(cfg, model, ps, plan, log=log_line, replica=ps.dense)
     log_line(f"mpips local: batch {cfg.local_workers} x {cfg.batch_size}, "
              f"{model.n_params} dense parameters")
+    log_line(make_schema(cfg).describe())
     path = resume_point(cfg)[0]
     if path:
         ck.load_local(path, inner_table(ps.sparse), ps.dense, admission_of(ps.sparse))

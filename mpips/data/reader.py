@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpips.data import bags, binary, criteo, slot
+from mpips.data import bags, binary, criteo, formats, slot
 from mpips.data.files import resolve_paths
 from mpips.kernels.tsv_parse import BAD_FIELDS
+from mpips.schema import Schema
 
 CHUNK_BYTES = 4 << 20  # read size; a chunk is cut at its last newline
 MAX_LINE_BYTES = 1 << 20  # a longer "line" is garbage: reported and skipped
@@ -244,7 +245,8 @@ class DataReader:
                  hash_bucket: int = 0, cont_min=None, cont_diff=None, has_label: bool = True,
                  prefetch: bool = True, drop_last: bool = False, warn=None,
                  chunk_bytes: int = CHUNK_BYTES, max_warnings: int = 10,
-                 shuffle_window: int = 0, shuffle_seed=None, max_bad_fraction=None):
+                 shuffle_window: int = 0, shuffle_seed=None, max_bad_fraction=None,
+                 schema: Schema | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1; got {batch_size}")
         if fmt not in ("auto", "tsv", "slot"):
@@ -256,7 +258,18 @@ class DataReader:
         self.files = resolve_paths(files)
         self.batch_size = int(batch_size)
         self.fmt, self.strict, self.hash_bucket = fmt, strict, int(hash_bucket)
-        self.norm = criteo.make_norm(cont_min, cont_diff)
+        self.schema = Schema.criteo() if schema is None else schema
+        self.text = None  # the reader of a non-default schema (formats.TextFormat)
+        if self.schema.is_criteo:
+            self.norm = criteo.make_norm(cont_min, cont_diff)
+        else:
+            if fmt != "auto":
+                raise ValueError(f"fmt {fmt!r} names a Criteo reader; a {self.schema.format} "
+                                 f"schema reads its own format (use fmt='auto')")
+            self.norm = None
+            self.text = formats.TextFormat(self.schema, has_label=has_label,
+                                           hash_bucket=hash_bucket, cont_min=cont_min,
+                                           cont_diff=cont_diff, pad=not strict)
         self.explicit_norm = cont_min is not None or cont_diff is not None
         self.has_label, self.prefetch, self.drop_last = has_label, prefetch, drop_last
         self.warn = warn or _stderr_warn
@@ -270,16 +283,29 @@ class DataReader:
 
     # ---- parsing (runs in the prefetch thread when prefetch=True) ----
     def _parse(self, fmt: str, data: bytes) -> criteo.ParseResult:
-        if fmt == "slot":
+        if fmt == "slot" and self.text is None:
             return slot.parse_slot_bytes(data, hash_bucket=self.hash_bucket)
-        return criteo.parse_tsv_bytes(data, has_label=self.has_label,
-                                      hash_bucket=self.hash_bucket, norm=self.norm)
+        if fmt == "tsv":
+            return criteo.parse_tsv_bytes(data, has_label=self.has_label, pad=not self.strict,
+                                          hash_bucket=self.hash_bucket, norm=self.norm)
+        return self.text.parse(data)
+
+    def _format(self, path: str) -> str:
+        """'tsv' or 'slot' (the default Criteo schema's readers), else the schema's format."""
+        if self.text is not None:
+            return self.schema.format
+        return detect_format(path) if self.fmt == "auto" else self.fmt
+
+    def _describe(self, reason: int, detail: int) -> str:
+        if self.text is not None:
+            return self.text.describe(reason, detail)
+        return criteo.describe_bad(reason, detail, self.has_label)
 
     def _report(self, path: str, fst: FileStats, records) -> None:
         """Count and report bad lines ``records``: iterable of (line0, reason, detail)."""
         for line0, reason, detail in records:
             msg = (f"{path}:{line0 + 1}: malformed line skipped: "
-                   f"{criteo.describe_bad(reason, detail, self.has_label)}")
+                   f"{self._describe(reason, detail)}")
             if self.strict:
                 raise ValueError(msg + " (strict mode; run without --strict to skip such lines)")
             if len(fst.examples) < EXAMPLES_KEPT:
@@ -296,7 +322,7 @@ class DataReader:
         replaces the default parser (``data_prep.criteo`` uses it for raw values).
         """
         fst = self.stats.files.setdefault(path, FileStats())
-        fmt = detect_format(path) if self.fmt == "auto" else self.fmt
+        fmt = self._format(path)
         parse = parse or self._parse
         for data, first, too_long in iter_chunks(path, self.chunk_bytes):
             self._report(path, fst, ((ln, criteo.BAD_LINE_TOO_LONG, MAX_LINE_BYTES)
@@ -308,6 +334,7 @@ class DataReader:
             fst.bad += unlisted
             fst.lines = first + res.n_lines
             fst.rows += res.n_rows
+            self._count(fst, res)
             self.stats.rows += res.n_rows
             self.stats.bad_lines += len(too_long) + res.n_bad
             self.stats.text_rows += res.n_rows
@@ -316,7 +343,28 @@ class DataReader:
         if fst.bad > self.max_warnings:
             self.warn(f"{path}: {fst.bad - self.max_warnings} more malformed lines not shown "
                       f"({fst.bad} in this file)")
+        self._summarise(path, fst)
         self._check_bad_share(path, fst, fmt)
+
+    def _count(self, fst: FileStats, res) -> None:
+        """Add a chunk's padded lines, undeclared tokens and truncated bags to the stats."""
+        for key in ("padded", "undeclared", "truncated"):
+            k = getattr(res, key)
+            setattr(fst, key, getattr(fst, key) + k)
+            setattr(self.stats, key, getattr(self.stats, key) + k)
+
+    def _summarise(self, path: str, fst: FileStats) -> None:
+        """One line per file for lines padded, tokens skipped and bags truncated."""
+        said = []
+        if fst.padded:
+            said.append(f"{fst.padded} lines missing trailing fields read with them empty "
+                        f"(--strict rejects them)")
+        if fst.undeclared:
+            said.append(f"{fst.undeclared} tokens of slots the schema does not declare skipped")
+        if fst.truncated:
+            said.append(f"{fst.truncated} bags cut to their max_len")
+        if said:
+            self.warn(f"{path}: " + "; ".join(said))
 
     def _check_bad_share(self, path, fst, fmt):
         """Fail on a file with no valid line, or whose malformed share passes the limit."""
@@ -328,7 +376,7 @@ class DataReader:
         raise DataError(
             f"{path}: {fst.bad} of {fst.bad + fst.rows} lines malformed ({100 * share:.0f}%"
             f"{'' if not fst.rows else f', above --max-bad-fraction {limit:g}'}); most common: "
-            f"{criteo.describe_bad(reason, detail, self.has_label)} ({k} of the "
+            f"{self._describe(reason, detail)} ({k} of the "
             f"{sum(fst.reasons.values())} bad lines examined); "
             f"hint: {_hint(path, fmt, reason, detail, self.has_label)}")
 
