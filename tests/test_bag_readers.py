@@ -269,3 +269,96 @@ def test_slot_undeclared_and_truncated_are_reported(tmp_path):
     assert any("1 tokens of slots the schema does not declare" in m for m in msgs)
     assert b.offsets.tolist() == [0, 1, 1, 1]
     assert b.sparse.tolist() == [feasign_id(5, 101)]
+
+
+# ---------------------------------------------------------------- MultiSlot
+def ms_schema(max_len=0):
+    return Schema(format="multislot", label="label",
+                  fields=("dense_feature", "C1", "unused", "tags", "label"),
+                  dense=(DenseGroup(("dense_feature",), dim=3, fill=0.5, norm="none"),),
+                  sparse=(SparseGroup(("C1", "tags"), max_len=max_len),))
+
+
+def ref_multislot(data: bytes, schema: Schema, has_label=True, bucket=0):
+    kinds = {schema.label: "label"}
+    pos = 0
+    for g in schema.dense:
+        for n in g.names:
+            kinds[n] = ("dense", pos, g.dim)
+            pos += g.dim
+    for s, n in enumerate(schema.sparse_names):
+        kinds[n] = ("sparse", s)
+    salts = schema.feasign_salts()
+    ref = Ref()
+    lines = data.split(b"\n")
+    if lines[-1] == b"":
+        lines.pop()
+    for i, line in enumerate(lines):
+        toks = line.split()
+        if not toks:
+            continue
+        dense, bags_, label = [None] * schema.n_dense, [[] for _ in range(schema.n_sparse)], 0.0
+        t, ok = 0, True
+        for f in schema.fields:
+            c = py_uint(toks[t]) if t < len(toks) else None
+            kind = kinds.get(f, "skip")
+            if c is None or t + 1 + c > len(toks) or (kind == "label" and c != 1) or \
+                    (kind[0] == "dense" and c not in (0, kind[2])):
+                ok = False
+                break
+            vals = toks[t + 1:t + 1 + c]
+            t += 1 + c
+            if kind == "label":
+                x = py_float(vals[0]) if has_label else 0.0
+                ok = x in (0.0, 1.0)
+                label = x
+            elif kind[0] == "dense":
+                xs = [py_float(v) for v in vals]
+                ok = None not in xs
+                dense[kind[1]:kind[1] + len(xs)] = xs
+            elif kind[0] == "sparse":
+                xs = [py_uint(v) for v in vals]
+                ok = None not in xs
+                if ok:
+                    bags_[kind[1]] = [feasign_id(x, salts[kind[1]], bucket) for x in xs]
+            if not ok:
+                break
+        if not ok or t != len(toks):
+            ref.bad.append(i)
+            continue
+        ref.add(schema, dense, bags_, label, 0)
+    return ref
+
+
+@st.composite
+def multislot_text(draw):
+    rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1)))
+    lines = []
+    for _ in range(draw(st.integers(1, 10))):
+        parts = []
+        parts.append([b"3"] + [b"%.4g" % x for x in rng.normal(size=3)] if rng.random() < 0.9
+                     else [b"0"])
+        for _ in range(3):  # C1, unused, tags
+            c = int(rng.integers(0, 4))
+            parts.append([b"%d" % c] + [b"%d" % v for v in rng.integers(0, 2 ** 62, c)])
+        parts.append([b"1", rng.choice([b"0", b"1"])])
+        words = [w for p in parts for w in p]
+        r = rng.random()
+        if r < 0.05:
+            words = words[:-1]  # values past the line
+        elif r < 0.1:
+            words.append(b"7")  # extra token
+        elif r < 0.15:
+            words[int(rng.integers(0, len(words)))] = rng.choice([b"x", b"-2", b"1e400"])
+        lines.append(b" ".join(words) + b"\n")
+    return b"".join(lines)
+
+
+@FUZZ
+@given(st.data())
+def test_multislot_matches_reference(tmp_path, data):
+    schema = ms_schema(max_len=data.draw(st.sampled_from([0, 1])))
+    text = data.draw(multislot_text())
+    p = tmp_path / "part.txt"
+    p.write_bytes(text)
+    check(p, schema, ref_multislot(text, schema))

@@ -18,6 +18,7 @@ import numpy as np
 
 from mpips.data import criteo
 from mpips.kernels import bag_common as B
+from mpips.kernels import multislot_parse as MS
 from mpips.kernels import slot_bags as SB
 from mpips.kernels import tsv_parse as K
 from mpips.schema import Schema
@@ -141,9 +142,6 @@ class TextFormat:
 
     def __init__(self, schema: Schema, *, has_label=True, hash_bucket=0, cont_min=None,
                  cont_diff=None, pad=True):
-        if schema.format not in ("criteo", "slot"):
-            raise ValueError(f"schema format {schema.format!r}: this reader reads criteo and "
-                             f"slot text")
         self.schema, self.bucket, self.pad = schema, int(hash_bucket), pad
         self.has_label = bool(has_label and schema.label)
         self.finish = DenseFinish(schema, cont_min, cont_diff)
@@ -156,6 +154,11 @@ class TextFormat:
         self.needs_header = False
         if schema.format == "criteo":
             self.names = list(schema.dense_names)
+        if schema.format == "multislot":
+            info = {e[0]: e[1:] for e in entries}
+            self.finfo = np.array([info.get(f, (B.KIND_SKIP, 0, 0)) for f in schema.fields],
+                                  dtype=np.int64).reshape(-1, 3)
+            self.names = list(schema.fields)
 
     def describe(self, reason, detail) -> str:
         return describe_bad(reason, detail, self.names, self.schema.format, self.has_label)
@@ -164,6 +167,8 @@ class TextFormat:
         buf = criteo.as_uint8(data)
         if self.schema.format == "criteo":
             return self._criteo(buf)
+        if self.schema.format == "multislot":
+            return self._multislot(buf)
         return self._slot(buf)
 
     def _criteo(self, buf):
@@ -194,10 +199,18 @@ class TextFormat:
                                   bad, counts, offsets)
         return res
 
+    def _opts(self):
+        return np.array([self.has_label, self.bucket, self.schema.raw_ids,
+                         self.schema.token_order == "feasign:slot"], dtype=np.int64)
+
     def _slot(self, buf):
         out, scratch, bad, counts = self._outputs(buf)
-        opts = np.array([self.has_label, self.bucket, self.schema.raw_ids,
-                         self.schema.token_order == "feasign:slot"], dtype=np.int64)
-        n = SB.parse_slot_bags(buf, self.keys, (self.salts, self.max_len), opts, out, scratch,
-                               bad, counts)
+        n = SB.parse_slot_bags(buf, self.keys, (self.salts, self.max_len), self._opts(), out,
+                               scratch, bad, counts)
+        return self._result(n, out, bad, counts)
+
+    def _multislot(self, buf):
+        out, scratch, bad, counts = self._outputs(buf)
+        n = MS.parse_multislot(buf, self.finfo, (self.salts, self.max_len), self._opts(), out,
+                               scratch, bad, counts)
         return self._result(n, out, bad, counts)
