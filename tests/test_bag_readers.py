@@ -362,3 +362,93 @@ def test_multislot_matches_reference(tmp_path, data):
     p = tmp_path / "part.txt"
     p.write_bytes(text)
     check(p, schema, ref_multislot(text, schema))
+
+
+# ---------------------------------------------------------------- gzip and pipe commands
+def criteo_lines(n, seed=0, short=False):
+    """Criteo TSV text; ``short``: some lines lose trailing empty fields (as stripped
+    files do), some integer columns are written as decimals (as pandas does)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        ints = [b"" if rng.random() < 0.2 else b"%d" % rng.integers(0, 300) for _ in range(13)]
+        if short and i % 3 == 0:
+            ints = [x + b".0" if x else x for x in ints]
+        cats = [b"" if rng.random() < 0.2 else b"%08x" % rng.integers(0, 2 ** 32)
+                for _ in range(26)]
+        f = [b"%d" % (i % 2)] + ints + cats
+        if short and i % 4 == 1:
+            while f[-1] == b"" and len(f) > 14:
+                f.pop()
+        out.append(b"\t".join(f) + b"\n")
+    return b"".join(out)
+
+
+def batches_equal(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x.dense, y.dense)
+        np.testing.assert_array_equal(x.sparse, y.sparse)
+        np.testing.assert_array_equal(x.label, y.label)
+        assert (x.offsets is None) == (y.offsets is None)
+        if x.offsets is not None:
+            np.testing.assert_array_equal(x.offsets, y.offsets)
+
+
+def test_gzip_reads_as_the_plain_file(tmp_path):
+    import gzip
+    cases = [(criteo_lines(300, short=True), None),
+             ((DATA / "paddle_slot_sample.txt").read_bytes(), load_schema(str(DATA / "paddle_slot.toml")))]
+    for k, (text, schema) in enumerate(cases):
+        plain, packed = tmp_path / f"p{k}.txt", tmp_path / f"p{k}.txt.gz"
+        plain.write_bytes(text)
+        packed.write_bytes(gzip.compress(text))
+        kw = dict(schema=schema, prefetch=False, chunk_bytes=1000, warn=lambda m: None)
+        a, b = DataReader(str(plain), 64, **kw), DataReader(str(packed), 64, **kw)
+        batches_equal(list(a), list(b))
+        assert a.stats.rows == b.stats.rows > 0 and a.stats.bad_lines == b.stats.bad_lines == 0
+        short = sum(ln.count(b"\t") < 39 for ln in text.splitlines()) if schema is None else 0
+        assert a.stats.padded == b.stats.padded == short and (schema or short > 10)
+
+
+GEN = Path(__file__).parent / "dataset_generator.py"
+
+
+def test_pipe_command_reads_the_generators_multislot_lines(tmp_path):
+    import subprocess
+    import sys
+    files = []
+    for k in range(3):
+        p = tmp_path / f"part-{k}.txt"
+        p.write_bytes(criteo_lines(50 + k, seed=k))
+        files.append(str(p))
+    schema = load_schema(str(DATA / "multislot_criteo.toml"))
+    piped = Schema(**{**schema.__dict__, "pipe_command": f"{sys.executable} {GEN}"})
+    kw = dict(prefetch=False, warn=lambda m: None, chunk_bytes=2000)
+    got = list(DataReader(files, 32, schema=piped, **kw))
+    printed = []  # the generator's output, written to files and read as plain MultiSlot text
+    for k, f in enumerate(files):
+        out = tmp_path / f"ms-{k}.txt"
+        with open(f, "rb") as stdin:
+            out.write_bytes(subprocess.run([sys.executable, str(GEN)], stdin=stdin,
+                                           capture_output=True, check=True).stdout)
+        printed.append(str(out))
+    rd = DataReader(printed, 32, schema=schema, **kw)
+    batches_equal(got, list(rd))
+    assert rd.stats.rows == 153 and rd.stats.bad_lines == 0
+    whole = bags.concat([(b.dense, b.sparse, b.label, b.offsets) for b in got])
+    ref = ref_multislot(Path(printed[0]).read_bytes(), schema)
+    assert whole[2][:50].tolist() == ref.label
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_failing_pipe_command_names_file_code_and_stderr(tmp_path, prefetch):
+    import sys
+    p = tmp_path / "part-0.txt"
+    p.write_bytes(criteo_lines(5))
+    schema = load_schema(str(DATA / "multislot_criteo.toml"))
+    bad = Schema(**{**schema.__dict__, "pipe_command": f"{sys.executable} {GEN} --fail"})
+    rd = DataReader([str(p)], 4, schema=bad, prefetch=prefetch, warn=lambda m: None)
+    with pytest.raises(ValueError, match=rf"part-0.txt: --pipe-command .* exited with code 3: "
+                                         rf"boom: bad input"):
+        list(rd)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpips.data import bags, binary, criteo, formats, slot
+from mpips.data import bags, binary, criteo, formats, slot, sources
 from mpips.data.files import resolve_paths
 from mpips.kernels.tsv_parse import BAD_FIELDS
 from mpips.schema import Schema
@@ -86,7 +86,7 @@ class DataError(ValueError):
 
 
 def _looks_binary(path):
-    with open(path, "rb") as f:
+    with sources.open_input(path) as f:
         head = f.read(4096)
     try:
         head.decode("utf-8")
@@ -118,7 +118,7 @@ def _stderr_warn(msg: str) -> None:
 
 def detect_format(path: str) -> str:
     """'slot' if the first non-blank line starts with 'click:', else 'tsv'."""
-    with open(path, "rb") as f:
+    with sources.open_input(path) as f:
         while True:
             block = f.read(1 << 16)
             if not block:
@@ -130,8 +130,21 @@ def detect_format(path: str) -> str:
                 return "slot" if stripped.startswith(b"click:") else "tsv"
 
 
-def iter_chunks(path: str, chunk_bytes: int = CHUNK_BYTES, max_line: int | None = None):
-    """Yield ``(data, first_line, too_long)`` for ``path``.
+def _detect_bytes(head: bytes) -> str:
+    """'slot' if ``head`` (the first chunk) starts with 'click:' after blanks, else 'tsv'."""
+    return "slot" if head.lstrip(b"\r\n\t ").startswith(b"click:") else "tsv"
+
+
+def _split_header(data: bytes):
+    """(first line, the rest) of a chunk of whole lines."""
+    cut = data.find(b"\n") + 1 or len(data)
+    return data[:cut], data[cut:]
+
+
+def iter_chunks(path: str, chunk_bytes: int = CHUNK_BYTES, max_line: int | None = None,
+                stream=None):
+    """Yield ``(data, first_line, too_long)`` for ``path`` (gzip decompressed), or for
+    ``stream`` (a binary file object, e.g. a pipe command's stdout) when given.
 
     ``data`` holds whole lines (ends with LF except possibly at EOF); ``first_line`` is
     the 0-based number of its first line.  ``too_long`` lists 0-based numbers of lines
@@ -141,7 +154,7 @@ def iter_chunks(path: str, chunk_bytes: int = CHUNK_BYTES, max_line: int | None 
     line = 0
     rest = b""
     too_long: list[int] = []
-    with open(path, "rb") as f:
+    with (stream if stream is not None else sources.open_input(path)) as f:
         while True:
             block = f.read(chunk_bytes)
             if not block:
@@ -290,11 +303,12 @@ class DataReader:
                                           hash_bucket=self.hash_bucket, norm=self.norm)
         return self.text.parse(data)
 
-    def _format(self, path: str) -> str:
-        """'tsv' or 'slot' (the default Criteo schema's readers), else the schema's format."""
+    def _format(self, path: str, head: bytes) -> str:
+        """'tsv' or 'slot' (the default Criteo schema's readers, by ``head``, the first
+        chunk), else the schema's format."""
         if self.text is not None:
             return self.schema.format
-        return detect_format(path) if self.fmt == "auto" else self.fmt
+        return _detect_bytes(head) if self.fmt == "auto" else self.fmt
 
     def _describe(self, reason: int, detail: int) -> str:
         if self.text is not None:
@@ -315,16 +329,23 @@ class DataReader:
             fst.bad += 1
             fst.reasons[reason, detail] = fst.reasons.get((reason, detail), 0) + 1
 
-    def iter_parsed(self, path: str, parse=None):
+    def iter_parsed(self, path: str, parse=None, stream=None):
         """Yield ``(ParseResult, nbytes)`` per chunk of text file ``path``.
 
         Updates ``stats`` and reports bad lines as the batches do.  ``parse(fmt, data)``
         replaces the default parser (``data_prep.criteo`` uses it for raw values).
+        ``stream``: read this file object (a pipe command's stdout) instead of the file.
         """
         fst = self.stats.files.setdefault(path, FileStats())
-        fmt = self._format(path)
+        fmt = None
         parse = parse or self._parse
-        for data, first, too_long in iter_chunks(path, self.chunk_bytes):
+        for data, first, too_long in iter_chunks(path, self.chunk_bytes, stream=stream):
+            if fmt is None:
+                fmt = self._format(path, data)
+                if self.text is not None and self.text.needs_header:
+                    header, data = _split_header(data)
+                    parse = self.text.with_header(header, path)
+                    first += 1
             self._report(path, fst, ((ln, criteo.BAD_LINE_TOO_LONG, MAX_LINE_BYTES)
                                      for ln in too_long))
             res = parse(fmt, data)
@@ -403,12 +424,21 @@ class DataReader:
 
     def _iter_pieces(self):
         """(dense, sparse, label, offsets) pieces of all files in order."""
-        for path in self.files:
-            if os.path.isdir(path):
-                yield from self._iter_part(path)
-                continue
-            for res, _ in self.iter_parsed(path):
-                yield res.dense, res.sparse, res.label, res.offsets
+        pipe = None
+        if self.schema.pipe_command:
+            pipe = sources.PipeRunner(self.schema.pipe_command,
+                                      [p for p in self.files if not os.path.isdir(p)])
+        try:
+            for path in self.files:
+                if os.path.isdir(path):
+                    yield from self._iter_part(path)
+                    continue
+                stream = pipe.open(path) if pipe is not None else None
+                for res, _ in self.iter_parsed(path, stream=stream):
+                    yield res.dense, res.sparse, res.label, res.offsets
+        finally:
+            if pipe is not None:
+                pipe.close()
 
     def _iter_batches(self):
         self.stats = ReaderStats()
