@@ -452,3 +452,130 @@ def test_failing_pipe_command_names_file_code_and_stderr(tmp_path, prefetch):
     with pytest.raises(ValueError, match=rf"part-0.txt: --pipe-command .* exited with code 3: "
                                          rf"boom: bad input"):
         list(rd)
+
+
+# ---------------------------------------------------------------- CSV with a header
+def csv_schema(delim=",", header=True, max_len=0):
+    return Schema(format="csv", label="click", delimiter=delim, header=header,
+                  dense=(DenseGroup(("price",), fill=-2.0, norm="log1p"),
+                         DenseGroup(("age",), norm="none")),
+                  sparse=(SparseGroup(("site_id",)),
+                          SparseGroup(("genres",), separator="|", max_len=max_len,
+                                      pooling="mean")))
+
+
+def ref_csv(data: bytes, schema: Schema, has_label=True, bucket=0):
+    import csv
+    lines = data.split(b"\n")
+    if lines[-1] == b"":
+        lines.pop()
+    start = 1 if schema.header else 0
+    cols = (next(csv.reader([lines[0].decode().rstrip("\r")], delimiter=schema.delimiter))
+            if schema.header else [schema.label, *schema.dense_names, *schema.sparse_names])
+    seeds, seps = schema.hash_seeds(), schema.slot_options("separator")
+    dense_at = {n: j for j, n in enumerate(schema.dense_names)}
+    slot_of = {n: s for s, n in enumerate(schema.sparse_names)}
+    ref = Ref()
+    for i, line in enumerate(lines[start:], start):
+        line = line[:-1] if line.endswith(b"\r") else line
+        if not line:
+            continue
+        try:
+            f = next(csv.reader([line.decode("latin-1")], delimiter=schema.delimiter,
+                                strict=True))
+        except csv.Error:
+            ref.bad.append(i)
+            continue
+        f = [x.encode("latin-1") for x in f]
+        if len(f) != len(cols):
+            ref.bad.append(i)
+            continue
+        dense, bags_ = [None] * schema.n_dense, [[] for _ in range(schema.n_sparse)]
+        label, ok, used = 0.0, True, set()
+        for c, v in zip(cols, f):
+            if c in used:
+                continue
+            used.add(c)
+            if c == schema.label and has_label:
+                label = py_float(v)
+                ok = label in (0.0, 1.0)
+            elif c in dense_at and v != b"":
+                dense[dense_at[c]] = py_float(v)
+                ok = dense[dense_at[c]] is not None
+            elif c in slot_of:
+                s = slot_of[c]
+                pieces = v.split(seps[s].encode()) if seps[s] else [v]
+                bags_[s] = [text_id(seeds[s], p, bucket) for p in pieces if p]
+            if not ok:
+                break
+        if not ok:
+            ref.bad.append(i)
+            continue
+        ref.add(schema, dense, bags_, label, 0)
+    return ref
+
+
+def csv_field(rng, delim):
+    r = rng.random()
+    base = rng.choice([b"", b"a", b"Comedy|Drama", b"x|", b"|y||z", b"1.5", b"-3", b"0",
+                       b"12e3", b"nan", b"a b", delim.encode() + b"q", b'say "hi"'])
+    if r < 0.3 or delim.encode() in base or b'"' in base:
+        return b'"' + base.replace(b'"', b'""') + b'"'
+    return base
+
+
+@st.composite
+def csv_text(draw, schema):
+    rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1)))
+    d = schema.delimiter
+    cols = ["extra", "genres", "click", "price", "site_id", "age"]
+    rng.shuffle(cols)
+    lines = [d.join(f'"{c}"' if rng.random() < 0.2 else c for c in cols).encode() + b"\n"] \
+        if schema.header else []
+    if not schema.header:
+        cols = [schema.label, *schema.dense_names, *schema.sparse_names]
+    for _ in range(draw(st.integers(0, 10))):
+        f = []
+        for c in cols:
+            if c == "click":
+                f.append(rng.choice([b"0", b"1", b'"1"', b"1.0"]) if rng.random() < 0.95 else b"2")
+            elif c in ("price", "age"):
+                f.append(rng.choice([b"", b"%d" % rng.integers(-9, 9), b"2.5", b" 7 ", b"x"],
+                                    p=[.2, .5, .1, .1, .1]))
+            else:
+                f.append(csv_field(rng, d))
+        r = rng.random()
+        if r < 0.05:
+            f.pop()
+        elif r < 0.08:
+            f[0] = b'"unclosed'
+        elif r < 0.1:
+            f[-1] = b'"ab"c'
+        lines.append(d.encode().join(f) + rng.choice([b"\n", b"\r\n"]))
+    return b"".join(lines)
+
+
+@FUZZ
+@given(st.data())
+def test_csv_matches_reference(tmp_path, data):
+    schema = csv_schema(delim=data.draw(st.sampled_from([",", "\t", ";"])),
+                        header=data.draw(st.booleans()),
+                        max_len=data.draw(st.sampled_from([0, 2])))
+    text = data.draw(csv_text(schema))
+    p = tmp_path / "part.csv"
+    p.write_bytes(text)
+    check(p, schema, ref_csv(text, schema))
+
+
+def test_csv_header_missing_a_column_is_one_clear_error(tmp_path):
+    p = tmp_path / "a.csv"
+    p.write_bytes(b"click,price,age,genres\n1,2,3,a\n")
+    with pytest.raises(ValueError, match=r"a.csv: the header has no column \['site_id'\]"):
+        list(DataReader(str(p), 4, schema=csv_schema(), prefetch=False))
+
+
+def test_minmax_without_stats_says_the_fix():
+    s = Schema(format="csv", label="click", dense=(DenseGroup(("price",)),),
+               sparse=(SparseGroup(("site_id",)),))
+    with pytest.raises(ValueError, match=r"needs statistics: give --stats FILE"):
+        DataReader([str(DATA / "paddle_slot_sample.txt")], 4, schema=s)

@@ -14,10 +14,13 @@ I1..I13), ``log1p`` sign(x) * log1p(|x|), ``none`` x; missing -> the group's ``f
 The default Criteo schema does not come here: ``mpips.data.criteo`` and ``mpips.data.slot``
 keep today's one-hot readers and fast paths.
 """
+import csv
+
 import numpy as np
 
 from mpips.data import criteo
 from mpips.kernels import bag_common as B
+from mpips.kernels import csv_parse as CS
 from mpips.kernels import multislot_parse as MS
 from mpips.kernels import slot_bags as SB
 from mpips.kernels import tsv_parse as K
@@ -151,7 +154,12 @@ class TextFormat:
         self.salts = np.array([s & _MASK64 for s in schema.feasign_salts()], dtype=np.uint64)
         entries, self.names = schema_keys(schema)
         self.keys = key_table(entries)
-        self.needs_header = False
+        self.needs_header = schema.format == "csv" and schema.header
+        self.seps = np.array([ord(x) if x else -1 for x in schema.slot_options("separator")],
+                             dtype=np.int64)
+        self.entries = entries
+        if schema.format == "csv" and not schema.header:  # columns: label, dense, sparse
+            self.colinfo, self.names = self._columns(self.names, "(no header)")
         if schema.format == "criteo":
             self.names = list(schema.dense_names)
         if schema.format == "multislot":
@@ -169,7 +177,45 @@ class TextFormat:
             return self._criteo(buf)
         if self.schema.format == "multislot":
             return self._multislot(buf)
+        if self.schema.format == "csv":
+            return self._csv(buf)
         return self._slot(buf)
+
+    # ---- csv
+    def with_header(self, line: bytes, path: str):
+        """Read the header ``line`` of ``path``: a parse function for the rest of the file."""
+        text = line.decode("utf-8", errors="replace").lstrip("\ufeff").rstrip("\r\n")
+        try:
+            cols = next(csv.reader([text], delimiter=self.schema.delimiter, strict=True), [])
+        except csv.Error as e:
+            raise ValueError(f"{path}: header line is not valid delimited text ({e})") from None
+        self.colinfo, self.names = self._columns(cols, path)
+        return lambda fmt, data: self._csv(criteo.as_uint8(data))
+
+    def _columns(self, cols, where):
+        """(colinfo (C, 3), column names) for the columns ``cols`` of a file."""
+        info = {e[0]: e[1:] for e in self.entries}
+        need = [e[0] for e in self.entries if e[1] != B.KIND_LABEL or self.has_label]
+        missing = [n for n in need if n not in cols]
+        if missing:
+            raise ValueError(f"{where}: the header has no column {missing[:5]} that the schema "
+                             f"names (header: {', '.join(cols[:12])}"
+                             f"{' ...' if len(cols) > 12 else ''}); fix the schema's names")
+        seen = set()
+        rows = []
+        for c in cols:
+            rows.append(info.get(c, (B.KIND_SKIP, 0, 0)) if c not in seen else (B.KIND_SKIP, 0, 0))
+            seen.add(c)
+        return np.array(rows, dtype=np.int64).reshape(-1, 3), list(cols)
+
+    def _csv(self, buf):
+        out, scratch, bad, counts = self._outputs(buf)
+        scratch = scratch[:4] + (np.empty(buf.size + 1, dtype=np.uint8),)
+        opts = np.array([self.has_label, self.bucket, ord(self.schema.delimiter)],
+                        dtype=np.int64)
+        n = CS.parse_csv(buf, self.colinfo, (self.seeds, self.max_len, self.seps), opts, out,
+                         scratch, bad, counts)
+        return self._result(n, out, bad, counts)
 
     def _criteo(self, buf):
         norm = np.zeros((RAW_NORM_ROWS, self.D))
