@@ -517,7 +517,7 @@ def ref_csv(data: bytes, schema: Schema, has_label=True, bucket=0):
 
 def csv_field(rng, delim):
     r = rng.random()
-    base = rng.choice([b"", b"a", b"Comedy|Drama", b"x|", b"|y||z", b"1.5", b"-3", b"0",
+    base = rng.choice([b"", b"a", b"Comedy|Drama", b"x|", b"|y||z", b"a|b|c", b"1.5", b"-3", b"0",
                        b"12e3", b"nan", b"a b", delim.encode() + b"q", b'say "hi"'])
     if r < 0.3 or delim.encode() in base or b'"' in base:
         return b'"' + base.replace(b'"', b'""') + b'"'
@@ -579,3 +579,106 @@ def test_minmax_without_stats_says_the_fix():
                sparse=(SparseGroup(("site_id",)),))
     with pytest.raises(ValueError, match=r"needs statistics: give --stats FILE"):
         DataReader([str(DATA / "paddle_slot_sample.txt")], 4, schema=s)
+
+
+# ---------------------------------------------------------------- Criteo TSV
+def test_criteo_short_and_decimal_lines_read_padded_and_strict_rejects_them(tmp_path):
+    text = criteo_lines(40, short=True)
+    p = tmp_path / "c.txt"
+    p.write_bytes(text)
+    rd = DataReader(str(p), 100, prefetch=False, warn=lambda m: None)
+    (b,) = list(rd)
+    assert rd.stats.rows == 40 and rd.stats.bad_lines == 0 and b.offsets is None
+    assert rd.stats.padded == sum(ln.count(b"\t") < 39 for ln in text.splitlines()) > 0
+    full = [ln + b"\t" * (39 - ln.count(b"\t")) for ln in text.splitlines()]
+    plain = [ln.replace(b".0", b"") for ln in full]  # what the decimals and stripped fields mean
+    q = tmp_path / "full.txt"
+    q.write_bytes(b"\n".join(plain) + b"\n")
+    (want,) = list(DataReader(str(q), 100, prefetch=False))
+    batches_equal([b], [want])
+    first = next(i for i, ln in enumerate(text.splitlines()) if ln.count(b"\t") < 39)
+    with pytest.raises(ValueError, match=rf"c.txt:{first + 1}: .*expected 40 tab-separated "
+                                         rf"fields, found"):
+        list(DataReader(str(p), 100, prefetch=False, strict=True))
+
+
+def test_criteo_positional_schema_with_other_counts(tmp_path):
+    """format = "criteo" with 2 dense and 3 sparse columns: one-hot rows through the same
+    kernel, hashed from the names' seeds (C1..C3 keep Criteo's ids)."""
+    schema = Schema(format="criteo", label="label",
+                    dense=(DenseGroup(("I1", "x"), norm="log1p", fill=-1.0),),
+                    sparse=(SparseGroup(("C1", "C2", "city")),))
+    text = b"1\t3\t\tab\t\tParis\n0\t-2.5\t7\tcd\tef\n1\tz\t1\ta\tb\tc\n"
+    p = tmp_path / "c.txt"
+    p.write_bytes(text)
+    rd = DataReader(str(p), 10, schema=schema, prefetch=False, warn=lambda m: None)
+    (b,) = list(rd)
+    assert rd.stats.bad_lines == 1 and rd.stats.padded == 1 and b.offsets is None
+    seeds = schema.hash_seeds()
+    assert b.sparse.tolist() == [[hash_feature(0, b"ab"), hash_feature(1, b""),
+                                  text_id(seeds[2], b"Paris")],
+                                 [hash_feature(0, b"cd"), hash_feature(1, b"ef"),
+                                  text_id(seeds[2], b"")]]
+    want = [[math.log1p(3), -1.0], [-math.log1p(2.5), math.log1p(7)]]
+    np.testing.assert_array_equal(b.dense, np.array(want, np.float32))
+    np.testing.assert_array_equal(b.label, [1, 0])
+
+
+# ---------------------------------------------------------------- CSR batching
+def rows_of(batches, S):
+    out = []
+    for b in batches:
+        for i in range(len(b)):
+            bag = tuple(tuple(b.sparse[b.offsets[i * S + s]:b.offsets[i * S + s + 1]].tolist())
+                        for s in range(S))
+            out.append((float(b.label[i]), tuple(b.dense[i].tolist()), bag))
+    return out
+
+
+def test_csr_batches_cut_join_and_shuffle_rows_whole(tmp_path):
+    schema = slot_schema()
+    rng = np.random.default_rng(3)
+    lines = []
+    for i in range(60):
+        toks = [b"click:%d" % (i % 2), b"d1:%d" % i, b"d1:1"]
+        toks += [b"101:%d" % v for v in rng.integers(0, 99, rng.integers(0, 4))]
+        toks += [b"7:%d" % v for v in rng.integers(0, 99, rng.integers(0, 3))]
+        lines.append(b" ".join(toks) + b"\n")
+    paths = []
+    for k in range(3):
+        p = tmp_path / f"p{k}.txt"
+        p.write_bytes(b"".join(lines[k * 20:(k + 1) * 20]))
+        paths.append(str(p))
+    kw = dict(schema=schema, prefetch=False, chunk_bytes=200)
+    base = rows_of(list(DataReader(paths, 60, **kw)), 3)
+    assert len(base) == 60
+    for size, window in ((7, 0), (1, 0), (8, 13), (60, 100)):
+        got = list(DataReader(paths, size, shuffle_window=window, shuffle_seed=1, **kw))
+        assert all(len(b) == size for b in got[:-1])
+        rows = rows_of(got, 3)
+        assert (rows == base) if not window else (sorted(rows) == sorted(base) and rows != base)
+        for b in got:
+            assert b.offsets[0] == 0 and b.offsets[-1] == b.sparse.shape[0]
+
+
+def test_bag_ops_match_row_by_row():
+    rng = np.random.default_rng(0)
+    n, S = 9, 3
+    lens = rng.integers(0, 3, n * S)
+    off = np.zeros(n * S + 1, np.int64)
+    np.cumsum(lens, out=off[1:])
+    piece = (rng.normal(size=(n, 2)).astype(np.float32), rng.integers(0, 1000, off[-1]),
+             np.arange(n, dtype=np.float32), off)
+
+    def bag_rows(p):
+        m = p[2].shape[0]
+        return [[p[1][p[3][i * S + s]:p[3][i * S + s + 1]].tolist() for s in range(S)]
+                for i in range(m)]
+    full = bag_rows(piece)
+    assert bag_rows(bags.slice_rows(piece, 2, 6)) == full[2:6]
+    assert bag_rows(bags.concat([bags.slice_rows(piece, 0, 4), bags.slice_rows(piece, 4, 4),
+                                 bags.slice_rows(piece, 4, 9)])) == full
+    perm = rng.permutation(n)
+    taken = bags.take(piece, perm)
+    assert bag_rows(taken) == [full[i] for i in perm]
+    np.testing.assert_array_equal(taken[0], piece[0][perm])
