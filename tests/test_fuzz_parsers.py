@@ -67,7 +67,7 @@ def is_number(raw: bytes) -> bool:
 
 def ref_good_rows(data: bytes, has_label=True, pad=False):
     """Sparse ids of the lines a correct parser accepts (plain Python); with ``pad`` a
-    short line with a good label is read with empty trailing fields."""
+    line with a good label and all 13 dense fields is read with empty trailing fields."""
     rows, blank = [], 0
     for line in split_lines(data):
         line = line[:-1] if line.endswith(b"\r") else line
@@ -77,7 +77,7 @@ def ref_good_rows(data: bytes, has_label=True, pad=False):
         f = line.split(b"\t")
         if not has_label:
             f = [b"0"] + f
-        if pad and len(f) < 40 and f[0] in (b"0", b"1"):
+        if pad and 14 <= len(f) < 40 and f[0] in (b"0", b"1"):
             f += [b""] * (40 - len(f))
         if (len(f) != 40 or f[0] not in (b"0", b"1")
                 or any(x and not is_number(x) for x in f[1:14])):

@@ -39,7 +39,8 @@ def ref_tsv(data: bytes, has_label=True, hash_bucket=0, lo=CONT_MIN, diff=CONT_D
         if not line:
             continue
         f = line.split(b"\t")
-        if pad and len(f) < want and f[0] in ((b"0", b"1") if has_label else (f[0],)):
+        if pad and 14 - (0 if has_label else 1) <= len(f) < want and \
+                f[0] in ((b"0", b"1") if has_label else (f[0],)):
             f += [b""] * (want - len(f))
             if padded is not None:
                 padded.append(i)
@@ -135,7 +136,7 @@ def test_tricky_lines_match_reference():
     r = check_tsv(data)
     assert r.n_rows == 7 and r.n_bad == 9 and r.n_lines == 18
     assert r.dense[5, 1] == np.float32((260.0 + 3) / 603)
-    r = check_tsv(data, pad=True)  # short lines (even 'garbage'? no: its label is bad) padded
+    r = check_tsv(data, pad=True)  # the line short of categoricals; not 'garbage' (no label)
     assert r.n_rows == 8 and r.padded == 1
     assert r.dense[0, 0] == pytest.approx(0.05) and r.dense[0, 1] == 0.0  # (1-0)/20, (-3+3)/603
 

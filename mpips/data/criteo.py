@@ -143,8 +143,8 @@ def parse_tsv_bytes(data, *, has_label: bool = True, hash_bucket: int = 0,
         raise ValueError(f"hash_bucket must be >= 0 (0 = full int64 ids); got {hash_bucket}")
     buf = as_uint8(data)
     norm = make_norm() if norm is None else norm
-    seeds = K.CRITEO_SEEDS if seeds is None else seeds
-    out = kernel_outputs(buf, norm.shape[1], seeds.shape[0], dense_dtype=norm.dtype
+    out = kernel_outputs(buf, norm.shape[1], N_SPARSE if seeds is None else seeds.shape[0],
+                         dense_dtype=norm.dtype
                          if norm.shape[0] > 2 else np.float32)
     opts = np.array([1 if has_label else 0, hash_bucket, 1 if pad else 0], dtype=np.int64)
     n = K.parse_criteo_tsv(buf, opts, norm, seeds, *out)

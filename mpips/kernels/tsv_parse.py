@@ -122,7 +122,7 @@ def parse_int_field(buf, start, end):
     return 0, -v if neg else v
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def parse_number_field(buf, start, end):
     """A dense field as Python's ``float()`` reads a finite value: (status, value).
 
@@ -132,6 +132,12 @@ def parse_number_field(buf, start, end):
     st, v = parse_int_field(buf, start, end)
     if st != 2:
         return st, v
+    return _parse_decimal(buf, start, end)
+
+
+@njit(cache=True, nogil=True)
+def _parse_decimal(buf, start, end):
+    """The slow path of ``parse_number_field``: strip spaces, then ``float()``."""
     while start < end and (buf[start] == 32 or buf[start] == 11 or buf[start] == 12
                            or buf[start] == 13):
         start += 1
@@ -191,6 +197,22 @@ def _scan_hash(buf, s, seed):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _seed(seeds, slot):
+    """FNV state column ``slot`` is hashed from: Criteo's slot byte when ``seeds`` is None
+    (compiled as a constant: the Criteo fast path), else ``seeds[slot]``."""
+    if seeds is None:
+        return (FNV1A_OFFSET ^ np.uint64(slot & 0xFF)) * FNV1A_PRIME
+    return seeds[slot]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _n_sparse(seeds):
+    if seeds is None:
+        return N_SPARSE
+    return seeds.shape[0]
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _empty_dense(norm, j):
     """Value of an empty dense field j: 0, or norm[2, j] (e.g. NaN) with a third row."""
     return norm[2, j] if norm.shape[0] > 2 else 0.0
@@ -206,7 +228,7 @@ def _parse_field(buf, s, f, opts, norm, seeds, dense_row, sparse_row):
     nd = norm.shape[1]
     if f > nd:
         slot = f - 1 - nd
-        e, h = _scan_hash(buf, s, seeds[slot])
+        e, h = _scan_hash(buf, s, _seed(seeds, slot))
         sparse_row[slot] = hash_to_id(splitmix64_finalise(h), opts[OPT_BUCKET])
         return e, 0, 0
     e = _field_end(buf, s)
@@ -233,7 +255,7 @@ def _pad_row(f, last, opts, norm, seeds, dense_row, sparse_row):
         if g <= nd:
             dense_row[g - 1] = _empty_dense(norm, g - 1)
         else:
-            h = splitmix64_finalise(seeds[g - 1 - nd])
+            h = splitmix64_finalise(_seed(seeds, g - 1 - nd))
             sparse_row[g - 1 - nd] = hash_to_id(h, opts[OPT_BUCKET])
 
 
@@ -242,12 +264,13 @@ def _parse_line(buf, pos, opts, norm, seeds, dense_row, sparse_row, label_cell):
     """Parse the non-blank line starting at ``pos`` into one row, in a single scan.
 
     Returns (next_pos, reason, detail); reason 0 means the row is valid, PADDED that it
-    is valid with its missing trailing fields read as empty (when opts[OPT_PAD] is 1).
+    is valid with its missing trailing categorical fields read as empty (when
+    opts[OPT_PAD] is 1; the label and dense columns must be there).
     A bad row may be partly written; the caller reuses the slot.
     """
     n = buf.shape[0]
     f = 0 if opts[OPT_HAS_LABEL] != 0 else 1  # logical field index
-    last = norm.shape[1] + seeds.shape[0]
+    last = norm.shape[1] + _n_sparse(seeds)
     label_cell[0] = 0.0
     reason = 0
     detail = 0
@@ -266,7 +289,8 @@ def _parse_line(buf, pos, opts, norm, seeds, dense_row, sparse_row, label_cell):
             break
         s = e + 1
     if f != last + 1:  # field count wins over any other complaint
-        if f < last + 1 and reason == 0 and opts.shape[0] > OPT_PAD and opts[OPT_PAD] != 0:
+        if (f < last + 1 and f > norm.shape[1] and reason == 0 and opts.shape[0] > OPT_PAD
+                and opts[OPT_PAD] != 0):  # label and dense columns there: cats missing
             _pad_row(f, last, opts, norm, seeds, dense_row, sparse_row)
             return e + 1, PADDED, 0
         return e + 1, BAD_FIELDS, f - (0 if opts[OPT_HAS_LABEL] != 0 else 1)
@@ -282,7 +306,8 @@ def parse_criteo_tsv(buf, opts, norm, seeds, dense, sparse, label, bad, counts):
     the wrong field count, a dense field that is not a finite number (Python ``float()``;
     plain integers on a fast path) or a label other than 0/1 is bad: it produces no row
     and is recorded in ``bad`` (first ``bad.shape[0]`` of them).  With ``opts[OPT_PAD]``
-    a line with too few fields is read with the missing trailing ones empty (counted).
+    a line that ends early, after its label and dense columns, is read with the missing
+    trailing categoricals empty (counted).
 
     Parameters
     ----------
@@ -290,8 +315,8 @@ def parse_criteo_tsv(buf, opts, norm, seeds, dense, sparse, label, bad, counts):
     opts : (2,) or (3,) int64, [has_label (0/1), hash_bucket (0 = full int64 ids), pad]
     norm : (2, D) float64, [cont_min, cont_diff]; dense = (x - min) / diff, empty -> 0;
         or (3, D) with row 2 the value for an empty field (raw mode: [0, 1, nan])
-    seeds : (S,) uint64, FNV-1a state each categorical column is hashed from
-        (``CRITEO_SEEDS`` for Criteo's C1..C26: the state after the slot byte 0..25)
+    seeds : (S,) uint64, FNV-1a state each categorical column is hashed from, or None for
+        Criteo's C1..C26 (the state after the slot byte 0..25, ``CRITEO_SEEDS``)
     dense : (cap, D) float32 (or float64 for exact raw integer values), out
     sparse : (cap, S) int64, out
     label : (cap,) float32, out (0.0 when there is no label column)
