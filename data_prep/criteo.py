@@ -84,6 +84,12 @@ def to_raw_int32(dense: np.ndarray, path: str) -> np.ndarray:
     """(n, 13) float64 raw (NaN empty) -> int32 with ``binary.DENSE_MISSING`` for empty."""
     empty = np.isnan(dense)
     bad = ~empty & ~((dense > binary.DENSE_MISSING) & (dense <= INT32_MAX))
+    frac = ~empty & ~bad & (dense != np.floor(np.where(empty | bad, 0.0, dense)))
+    if frac.any():  # (260.0 is fine: it is the integer 260)
+        i, j = np.argwhere(frac)[0]
+        raise ValueError(f"{path}: integer feature I{j + 1} has value {dense[i, j]:.17g}, "
+                         f"not a whole number; binary data parts store integers: read this "
+                         f"file as TSV instead of preparing binary parts")
     if bad.any():
         i, j = np.argwhere(bad)[0]
         raise ValueError(f"{path}: integer feature I{j + 1} has value {dense[i, j]:.17g}, "

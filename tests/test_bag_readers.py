@@ -682,3 +682,33 @@ def test_bag_ops_match_row_by_row():
     taken = bags.take(piece, perm)
     assert bag_rows(taken) == [full[i] for i in perm]
     np.testing.assert_array_equal(taken[0], piece[0][perm])
+
+
+# ---------------------------------------------------------------- config and build
+def test_schema_and_pipe_command_flags_resolve_the_readers_schema(tmp_path):
+    from mpips.build import make_schema
+    from mpips.config import parse_args
+    toml = str(DATA / "multislot_criteo.toml")
+    cfg = parse_args(["--schema", toml, "--pipe-command", "python gen.py"])
+    s = make_schema(cfg)
+    assert s.format == "multislot" and s.pipe_command == "python gen.py"
+    assert "pipe_command 'python gen.py'" in s.describe()
+    assert make_schema(parse_args([])).is_criteo
+    conf = tmp_path / "run.toml"
+    conf.write_text(f'schema = "{toml}"\n')
+    assert make_schema(parse_args(["--config", str(conf)])).format == "multislot"
+    with pytest.raises(ValueError, match="--data-format tsv is for the default Criteo schema"):
+        parse_args(["--schema", toml, "--data-format", "tsv"])
+    with pytest.raises(ValueError, match="cannot read schema file"):
+        parse_args(["--schema", str(tmp_path / "nope.toml")])
+
+
+def test_binary_parts_with_another_schema_fail_clearly(tmp_path):
+    from data_prep.synth import generate
+    generate(str(tmp_path), rows=50, parts=1, seed=1)
+    from data_prep import criteo as P
+    assert P.main(["--input", str(tmp_path / "train"), "--out", str(tmp_path / "out"),
+                   "--parts", "1"]) == 0
+    with pytest.raises(ValueError, match="binary data parts hold Criteo's"):
+        list(DataReader(str(tmp_path / "out" / "train"), 8, schema=slot_schema(),
+                        prefetch=False))

@@ -403,6 +403,10 @@ class DataReader:
 
     def _iter_part(self, path: str):
         """Yield (dense, sparse, label) pieces of one binary data part, counting rows."""
+        if self.text is not None:
+            raise DataError(f"{path}: binary data parts hold Criteo's 13 dense and 26 one-hot "
+                            f"columns, not this schema's ({self.schema.describe()}); give "
+                            f"its text files instead")
         fst = self.stats.files.setdefault(path, FileStats())
         norm = self.norm if self.explicit_norm else None
         for dense, sparse, label in binary.iter_part(path, norm, self.hash_bucket):
