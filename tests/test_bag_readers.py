@@ -78,7 +78,7 @@ def finish(schema, raw_rows, lo=None, diff=None):
             else:
                 vals.append(x)
         out.append(vals)
-    return np.array(out, dtype=np.float64).astype(np.float32).reshape(-1, schema.n_dense)
+    return np.array(out, dtype=np.float64).astype(np.float32).reshape(len(out), schema.n_dense)
 
 
 class Ref:
@@ -712,3 +712,29 @@ def test_binary_parts_with_another_schema_fail_clearly(tmp_path):
     with pytest.raises(ValueError, match="binary data parts hold Criteo's"):
         list(DataReader(str(tmp_path / "out" / "train"), 8, schema=slot_schema(),
                         prefetch=False))
+
+
+def test_documented_csv_schemas_read_their_data_with_no_bad_line(tmp_path):
+    import csv
+    rng = np.random.default_rng(5)
+    avazu = load_schema(str(DATA / "avazu.toml"))
+    cols = ["id", "click", *avazu.sparse_names]
+    p = tmp_path / "avazu.csv"
+    with open(p, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        for i in range(50):
+            w.writerow([i, i % 2] + [f"{rng.integers(0, 1 << 32):08x}" for _ in cols[2:]])
+    check(p, avazu, ref_csv(p.read_bytes(), avazu))
+    ml = load_schema(str(DATA / "movielens.toml"))
+    q = tmp_path / "ml.csv"
+    genres = ["Comedy", "Drama", "Action", "Sci-Fi"]
+    with open(q, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["user_id", "movie_id", "rating", "genres", "click", "age", "gender",
+                    "occupation"])
+        for i in range(40):
+            g = "|".join(rng.choice(genres, rng.integers(0, 4), replace=False))
+            w.writerow([i % 7, i % 11, 3.5, g, i % 2, "" if i % 5 == 0 else 20 + i, "F", 4])
+    rd = check(q, ml, ref_csv(q.read_bytes(), ml))
+    assert rd.stats.rows == 40 and rd.stats.bad_lines == 0
