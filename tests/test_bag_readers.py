@@ -738,3 +738,33 @@ def test_documented_csv_schemas_read_their_data_with_no_bad_line(tmp_path):
             w.writerow([i % 7, i % 11, 3.5, g, i % 2, "" if i % 5 == 0 else 20 + i, "F", 4])
     rd = check(q, ml, ref_csv(q.read_bytes(), ml))
     assert rd.stats.rows == 40 and rd.stats.bad_lines == 0
+
+
+# ---------------------------------------------------------------- binary parts of a schema
+def test_bag_parts_read_back_as_the_text(tmp_path):
+    from data_prep import parts as PP
+    from mpips.data.files import resolve_paths
+    sample = DATA / "paddle_slot_sample.txt"
+    schema = load_schema(str(DATA / "paddle_slot.toml"))
+    out = tmp_path / "parts"
+    man = PP.prepare(str(sample), str(out), schema, rows_per_part=30)
+    assert man["rows"] == 80 and [p["rows"] for p in man["parts"]] == [30, 30, 20]
+    assert len(resolve_paths(str(out))) == 3
+    kw = dict(schema=schema, prefetch=False)
+    batches_equal(list(DataReader(str(out), 16, **kw)), list(DataReader(str(sample), 16, **kw)))
+    mixed = list(DataReader([str(out / "part-00001"), str(sample)], 200, **kw))
+    assert len(mixed) == 1 and len(mixed[0]) == 110
+    with pytest.raises(ValueError, match="parts were written with another schema"):
+        list(DataReader(str(out), 16, schema=slot_schema(), prefetch=False))
+    # a one-hot (criteo-format) schema's parts come back one-hot
+    crit = Schema(format="criteo", dense=(DenseGroup(("I1", "x"), norm="none"),),
+                  sparse=(SparseGroup(("C1", "C2", "city")),))
+    p = tmp_path / "c.txt"
+    p.write_bytes(b"1\t3\t\tab\t\tParis\n0\t-2.5\t7\tcd\tef\n" * 5)
+    assert PP.main(["--schema", str(tmp_path / "nope.toml"), "--input", str(p), "--out",
+                    str(tmp_path / "x")]) == 1
+    PP.prepare(str(p), str(tmp_path / "cp"), crit, rows_per_part=4)
+    kw = dict(schema=crit, prefetch=False, warn=lambda m: None)
+    got = list(DataReader(str(tmp_path / "cp"), 3, **kw))
+    assert got[0].offsets is None and got[0].sparse.shape == (3, 3)
+    batches_equal(got, list(DataReader(str(p), 3, **kw)))

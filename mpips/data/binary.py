@@ -24,6 +24,7 @@ from mpips.data.criteo import N_DENSE, N_SPARSE, make_norm
 
 FORMAT = "mpips-shards"   # on-disk name, kept: prepared sets written before still read
 VERSION = 1
+VERSION_BAGS = 2  # any schema, bags of ids (mpips.data.bagparts)
 MANIFEST = "manifest.json"
 STATS = "stats.json"
 DENSE_MISSING = int(np.iinfo(np.int32).min)  # stored for an empty integer field
@@ -165,9 +166,9 @@ def read_manifest(split_dir: str) -> dict:
     man = _read_json(path)
     if not isinstance(man, dict) or man.get("format") != FORMAT:
         raise PartError(f"{path}: not an {FORMAT} manifest")
-    if man.get("version") != VERSION:
+    if man.get("version") not in (VERSION, VERSION_BAGS):
         raise PartError(f"{path}: binary data format version {man.get('version')!r}; this mpips "
-                         f"reads version {VERSION} (re-run data_prep.criteo)")
+                         f"reads versions {VERSION} and {VERSION_BAGS} (re-run data_prep)")
     for key in ("parts", "columns", "hash_bucket", "stats", "has_label"):
         if key not in man:
             raise PartError(f"{path}: manifest lacks {key!r}; re-run data_prep.criteo")

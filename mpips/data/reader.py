@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpips.data import bags, binary, criteo, formats, slot, sources
+from mpips.data import bagparts, bags, binary, criteo, formats, slot, sources
 from mpips.data.files import resolve_paths
 from mpips.kernels.tsv_parse import BAD_FIELDS
 from mpips.schema import Schema
@@ -403,17 +403,27 @@ class DataReader:
 
     def _iter_part(self, path: str):
         """Yield (dense, sparse, label) pieces of one binary data part, counting rows."""
-        if self.text is not None:
-            raise DataError(f"{path}: binary data parts hold Criteo's 13 dense and 26 one-hot "
-                            f"columns, not this schema's ({self.schema.describe()}); give "
-                            f"its text files instead")
         fst = self.stats.files.setdefault(path, FileStats())
-        norm = self.norm if self.explicit_norm else None
-        for dense, sparse, label in binary.iter_part(path, norm, self.hash_bucket):
+        for dense, sparse, label, offsets in self._part_pieces(path):
             n = label.shape[0]
             fst.rows += n
             fst.lines += n
             self.stats.rows += n
+            yield dense, sparse, label, offsets
+
+    def _part_pieces(self, path: str):
+        """(dense, sparse, label, offsets) pieces of a part: Criteo's raw layout (version 1)
+        or bags of any schema (version 2, checked against the reader's schema)."""
+        man = binary.read_manifest(os.path.dirname(os.path.normpath(path)))
+        if bagparts.is_bag_manifest(man):
+            yield from bagparts.iter_part(path, man, self.schema, self.hash_bucket)
+            return
+        if self.text is not None:
+            raise DataError(f"{path}: binary data parts hold Criteo's 13 dense and 26 one-hot "
+                            f"columns, not this schema's ({self.schema.describe()}); give "
+                            f"its text files instead")
+        norm = self.norm if self.explicit_norm else None
+        for dense, sparse, label in binary.iter_part(path, norm, self.hash_bucket):
             yield dense, sparse, label, None
 
     def size(self):
