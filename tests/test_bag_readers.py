@@ -768,3 +768,21 @@ def test_bag_parts_read_back_as_the_text(tmp_path):
     got = list(DataReader(str(tmp_path / "cp"), 3, **kw))
     assert got[0].offsets is None and got[0].sparse.shape == (3, 3)
     batches_equal(got, list(DataReader(str(p), 3, **kw)))
+
+
+def test_mostly_bad_schema_file_fails_naming_reason_and_schema(tmp_path):
+    p = tmp_path / "a.csv"
+    p.write_bytes(b"click,price,age,site_id,genres\n" + b"1,2,3\n" * 9 + b"1,2,3,x,y\n")
+    with pytest.raises(ValueError) as e:
+        list(DataReader(str(p), 4, schema=csv_schema(), prefetch=False, warn=lambda m: None,
+                        max_bad_fraction=0.1))
+    msg = str(e.value)
+    assert "9 of 10 lines malformed" in msg and "expected 5 columns as the header, found 3" in msg
+    assert "check the file against the schema (schema: format csv" in msg
+    assert "a.csv:2: malformed line skipped" in _first_warning(p)
+
+
+def _first_warning(p):
+    msgs = []
+    list(DataReader(str(p), 4, schema=csv_schema(), prefetch=False, warn=msgs.append))
+    return msgs[0]

@@ -399,7 +399,14 @@ class DataReader:
             f"{'' if not fst.rows else f', above --max-bad-fraction {limit:g}'}); most common: "
             f"{self._describe(reason, detail)} ({k} of the "
             f"{sum(fst.reasons.values())} bad lines examined); "
-            f"hint: {_hint(path, fmt, reason, detail, self.has_label)}")
+            f"hint: {self._hint(path, fmt, reason, detail)}")
+
+    def _hint(self, path, fmt, reason, detail):
+        if self.text is None:
+            return _hint(path, fmt, reason, detail, self.has_label)
+        if reason == criteo.BAD_LINE_TOO_LONG or _looks_binary(path):
+            return "binary data? text files (or .gz) in the schema's format are expected"
+        return f"check the file against the schema ({self.schema.describe()}; docs/data.md)"
 
     def _iter_part(self, path: str):
         """Yield (dense, sparse, label) pieces of one binary data part, counting rows."""
