@@ -407,6 +407,7 @@ def test_gzip_reads_as_the_plain_file(tmp_path):
         a, b = DataReader(str(plain), 64, **kw), DataReader(str(packed), 64, **kw)
         batches_equal(list(a), list(b))
         assert a.stats.rows == b.stats.rows > 0 and a.stats.bad_lines == b.stats.bad_lines == 0
+        assert a.size() == b.size() == (0, len(text))  # progress sees the text's bytes
         short = sum(ln.count(b"\t") < 39 for ln in text.splitlines()) if schema is None else 0
         assert a.stats.padded == b.stats.padded == short and (schema or short > 10)
 

@@ -440,7 +440,7 @@ class DataReader:
             if os.path.isdir(path):
                 rows += binary.part_rows(path)
             else:
-                nbytes += os.path.getsize(path)
+                nbytes += sources.text_size(path)
         return rows, nbytes
 
     def _iter_pieces(self):

@@ -33,6 +33,18 @@ def is_gzip(path: str) -> bool:
         return f.read(2) == GZIP_MAGIC
 
 
+def text_size(path: str) -> int:
+    """Bytes of text ``path`` gives: its size, or a gzip file's uncompressed size (the
+    ISIZE trailer, exact below 4 GiB; a rough 4x the file above)."""
+    size = os.path.getsize(path)
+    if size < 18 or not is_gzip(path):
+        return size
+    with open(path, "rb") as f:
+        f.seek(-4, os.SEEK_END)
+        isize = int.from_bytes(f.read(4), "little")
+    return isize if isize >= size else 4 * size
+
+
 def open_input(path: str):
     """A binary file object of ``path``'s text (gzip decompressed as it is read)."""
     if is_gzip(path):
