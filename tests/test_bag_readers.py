@@ -787,3 +787,73 @@ def _first_warning(p):
     msgs = []
     list(DataReader(str(p), 4, schema=csv_schema(), prefetch=False, warn=msgs.append))
     return msgs[0]
+
+
+# ---------------------------------------------------------------- random bytes, bounds
+def _alphabet_bytes(rng_bytes, alphabet):
+    return bytes(alphabet[b % len(alphabet)] for b in rng_bytes)
+
+
+SLOT_ALPHA = b"  \t\n\r::0123456789.-_e" + b"click" + b"d1" + b"user_tag" + b"7"
+MS_ALPHA = b"   \n\r0123456789.-e_x"
+
+
+def _check_layout(r, S):
+    assert r.offsets.shape == (r.n_rows * S + 1,) and r.offsets[0] == 0
+    assert np.all(np.diff(r.offsets) >= 0) and r.offsets[-1] == r.sparse.shape[0]
+    assert np.all(np.isfinite(r.dense)) and r.n_rows + r.n_bad <= r.n_lines
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.binary(max_size=300), st.booleans())
+def test_bag_kernels_on_random_bytes(raw, use_alpha):
+    from mpips.data.formats import TextFormat
+    for order in ("slot:feasign", "feasign:slot"):
+        schema = slot_schema(order)
+        data = _alphabet_bytes(raw, SLOT_ALPHA) if use_alpha else raw
+        r = TextFormat(schema).parse(data)
+        _check_layout(r, 3)
+        ref = ref_slot(data, schema)
+        assert r.n_bad == len(ref.bad) and r.n_rows == len(ref.label)
+        assert r.sparse.tolist() == [i for row in ref.bags for b in row for i in b]
+    schema = ms_schema()
+    data = _alphabet_bytes(raw, MS_ALPHA) if use_alpha else raw
+    r = TextFormat(schema).parse(data)
+    _check_layout(r, 2)
+    ref = ref_multislot(data, schema)
+    assert r.n_bad == len(ref.bad) and r.n_rows == len(ref.label)
+    for s in (csv_schema(header=False), csv_schema(delim="\t", header=False)):
+        _check_layout(TextFormat(s).parse(raw), 2)
+
+
+BOUNDS_SCRIPT = r"""
+import numpy as np
+import sys
+sys.path.insert(0, "tests")
+from test_bag_readers import csv_schema, ms_schema, slot_schema
+from mpips.data.formats import TextFormat
+rng = np.random.default_rng(0)
+fmts = [TextFormat(slot_schema("slot:feasign")), TextFormat(slot_schema("feasign:slot")),
+        TextFormat(ms_schema()), TextFormat(csv_schema(header=False))]
+alpha = np.frombuffer(b' ,"\t\n\r:|01x', np.uint8)
+inputs = [b"", b"\n", b"\r", b'"', b'"a', b'""', b'"a"b', b"a,", b"click:1", b"3 1 2", b"1:"]
+for n in range(1, 120):
+    inputs.append(bytes(rng.choice(alpha, n)))
+    inputs.append(bytes(rng.integers(0, 256, n, dtype=np.uint8)))
+for data in inputs:
+    for f in fmts:
+        f.parse(data)
+print("BOUNDS-OK", len(inputs))
+"""
+
+
+def test_bag_kernels_never_read_out_of_bounds(tmp_path):
+    import os
+    import subprocess
+    import sys
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(tmp_path), PYTHONPATH=root)
+    res = subprocess.run([sys.executable, "-c", BOUNDS_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=600, cwd=root)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "BOUNDS-OK" in res.stdout
