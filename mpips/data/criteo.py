@@ -2,7 +2,8 @@
 
 One example a line: ``label \\t I1..I13 \\t C1..C26`` (40 fields; 39 without label).
 
-* Integer field ``Ik``: ``[+-]?[0-9]+`` or empty.  Dense value
+* Integer field ``Ik``: what Python's ``float()`` reads as a finite value (``260``,
+  ``260.0``, ``1e3``; plain integers on a fast path), or empty.  Dense value
   ``(x - cont_min[k]) / cont_diff[k]`` (float64 maths, stored float32); empty -> 0.0,
   as in Paddle's CTR-DNN reader.  Defaults are Paddle's constants.
 * Categorical field ``Ck`` (any bytes but TAB/LF, usually 8 hex digits or empty):
@@ -10,8 +11,10 @@ One example a line: ``label \\t I1..I13 \\t C1..C26`` (40 fields; 39 without lab
   Empty is a value of its own.  ``hash_bucket=B`` gives ``unsigned_hash % B`` instead
   (Paddle's ``% 1000001`` bucketing; ids then collide across slots, as in Paddle).
 * Lines end in LF, optionally CRLF; a last line without LF is read.  Blank lines are
-  skipped silently.  Bad lines (wrong field count, non-integer I-field, label not 0/1)
-  produce no row and are reported with their line number.
+  skipped silently.  Bad lines (wrong field count, an I-field that is not a number, label
+  not 0/1) produce no row and are reported with their line number.  With ``pad=True`` a
+  line that ends after its label and I-fields is read with the missing categoricals empty
+  (``ParseResult.padded`` counts them; the reader pads unless ``--strict``).
 """
 from dataclasses import dataclass
 

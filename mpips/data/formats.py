@@ -50,14 +50,12 @@ def key_table(entries):
     while size < 2 * max(len(names), 1):
         size *= 2
     tab = np.full(size, -1, dtype=np.int64)
-    kept = []
     for k, raw in enumerate(names):
         j = _fnv(raw) & (size - 1)
         while tab[j] >= 0 and names[tab[j]] != raw:
             j = (j + 1) & (size - 1)
         if tab[j] < 0:
             tab[j] = k
-        kept.append(raw)
     kbytes = np.frombuffer(b"".join(names) or b"\0", dtype=np.uint8).copy()
     koff = np.zeros(len(names) + 1, dtype=np.int64)
     np.cumsum([len(x) for x in names], out=koff[1:])

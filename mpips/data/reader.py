@@ -1,9 +1,13 @@
-"""Stream batches from Criteo TSV, Paddle slot files or binary data parts, with prefetch.
+"""Stream batches from text files of a schema or binary data parts, with prefetch.
 
 Files are read in chunks of ``chunk_bytes`` that end on a newline (never a whole file
-in memory), parsed by ``mpips.data.criteo`` (numba, releases the GIL) or
-``mpips.data.slot``, and cut into batches of exactly ``batch_size`` rows that span file
-boundaries, as if the files were one stream.  Bad lines are skipped, counted in
+in memory; gzip files decompressed as they are read, or a ``pipe_command``'s output, see
+``mpips.data.sources``), parsed by numba kernels that release the GIL, and cut into
+batches of exactly ``batch_size`` rows that span file boundaries, as if the files were
+one stream.  The default Criteo schema keeps its one-hot readers (``mpips.data.criteo``
+TSV, ``mpips.data.slot`` for Criteo-shaped slot files, chosen per file by ``fmt``); any
+other schema is read by ``mpips.data.formats`` (criteo, csv, slot, multislot text), and
+gives CSR batches (``Batch.offsets``) unless its format is one-hot ``criteo``.  Bad lines are skipped, counted in
 ``reader.stats`` and reported through ``warn`` as ``file:line: ...`` (1-based lines; the
 first ``max_warnings`` of each file individually, then one summary line per file);
 ``strict=True`` raises ``ValueError`` with that message instead.
