@@ -857,3 +857,13 @@ def test_bag_kernels_never_read_out_of_bounds(tmp_path):
                          text=True, timeout=600, cwd=root)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "BOUNDS-OK" in res.stdout
+
+
+def test_pipe_command_not_found_names_it(tmp_path):
+    p = tmp_path / "part-0.txt"
+    p.write_bytes(b"x\n")
+    schema = load_schema(str(DATA / "multislot_criteo.toml"))
+    bad = Schema(**{**schema.__dict__, "pipe_command": "mpips_no_such_command_xyz"})
+    with pytest.raises(ValueError, match=r"part-0.txt: --pipe-command 'mpips_no_such_command_xyz'"
+                                         r" exited with code 127: .*not found"):
+        list(DataReader([str(p)], 4, schema=bad, prefetch=False))

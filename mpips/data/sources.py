@@ -64,21 +64,30 @@ class _PipeStream:
         self.q: queue.Queue = queue.Queue(maxsize=PIPE_QUEUE)
         self.stop = threading.Event()
         self.done = False
+        self.error = None  # an OSError reading the command's stdout
         self.thread = threading.Thread(target=self._drain, daemon=True, name="mpips-pipe")
         self.thread.start()
 
     def _drain(self):
+        """Move stdout into the queue; always ends with b"" (EOF, or a read error)."""
         fd = self.proc.stdout.fileno()
-        while not self.stop.is_set():
-            block = os.read(fd, PIPE_BLOCK)
-            while not self.stop.is_set():
-                try:
-                    self.q.put(block, timeout=PUT_POLL_SECONDS)
+        try:
+            while True:
+                block = os.read(fd, PIPE_BLOCK)
+                if not block or not self._put(block):
                     break
-                except queue.Full:
-                    continue
-            if not block:
-                return
+        except OSError as e:  # reported by read() as the command's failure
+            self.error = e
+        self._put(b"")
+
+    def _put(self, block: bytes) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.q.put(block, timeout=PUT_POLL_SECONDS)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def read(self, n: int = -1) -> bytes:
         """The next block of output (any size), b"" at the end; raises PipeError if the
@@ -93,6 +102,9 @@ class _PipeStream:
 
     def _check(self):
         rc = self.proc.wait()
+        if self.error is not None:
+            raise PipeError(f"{self.path}: reading the output of --pipe-command {self.cmd!r} "
+                            f"failed: {self.error}")
         if rc != 0:
             raise PipeError(f"{self.path}: --pipe-command {self.cmd!r} exited with code {rc}"
                             f"{self._last_err()}")
