@@ -38,11 +38,15 @@ def make_schema(cfg) -> Schema:
     return schema
 
 
-def make_reader(cfg, files, batch_size, warn, shuffle=None):
-    """A DataReader of `files`; shuffle=(epoch, worker) shuffles rows with --shuffle."""
+def make_reader(cfg, files, batch_size, warn, shuffle=None, norm=None):
+    """A DataReader of `files` with the run's schema; shuffle=(epoch, worker) shuffles rows
+    with --shuffle; norm=(cont_min, cont_diff) instead of the --stats file's (the values a
+    checkpoint recorded)."""
     cont_min = cont_diff = None
     schema = make_schema(cfg)
-    if cfg.stats:
+    if norm is not None:
+        cont_min, cont_diff = norm
+    elif cfg.stats:
         cont_min, cont_diff = load_stats(cfg.stats, schema.n_dense)
     window, seed = 0, None
     if cfg.shuffle and shuffle is not None:

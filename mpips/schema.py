@@ -195,7 +195,7 @@ class Schema:
         a, b = self.to_dict(), other.to_dict()
         for k in ("pipe_command",):  # how bytes reach the reader does not change the numbers
             a.pop(k), b.pop(k)
-        for k in sorted(set(a) | set(b)):
+        for k in sorted(set(a) | set(b), key=lambda k: (_TOP_KEYS + ("version",)).index(k)):
             if a.get(k) != b.get(k):
                 return f"schema {k}: {_short(a.get(k))} vs {_short(b.get(k))}"
         return ""

@@ -12,21 +12,21 @@ open-addressing table built by ``mpips.data.formats.key_table``: FNV-1a 64 of th
 bytes, ``tab`` of power-of-two size holding key indices (-1 empty), names verified bytewise.
 
 Bad-line reason codes of the bag readers are the ``BAD_*`` below (the detail in brackets;
-``mpips.data.formats.describe_bad`` words them).
+``mpips.data.formats.describe_bad`` words them); 1..9 are ``mpips.data.criteo``'s.
 """
 import numpy as np
 from numba import njit
 
 from mpips.kernels.tsv_parse import FNV1A_OFFSET, FNV1A_PRIME, splitmix64_finalise
 
-BAD_TOKEN = 9  # a token without ':' [token index, 0-based]
-BAD_VALUE = 10  # a value that does not parse [input key index]
-BAD_DENSE_DIM = 11  # a dense slot seen neither 0 nor dim times [key index]
-BAD_NO_LABEL = 12  # the label is missing or given twice [times seen]
-BAD_COLUMNS = 13  # csv: not as many columns as the header [columns found]
-BAD_QUOTE = 14  # csv: a quote that does not close, or text after a closing quote [column]
-BAD_COUNT = 15  # multislot: a count missing, not an integer, or past the line [field index]
-BAD_EXTRA = 16  # multislot: tokens after the last field [tokens left]
+BAD_TOKEN = 10  # a token without ':' [token index, 0-based]
+BAD_VALUE = 11  # a value that does not parse [input key index]
+BAD_DENSE_DIM = 12  # a dense slot seen neither 0 nor dim times [key index]
+BAD_NO_LABEL = 13  # the label is missing or given twice [times seen]
+BAD_COLUMNS = 14  # csv: not as many columns as the header [columns found]
+BAD_QUOTE = 15  # csv: a quote that does not close, or text after a closing quote [column]
+BAD_COUNT = 16  # multislot: a count missing, not an integer, or past the line [field index]
+BAD_EXTRA = 17  # multislot: tokens after the last field [tokens left]
 
 KIND_LABEL = 0  # kinfo[k, 0]: what key k is
 KIND_DENSE = 1  # kinfo[k, 1] = first dense position, kinfo[k, 2] = dim
