@@ -13,6 +13,7 @@ from mpips.data.files import resolve_paths
 from mpips.data.reader import DataReader
 from mpips.data.binary import load_stats
 from mpips.models.ctr_dnn import CTRDNN
+from mpips.schema import Schema, load_schema
 from mpips.server.admission import AdmittedTable
 from mpips.server.dense_table import DenseTable
 from mpips.server.optim import OptimizerConfig
@@ -29,22 +30,32 @@ def resolve_data(cfg):
     return resolve_paths(cfg.train), (resolve_paths(cfg.test) if cfg.test else [])
 
 
+def make_schema(cfg) -> Schema:
+    """The run's schema: ``--schema FILE`` (default Criteo), with ``--pipe-command`` applied."""
+    schema = load_schema(cfg.schema) if getattr(cfg, "schema", "") else Schema.criteo()
+    if getattr(cfg, "pipe_command", ""):
+        schema = dataclasses.replace(schema, pipe_command=cfg.pipe_command)
+    return schema
+
+
 def make_reader(cfg, files, batch_size, warn, shuffle=None, norm=None):
-    """A DataReader of `files`; shuffle=(epoch, worker) shuffles rows with --shuffle;
-    norm=(cont_min, cont_diff) instead of the --stats file's (the values a checkpoint
-    recorded)."""
+    """A DataReader of `files` with the run's schema; shuffle=(epoch, worker) shuffles rows
+    with --shuffle; norm=(cont_min, cont_diff) instead of the --stats file's (the values a
+    checkpoint recorded)."""
     cont_min = cont_diff = None
+    schema = make_schema(cfg)
     if norm is not None:
         cont_min, cont_diff = norm
     elif cfg.stats:
-        cont_min, cont_diff = load_stats(cfg.stats)
+        cont_min, cont_diff = load_stats(cfg.stats, schema.n_dense)
     window, seed = 0, None
     if cfg.shuffle and shuffle is not None:
         window, seed = cfg.shuffle_window, [cfg.seed, *shuffle]
     return DataReader(files, batch_size, fmt=cfg.data_format, strict=cfg.strict,
                       hash_bucket=cfg.hash_bucket, prefetch=cfg.prefetch, warn=warn,
                       cont_min=cont_min, cont_diff=cont_diff, shuffle_window=window,
-                      shuffle_seed=seed, max_bad_fraction=cfg.max_bad_fraction)
+                      shuffle_seed=seed, max_bad_fraction=cfg.max_bad_fraction,
+                      schema=schema)
 
 
 def dense_lr(cfg, n_batches):

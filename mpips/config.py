@@ -19,6 +19,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from mpips.checkpoint.manifest import UNKNOWN, CheckpointError, run_settings, saved_settings
+from mpips.schema import load_schema
 from mpips.server.admission import parse_entry
 
 MODES = ("async", "sync", "geo", "ssp")
@@ -41,6 +42,10 @@ class Config:
     test: str = _f("", "test data, same forms; empty with no --train = the synthetic held-out part")
     data_format: str = _f("auto", "input format: auto (by first line), tsv (Criteo), slot (Paddle "
                                   "slot text)", choices=FORMATS)
+    schema: str = _f("", "feature schema, a TOML file (format, label, dense and sparse inputs; "
+                         "docs/data.md); empty = Criteo's 13 integer + 26 categorical columns")
+    pipe_command: str = _f("", "feed each data file to this shell command and read its stdout "
+                               "in the schema's format (overrides the schema's pipe_command)")
     stats: str = _f("", "normalisation statistics (stats.json from data_prep.criteo); default: "
                         "Paddle's constants for text, a prepared set's own stats for binary parts")
     cache_dir: str = _f("~/.cache/mpips", "where the embedded synthetic dataset is kept")
@@ -161,6 +166,7 @@ class Config:
         if not hidden or min(hidden) < 1:
             raise ValueError(f"--fc needs at least one positive layer size; got {self.fc!r}")
         parse_entry(self.entry)
+        self.check_schema()
         if self.stream and self.train:
             raise ValueError("--stream and --train exclude each other (a stream's passes are "
                              "its training data)")
@@ -184,6 +190,16 @@ class Config:
             raise ValueError("--test without --train: give --train too (or neither for the "
                              "embedded synthetic dataset)")
         return self
+
+    def check_schema(self):
+        """The --schema file loads and fits --data-format (which names the Criteo readers)."""
+        if not self.schema:
+            return
+        schema = load_schema(self.schema)
+        if self.data_format != "auto" and not schema.is_criteo:
+            raise ValueError(f"--data-format {self.data_format} is for the default Criteo "
+                             f"schema; --schema {self.schema} says format = "
+                             f"{schema.format!r} (drop --data-format)")
 
     def to_json(self):
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

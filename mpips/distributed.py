@@ -13,7 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpips import checkpoint as ck
-from mpips.build import make_model, make_reader, make_tables, resolve_data
+from mpips.build import make_model, make_reader, make_schema, make_tables, resolve_data
 from mpips.cluster import Cluster, default_servers
 from mpips.config import SAVE_MODES
 from mpips.data.files import worker_files
@@ -68,6 +68,7 @@ def run_distributed(cfg, comm):
     if comm.rank == first_worker:
         log_line(f"mpips: {comm.size} ranks, {cluster.n_servers} servers x {cluster.n_workers} "
                  f"workers, mode {cfg.mode}, {model.n_params} dense parameters")
+        log_line(make_schema(cfg).describe())
         for line, pid in zip(cluster.role_map(), pids):
             log_line(f"  {line} pid {pid}")
     t0 = time.perf_counter()

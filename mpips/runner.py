@@ -10,10 +10,10 @@ once against that interface, ``mpips.interfaces.Backend``.
 import sys
 import time
 
-import numpy as np
 
 from mpips import checkpoint as ck
 from mpips.build import make_reader
+from mpips.data import bags
 from mpips.data.files import worker_files
 from mpips.data.reader import Batch, DataError
 from mpips.progress import make_progress
@@ -175,9 +175,7 @@ def concat_batches(readers):
         if len(parts) == 1:
             yield parts[0]
         else:
-            yield Batch(np.concatenate([p.dense for p in parts]),
-                        np.concatenate([p.sparse for p in parts]),
-                        np.concatenate([p.label for p in parts]))
+            yield Batch(*bags.concat([(p.dense, p.sparse, p.label, p.offsets) for p in parts]))
 
 
 def run_epochs(cfg, backend, train_files, test_files):

@@ -46,7 +46,7 @@ def _parser(data, slot_format, has_label):
         return lambda buf: slot.parse_slot_bytes(buf, hash_bucket=bucket)
     norm = criteo.make_norm(data["cont_min"], data["cont_diff"])
     return lambda buf: criteo.parse_tsv_bytes(buf, has_label=has_label, hash_bucket=bucket,
-                                              norm=norm)
+                                              norm=norm, pad=True)  # as the reader does
 
 
 def _parse_group(raw, parse, why, index, has_label):

@@ -16,7 +16,7 @@ import traceback
 
 from mpips import checkpoint as ck
 from mpips.backoff import COLLECTIVE, Backoff
-from mpips.build import make_model, make_tables, resolve_data
+from mpips.build import make_model, make_schema, make_tables, resolve_data
 from mpips.cluster import check_servers, default_servers
 from mpips.checkpoint.manifest import chain_manifests
 from mpips.config import check_chain, check_compatible, parse_args
@@ -47,6 +47,7 @@ def run_local(cfg):
         trainer = Trainer(cfg, model, ps, plan, log=log_line, replica=ps.dense)
     log_line(f"mpips local: batch {cfg.local_workers} x {cfg.batch_size}, "
              f"{model.n_params} dense parameters")
+    log_line(make_schema(cfg).describe())
     path = resume_point(cfg)[0]
     if path:
         ck.load_local(path, inner_table(ps.sparse), ps.dense, admission_of(ps.sparse))
