@@ -450,8 +450,8 @@ def test_failing_pipe_command_names_file_code_and_stderr(tmp_path, prefetch):
     schema = load_schema(str(DATA / "multislot_criteo.toml"))
     bad = Schema(**{**schema.__dict__, "pipe_command": f"{sys.executable} {GEN} --fail"})
     rd = DataReader([str(p)], 4, schema=bad, prefetch=prefetch, warn=lambda m: None)
-    with pytest.raises(ValueError, match=rf"part-0.txt: --pipe-command .* exited with code 3: "
-                                         rf"boom: bad input"):
+    with pytest.raises(ValueError, match=r"part-0.txt: --pipe-command .* exited with code 3: "
+                                         r"boom: bad input"):
         list(rd)
 
 

@@ -5,7 +5,6 @@ field mutations).  Out-of-bounds reads in the numba kernel are checked separatel
 re-running a fixed fuzz corpus in a subprocess compiled with NUMBA_BOUNDSCHECK=1.
 """
 import os
-import re
 import subprocess
 import sys
 

@@ -78,7 +78,6 @@ def _multislot_line(buf, pos, finfo, opts, salts, out, scratch, r):
     """Parse the line at ``pos`` into row r: (next_pos, reason, detail, ids collected).
 
     reason 0 = valid, -1 = blank, else BAD_* (detail = field index, or tokens left)."""
-    n = buf.shape[0]
     dense, label, ids, offsets = out
     tmp_slot, tmp_id = scratch[0], scratch[1]
     for j in range(dense.shape[1]):
