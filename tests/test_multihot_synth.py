@@ -139,7 +139,7 @@ def test_deterministic_by_seed(tmp_path):
     kw = dict(rows=300, test_rows=100, parts=2, slots=40)
     a = M.generate(str(tmp_path / "a"), seed=7, **kw)
     b = M.generate(str(tmp_path / "b"), seed=7, **kw)
-    c = M.generate(str(tmp_path / "c"), seed=8, **kw)
+    M.generate(str(tmp_path / "c"), seed=8, **kw)
     for split in ("train", "test"):
         for i in range(2):
             name = f"{split}/part-{i:05d}.txt"
