@@ -94,8 +94,8 @@ class CTRDNN(nn.Module):
             w = None
             if self.mean_slots is not None:            # mixed: mean slots weigh ids 1/len
                 lens = offsets[1:] - offsets[:-1]
-                per_bag = torch.where(self.mean_slots.repeat(n), 1.0 / lens.clamp(min=1), 1.0)
-                w = torch.repeat_interleave(per_bag.float(), lens)
+                inv = 1.0 / lens.clamp(min=1).to(self.emb.weight.dtype)
+                w = torch.repeat_interleave(torch.where(self.mean_slots.repeat(n), inv, 1.0), lens)
             e = self.emb(rows, offsets, per_sample_weights=w)
         return self.mlp(torch.cat([e.reshape(n, self.n_sparse * self.dim), dense], dim=1)).squeeze(1)
 
