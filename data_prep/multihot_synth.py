@@ -61,7 +61,7 @@ from data_prep.criteo_like import _hash_normal, _mix64, _power_rank
 from data_prep.synth import _sigmoid, _split_rows, auc
 
 VERSION = 1
-BLOCK_ROWS = 4096        # rows generated and formatted at a time (~1.8M ids at 450 a row)
+BLOCK_ROWS = 2048        # rows generated and formatted at a time (~0.9M ids at 450 a row)
 CALIB_ROWS = 20_000
 N_PAIRS = 12             # slot pairs of the interaction part
 LATENT = 4               # latent dimension of the interaction part
@@ -140,7 +140,8 @@ class MultiHot:
         self.part_w = np.sqrt([1.0 - interactions - dense_share, interactions, dense_share])
         self.bias = 0.0
         crng = np.random.default_rng([seed, 0xCA11B])
-        parts = self._parts(self.sample(crng, CALIB_ROWS))
+        parts = np.concatenate([self._parts(self.sample(crng, min(BLOCK_ROWS, CALIB_ROWS - i)))
+                                for i in range(0, CALIB_ROWS, BLOCK_ROWS)])  # memory bounded
         sd = parts.std(axis=0)
         self.part_scale = np.where(sd > 0, 1.0 / np.where(sd > 0, sd, 1.0), 0.0)
         raw = parts @ (self.part_scale * self.part_w)
