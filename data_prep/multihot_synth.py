@@ -8,8 +8,8 @@ be set against the best achievable (oracle) AUC.
 
 Shape (per generator, all drawn from ``--seed``):
 
-* ``--slots`` sparse slots named ``"1" .. "S"``.  About half always hold one id; the others
-  are missing on 5-70% of lines.  A slot's bag length is ``1 + min(G, cap - 1)`` with ``G``
+* ``--slots`` sparse slots named ``"1" .. "S"``.  About half of them are on every line; the
+  others are missing on 5-70% of lines.  A slot's bag length is ``1 + min(G, cap - 1)`` with ``G``
   geometric: ~50% of slots are single-valued (cap 1), ~35% short (cap 3-10), ~15% long
   (cap 20-50); the mean extra length of the multi-valued slots is scaled (exactly, in
   closed form) so that a line holds ``--ids-per-example`` ids on average (default 1.5 x S:
@@ -67,6 +67,7 @@ N_PAIRS = 12             # slot pairs of the interaction part
 LATENT = 4               # latent dimension of the interaction part
 DENSE_DECIMALS = 4
 RANK_BITS = 23           # feasign key = slot << RANK_BITS | rank: cards below 2**23
+MAX_SLOTS = 20_000       # slot indices are int16 while sampling
 LABEL_SLOT, DENSE_SLOT = "click", "dense_feature"
 TOKEN_ORDERS = ("feasign:slot", "slot:feasign")
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -85,8 +86,8 @@ class MultiHot:
                  signal=1.6, interactions=0.0, dense_share=0.15, ctr=0.2, pooling="sum",
                  feasign_bits=32):
         ids_per_example = 1.5 * slots if ids_per_example is None else ids_per_example
-        if slots < 2 or slots >= 1 << (64 - RANK_BITS - 1) or dense < 0:
-            raise ValueError(f"need 2 <= slots < 2**40 and dense >= 0; got slots={slots}, "
+        if not 2 <= slots <= MAX_SLOTS or dense < 0:
+            raise ValueError(f"need 2 <= slots <= {MAX_SLOTS} and dense >= 0; got slots={slots}, "
                              f"dense={dense}")
         if not 10 <= max_card < 1 << RANK_BITS:
             raise ValueError(f"need 10 <= max_card < 2**{RANK_BITS}; got {max_card}")
