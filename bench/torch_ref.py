@@ -137,7 +137,7 @@ def build_vocab(train, batch_size, schema=None):
     return np.union1d(vocab, np.concatenate(pending)) if pending else vocab
 
 
-def batches(files, batch_size, hash_bucket, schema=None, test=False):
+def batches(files, batch_size, hash_bucket, schema=None):
     """(label, dense, offsets or None, ids) per batch: mpips's reader, or the slot-text
     fallback for a schema mpips's reader does not take yet."""
     if schema is None or schema.is_criteo:
