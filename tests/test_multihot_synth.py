@@ -105,6 +105,7 @@ def test_text_is_the_generators_arrays(tmp_path, bits, order):
     """Every token read back equals the arrays the generator drew (same seeds, re-drawn)."""
     kw = dict(slots=30, dense=3, feasign_bits=bits, max_card=5000)
     M.generate(str(tmp_path), rows=400, parts=1, seed=5, token_order=order, **kw)
+    assert load_schema(str(tmp_path / "schema.toml")).token_order == order
     model = M.MultiHot(seed=5, **kw)
     rng = np.random.default_rng([5, 1, 0])                        # part 0 of the train split
     s = model.sample(rng, 400)
