@@ -32,7 +32,10 @@ per slot, Paddle slot text), trained as PaddleRec's slot_dnn (dim 9, hidden
 512,256,128,128,128), with the generator's ``schema.toml``.  ``--schema FILE`` (or a
 ``schema.toml`` next to ``--data``'s train/test) is passed to mpips and to the reference,
 which pools each slot's bag with ``nn.EmbeddingBag``.  ``--dim``/``--fc`` override the
-shape's model for both sides.  mpips runs print their PROFILE lines (``--profile``).
+shape's model for both sides.  mpips runs print their PROFILE lines (``--profile``) and,
+from them, where the time goes (``time_goes`` in the JSON): servers' CPU seconds per 1M
+examples, workers' MB sent + received per 1k examples (pulls, pushes and the dense
+exchange), and the workers' mean seconds outside forward/backward (train span - compute).
 """
 import argparse
 import hashlib
@@ -103,6 +106,30 @@ def run_torch(name, flags, wait_policy, data, out, extra):
     rec = [json.loads(x) for x in metrics.read_text().splitlines()][-1]
     rec["wall_seconds"] = wall
     return rec
+
+
+def where_time_goes(rec):
+    """From an mpips run's PROFILE rows: servers' CPU seconds per 1M training examples,
+    workers' MB sent + received (pull and push) per 1k examples, and the workers' mean
+    seconds outside forward/backward (train span minus compute) with its share."""
+    rows = rec.get("profile") or []
+    head = next((r.split() for r in rows if " role " in r), None)
+    if head is None or not rec.get("train_examples"):
+        return {}
+    cols = head[head.index("rank"):]
+    table = [dict(zip(cols, r.split()[len(head) - len(cols):])) for r in rows if r.split() != head]
+    srv = [t for t in table if t.get("role") == "server"]
+    wrk = [t for t in table if t.get("role") == "worker"]
+    if not wrk:
+        return {}
+    n, span = rec["train_examples"], rec.get("train_seconds", 0.0)
+    out = {"server_cpu_s_per_1M": sum(float(t["cpu_s"]) for t in srv) / n * 1e6,
+           "worker_MB_per_1k_examples": sum(float(t["MB_sent"]) + float(t["MB_recv"])
+                                            for t in wrk) / n * 1e3}
+    if span:
+        outside = statistics.mean(span - float(t["compute_s"]) for t in wrk)
+        out.update(worker_outside_fwd_bwd_s=outside, worker_outside_share=outside / span)
+    return out
 
 
 def parse_runs(names, custom):
@@ -225,6 +252,10 @@ def main(argv=None):
                 if a.profile:
                     for pl in rec.get("profile", []):
                         print("    " + pl, flush=True)
+                rec["time_goes"] = where_time_goes(rec)
+                if rec["time_goes"]:
+                    print("    " + ", ".join(f"{k} {v:.3g}" for k, v in rec["time_goes"].items()),
+                          flush=True)
         ref = results[a.ref][rnd] if a.ref in results else None
         print(HEADER)
         for name in runs:
