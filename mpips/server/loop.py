@@ -81,6 +81,7 @@ class Server:
         self.staleness, self.timeout, self.idle_max = staleness, timeout, idle_max
         self.idle_timeout = timeout if idle_timeout is None else idle_timeout
         self.recv_buf = np.empty(1 << 20, dtype=np.uint8)
+        self.max_request = MAX_REQUEST_BYTES    # larger requests are discarded unread
         self.sends = []                 # (request, buffer) until complete
         self.finished = set()
         self.stats = {"requests": 0, "busy_s": 0.0, "bytes_in": 0, "bytes_out": 0}
@@ -143,13 +144,13 @@ class Server:
         self.last_request = time.monotonic()
         if source in self.last_seen:
             self.last_seen[source] = self.last_request
-        if nbytes > MAX_REQUEST_BYTES:              # not even received
+        if nbytes > self.max_request:               # not even received
             discard(msg)
             self._reject(ProtocolError(f"request from rank {source}: {nbytes} bytes, over the "
-                                       f"largest request ({MAX_REQUEST_BYTES} bytes)"), source)
+                                       f"largest request ({self.max_request} bytes)"), source)
             return
         if nbytes > len(self.recv_buf):
-            self.recv_buf = np.empty(min(max(nbytes, 2 * len(self.recv_buf)), MAX_REQUEST_BYTES),
+            self.recv_buf = np.empty(min(max(nbytes, 2 * len(self.recv_buf)), self.max_request),
                                      dtype=np.uint8)
         msg.Recv([self.recv_buf, nbytes, MPI.BYTE])
         try:
@@ -176,8 +177,8 @@ class Server:
             return True
         self.duplicates += 1
         self._line(self.duplicates, f"dropped a duplicate request from rank {source}: "
-                   f"{req.op.name} id {req.req_id} (its last request id was {last}); served "
-                   "once")
+                   f"{req.op.name} with request id {req.req_id}, not above its last ({last}); "
+                   "each request is served once")
         return False
 
     # ---- validation: a bad request is dropped before it touches a table

@@ -90,7 +90,7 @@ def state_violation(opt, state):
             continue
         lo, hi = float(arr.min()), float(arr.max())     # NaN propagates through min/max
         if not (np.isfinite(lo) and np.isfinite(hi)):
-            return f"{opt.name} state '{name}' has non-finite values (NaN or inf)"
+            return f"{opt.name} '{name}' has non-finite values (NaN or inf)"
         low, high = _STATE_BOUNDS.get(name, (None, None))
         if low is not None and lo < low:
             return f"{opt.name} state '{name}' must be >= {low:g}; got min {lo:g}"
