@@ -19,9 +19,11 @@ An idle server sleeps with exponential back-off (``mpips.backoff.IDLE``) instead
 spinning, so that on an oversubscribed node the workers get the cores.
 
 Failure handling (see docs/reliability.md):
-- every message is probed before it is received: requests (``TAG_REQUEST``) up to
-  ``MAX_REQUEST_BYTES``, status requests (``TAG_DUMP``) of one int64; anything else, or
-  larger, is discarded unread with a line naming the sender;
+- every message is probed (any tag) before it is received: requests (``TAG_REQUEST``)
+  up to ``MAX_REQUEST_BYTES``, status requests (``TAG_DUMP``) of one int64; larger ones,
+  and messages on any other tag, are discarded unread with a line naming the sender;
+- silence is measured while the server listens: time spent on one request (a save, a
+  first kernel load) does not count against the workers;
 - every request is validated (header by ``decode``, then against this server's tables,
   ids and phase); a malformed one is logged naming the sender, counted, dropped and, when
   the sender is a worker, answered on ``TAG_ERROR`` with that line (the worker fails with
@@ -99,6 +101,8 @@ class Server:
         self.keepalive_at = now         # last BARRIER_KEEPALIVE round
         self.watch = WATCH.bind(comm, label)
         self._new_phase()
+        if self.shard[1] > 1:       # load the ownership kernel now, not in a first request
+            owners(np.zeros(1, np.int64), self.shard[1])
 
     def _new_phase(self):
         self.active = set(self.workers)     # workers that have not reached the barrier
@@ -127,7 +131,7 @@ class Server:
                 self.watch.poll()
                 backoff.sleep()
                 continue
-            tag = status.Get_tag()
+            t0, tag = time.monotonic(), status.Get_tag()
             if tag == TAG_REQUEST:
                 self._receive(msg, status)
             elif tag == TAG_DUMP:
@@ -135,8 +139,19 @@ class Server:
             else:
                 self.watch.ignore(msg, status, "a server takes requests and status requests "
                                   "only")
+            if time.monotonic() - t0 > CHECK_EVERY:     # deaf meanwhile (a save, a first
+                self._excuse(time.monotonic() - t0)     # kernel load): listen again first
+                next_check = time.monotonic() + CHECK_EVERY
             backoff.reset()
         self._drain_sends()
+
+    def _excuse(self, seconds):
+        """Silence is measured while this server listens: the `seconds` it just spent on
+        one request (unable to receive) do not count against any worker."""
+        now = time.monotonic()
+        for w in self.last_seen:
+            self.last_seen[w] = min(self.last_seen[w] + seconds, now)
+        self.last_request = min(self.last_request + seconds, now)
 
     def _receive(self, msg, status):
         t0 = time.perf_counter()
