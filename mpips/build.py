@@ -29,10 +29,14 @@ def resolve_data(cfg):
     return resolve_paths(cfg.train), (resolve_paths(cfg.test) if cfg.test else [])
 
 
-def make_reader(cfg, files, batch_size, warn, shuffle=None):
-    """A DataReader of `files`; shuffle=(epoch, worker) shuffles rows with --shuffle."""
+def make_reader(cfg, files, batch_size, warn, shuffle=None, norm=None):
+    """A DataReader of `files`; shuffle=(epoch, worker) shuffles rows with --shuffle;
+    norm=(cont_min, cont_diff) instead of the --stats file's (the values a checkpoint
+    recorded)."""
     cont_min = cont_diff = None
-    if cfg.stats:
+    if norm is not None:
+        cont_min, cont_diff = norm
+    elif cfg.stats:
         cont_min, cont_diff = load_stats(cfg.stats)
     window, seed = 0, None
     if cfg.shuffle and shuffle is not None:

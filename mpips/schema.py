@@ -1,0 +1,330 @@
+"""The feature schema: which inputs a line has, made once and passed everywhere.
+
+A schema names the label, the dense features and the sparse slots of an example, the
+text format they are read from, and how each slot's bag of ids is pooled.  It is made once
+(``Schema.criteo()`` by default, or ``load_schema(path)`` from ``--schema FILE``), stored in
+every checkpoint and serving bundle (``to_dict`` / ``from_dict``), and compared at resume,
+infer and export (``diff``).  Nothing else in mpips hard-codes 13 dense or 26 sparse inputs:
+they come from ``schema.n_dense`` and ``schema.n_sparse``.
+
+TOML keys (``--schema FILE``)::
+
+    format = "csv"                # criteo | csv | slot | multislot
+    delimiter = ","               # csv: field separator ("\\t" for TSV)
+    header = true                 # csv: the first line names the columns
+    token_order = "slot:feasign"  # slot: or "feasign:slot" (PaddleRec slot_dnn data)
+    label = "click"               # the column or slot holding 0/1 ("" = no label)
+    fields = []                   # multislot: every input in line order, label included
+    raw_ids = false               # slot/multislot: keep integer feasigns as they are (one
+                                  # id space for all slots, as Paddle's single table)
+    pipe_command = ""             # feed each data file to this command, read its stdout
+
+    [[dense]]
+    names = ["I1", "I2"]          # columns (criteo/csv) or slots (slot/multislot)
+    dim = 1                       # slot/multislot: values in each slot
+    fill = 0.0                    # value of an empty field / missing slot
+    norm = "minmax"               # minmax | log1p | none
+
+    [[sparse]]
+    names = ["site_id", "app_id"] # one slot per name; the options apply to each
+    separator = "|"               # csv: several values in one column ("" = one value)
+    max_len = 0                   # keep the first N ids of a bag (0 = all)
+    pooling = "sum"               # sum | mean
+
+Ids.  A slot is known by its name, so reordering the schema's entries changes no id:
+text values are hashed from (slot seed, raw bytes), integer feasigns of slot/multislot
+files are mixed with the slot's salt.  ``hash_seed`` and ``feasign_salt`` are chosen so that
+Criteo's names keep today's ids exactly: ``C1..C26`` hash as slot byte 0..25 (see
+``mpips.kernels.tsv_parse``) and the slot-format slots ``1..26`` (and Criteo's ``C1..C26``
+when read from slot files) mix with salt 1..26 (see ``mpips.data.slot``).
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+FORMATS = ("criteo", "csv", "slot", "multislot")
+NORMS = ("minmax", "log1p", "none")
+POOLINGS = ("sum", "mean")  # index = the pooling code the kernels take
+TOKEN_ORDERS = ("slot:feasign", "feasign:slot")
+SCHEMA_VERSION = 1
+
+_MASK64 = (1 << 64) - 1
+_FNV_OFFSET = 0xCBF29CE484222325
+_FNV_PRIME = 0x100000001B3
+_CRITEO_SLOT = re.compile(r"C([1-9]|1[0-9]|2[0-6])")
+_TOP_KEYS = ("format", "delimiter", "header", "token_order", "label", "fields", "raw_ids",
+             "pipe_command", "dense", "sparse")
+
+
+class SchemaError(ValueError):
+    """A schema that cannot be used; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class DenseGroup:
+    """Dense inputs sharing options: ``len(names) * dim`` values of the dense vector."""
+
+    names: tuple  # column names (criteo/csv) or slot names (slot/multislot)
+    dim: int = 1  # values per name (slot/multislot; 1 for columns)
+    fill: float = 0.0  # value of an empty field or a missing slot
+    norm: str = "minmax"  # minmax | log1p | none
+
+
+@dataclass(frozen=True)
+class SparseGroup:
+    """Sparse slots sharing options; each name is one slot holding a bag of ids."""
+
+    names: tuple
+    separator: str = ""  # csv: values in one column are split on this ("" = one value)
+    max_len: int = 0  # keep the first N ids of a bag (0 = all); truncations are counted
+    pooling: str = "sum"  # sum | mean
+
+
+@dataclass(frozen=True)
+class Schema:
+    """A whole example layout.  Frozen: share it freely."""
+
+    format: str = "criteo"
+    dense: tuple = ()  # DenseGroup, in dense-vector order
+    sparse: tuple = ()  # SparseGroup, in slot order
+    label: str = "label"
+    delimiter: str = "\t"
+    header: bool = False
+    token_order: str = "slot:feasign"
+    fields: tuple = ()  # multislot: every input in line order
+    raw_ids: bool = False
+    pipe_command: str = ""
+
+    # --- the Criteo default ------------------------------------------------------------
+    @staticmethod
+    def criteo() -> "Schema":
+        """13 integer columns I1..I13 (min-max with Paddle's constants) + 26 one-hot C1..C26."""
+        return Schema(format="criteo",
+                      dense=(DenseGroup(tuple(f"I{k}" for k in range(1, 14))),),
+                      sparse=(SparseGroup(tuple(f"C{k}" for k in range(1, 27))),),
+                      label="label")
+
+    @property
+    def is_criteo(self) -> bool:
+        """True for the default Criteo layout (today's readers, ids and fast paths apply)."""
+        return self == Schema.criteo()
+
+    # --- sizes and per-input arrays ---------------------------------------------------
+    @property
+    def dense_names(self) -> tuple:
+        return tuple(n for g in self.dense for n in g.names)
+
+    @property
+    def sparse_names(self) -> tuple:
+        return tuple(n for g in self.sparse for n in g.names)
+
+    @property
+    def n_dense(self) -> int:
+        """Width D of the dense vector."""
+        return sum(len(g.names) * g.dim for g in self.dense)
+
+    @property
+    def n_sparse(self) -> int:
+        """Number S of sparse slots."""
+        return sum(len(g.names) for g in self.sparse)
+
+    @property
+    def one_hot(self) -> bool:
+        """Every slot holds exactly one id (batches may use the (n, S) fast path)."""
+        return self.format == "criteo"  # a Criteo column holds one value; empty is a value
+
+    def slot_options(self, what: str) -> list:
+        """Per slot, in slot order: ``what`` of its group (``pooling``, ``max_len``, ``separator``)."""
+        return [getattr(g, what) for g in self.sparse for _ in g.names]
+
+    def pooling_codes(self) -> list:
+        """Per slot: 0 = sum, 1 = mean (the codes the pooling kernels take)."""
+        return [POOLINGS.index(p) for p in self.slot_options("pooling")]
+
+    def dense_options(self, what: str) -> list:
+        """Per dense value (length n_dense): ``fill`` or ``norm`` of its group."""
+        return [getattr(g, what) for g in self.dense for _ in range(len(g.names) * g.dim)]
+
+    def hash_seeds(self) -> list:
+        """Per slot: the uint64 FNV state that raw bytes of that slot are hashed from."""
+        return [hash_seed(n) for n in self.sparse_names]
+
+    def feasign_salts(self) -> list:
+        """Per slot: the salt integer feasigns of that slot are mixed with."""
+        return [feasign_salt(n) for n in self.sparse_names]
+
+    # --- storage and comparison -------------------------------------------------------
+    def to_dict(self) -> dict:
+        """Plain JSON-able dict (stored in checkpoints and bundles)."""
+        d = asdict(self)
+        d["version"] = SCHEMA_VERSION
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @staticmethod
+    def from_dict(d: dict | None) -> "Schema":
+        """Inverse of ``to_dict``; ``None`` (a file written before schemas) is Criteo."""
+        if d is None:
+            return Schema.criteo()
+        d = dict(d)
+        d.pop("version", None)
+        return _build(d, "stored schema")
+
+    def describe(self) -> str:
+        """One line for the start of a run: format, label, dense and sparse inputs."""
+        sp = self.slot_options("pooling")
+        n_mean = sum(p == "mean" for p in sp)
+        kind = "one-hot" if self.one_hot else f"bags ({n_mean} mean, {len(sp) - n_mean} sum)"
+        return (f"schema: format {self.format}, label {self.label or '(none)'}, "
+                f"{self.n_dense} dense, {self.n_sparse} sparse slots {kind}"
+                + (f", pipe_command {self.pipe_command!r}" if self.pipe_command else ""))
+
+    def diff(self, other: "Schema") -> str:
+        """'' when equal in everything that changes stored numbers, else the first difference."""
+        a, b = self.to_dict(), other.to_dict()
+        for k in ("pipe_command",):  # how bytes reach the reader does not change the numbers
+            a.pop(k), b.pop(k)
+        for k in sorted(set(a) | set(b), key=lambda k: (_TOP_KEYS + ("version",)).index(k)):
+            if a.get(k) != b.get(k):
+                return f"schema {k}: {_short(a.get(k))} vs {_short(b.get(k))}"
+        return ""
+
+
+def _short(v, width=120):
+    s = json.dumps(v)
+    return s if len(s) <= width else s[:width - 3] + "..."
+
+
+# --- ids ------------------------------------------------------------------------------
+def hash_seed(name: str) -> int:
+    """uint64 FNV-1a state after the slot prefix: Criteo ``C<k>`` is the byte k-1 (today's ids)."""
+    m = _CRITEO_SLOT.fullmatch(name)
+    if m:
+        return ((_FNV_OFFSET ^ (int(m.group(1)) - 1)) * _FNV_PRIME) & _MASK64
+    h = _FNV_OFFSET
+    for b in b"\xff" + name.encode() + b"\x00":  # 0xff never starts a Criteo prefix
+        h = ((h ^ b) * _FNV_PRIME) & _MASK64
+    return h
+
+
+def feasign_salt(name: str) -> int:
+    """Salt of integer feasigns: slot ``k`` (a decimal name) or Criteo ``C<k>`` is k."""
+    m = _CRITEO_SLOT.fullmatch(name)
+    if m:
+        return int(m.group(1))
+    if re.fullmatch(r"[0-9]+", name) and int(name) < (1 << 63):
+        return int(name)
+    return hash_seed(name) | (1 << 63)  # named slots: a salt no decimal name below 2**63 has
+
+
+# --- loading ----------------------------------------------------------------------------
+def load_schema(path: str) -> Schema:
+    """Read a TOML schema file; errors name the file and the fix."""
+    try:
+        with open(path, "rb") as f:
+            d = tomllib.load(f)
+    except OSError as e:
+        raise SchemaError(f"cannot read schema file {path}: {e.strerror or e}")
+    except tomllib.TOMLDecodeError as e:
+        raise SchemaError(f"schema file {path} is not valid TOML: {e}")
+    return _build(d, f"schema file {path}")
+
+
+def _suggest(key, known):
+    near = difflib.get_close_matches(key, known, n=1)
+    return f" (did you mean {near[0]!r}?)" if near else f" (known keys: {', '.join(known)})"
+
+
+def _group(raw, cls, where, i):
+    if not isinstance(raw, dict):
+        raise SchemaError(f"{where}: each [[{cls.__name__}]] entry must be a table")
+    known = tuple(f.name for f in cls.__dataclass_fields__.values())
+    for k in raw:
+        if k not in known:
+            raise SchemaError(f"{where}: unknown key {k!r} in entry {i + 1}{_suggest(k, known)}")
+    names = raw.get("names")
+    if isinstance(names, str):
+        names = [names]
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise SchemaError(f"{where}: entry {i + 1} needs names = [\"...\", ...] (non-empty strings)")
+    return cls(**{**raw, "names": tuple(names)})
+
+
+def _build(d: dict, where: str) -> Schema:
+    for k in d:
+        if k not in _TOP_KEYS:
+            raise SchemaError(f"{where}: unknown key {k!r}{_suggest(k, _TOP_KEYS)}")
+    dense = tuple(_group(g, DenseGroup, where, i) for i, g in enumerate(d.get("dense", [])))
+    sparse = tuple(_group(g, SparseGroup, where, i) for i, g in enumerate(d.get("sparse", [])))
+    fmt = d.get("format", "criteo")
+    defaults = {"delimiter": "\t" if fmt == "criteo" else ",", "header": fmt == "csv",
+                "label": "label" if fmt == "criteo" else "click"}
+    s = Schema(format=fmt, dense=dense, sparse=sparse,
+               label=d.get("label", defaults["label"]),
+               delimiter=d.get("delimiter", defaults["delimiter"]),
+               header=bool(d.get("header", defaults["header"])),
+               token_order=d.get("token_order", "slot:feasign"),
+               fields=tuple(d.get("fields", ())), raw_ids=bool(d.get("raw_ids", False)),
+               pipe_command=d.get("pipe_command", ""))
+    validate(s, where)
+    return s
+
+
+def validate(s: Schema, where: str = "schema") -> None:
+    """Raise SchemaError naming the first impossible setting and its fix."""
+    def bad(msg):
+        raise SchemaError(f"{where}: {msg}")
+    if s.format not in FORMATS:
+        bad(f"format {s.format!r} is not one of {', '.join(FORMATS)}")
+    if s.token_order not in TOKEN_ORDERS:
+        bad(f"token_order {s.token_order!r} is not one of {', '.join(TOKEN_ORDERS)}")
+    if len(s.delimiter) != 1 or s.delimiter in "\r\n\"":
+        bad(f"delimiter must be one character other than CR, LF and '\"'; got {s.delimiter!r}")
+    if not s.sparse and not s.dense:
+        bad("declares no inputs: add [[dense]] and/or [[sparse]] entries")
+    names = [s.label] if s.label else []
+    names += list(s.dense_names) + list(s.sparse_names)
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        bad(f"input name(s) {dup} declared more than once (label, dense and sparse names are one namespace)")
+    for g in s.dense:
+        if g.norm not in NORMS:
+            bad(f"dense norm {g.norm!r} is not one of {', '.join(NORMS)}")
+        if not isinstance(g.dim, int) or g.dim < 1:
+            bad(f"dense dim must be an integer >= 1; got {g.dim!r}")
+        if g.dim != 1 and s.format in ("criteo", "csv"):
+            bad(f"dense dim {g.dim} needs a slot or multislot format (a {s.format} column holds one value)")
+        if not isinstance(g.fill, (int, float)) or g.fill != g.fill or abs(g.fill) == float("inf"):
+            bad(f"dense fill must be a finite number; got {g.fill!r}")
+    for g in s.sparse:
+        if g.pooling not in POOLINGS:
+            bad(f"sparse pooling {g.pooling!r} is not one of {', '.join(POOLINGS)}")
+        if not isinstance(g.max_len, int) or g.max_len < 0:
+            bad(f"sparse max_len must be an integer >= 0 (0 = keep all); got {g.max_len!r}")
+        if g.separator and s.format != "csv":
+            bad(f"sparse separator is for csv columns; {s.format} bags come from repeated slots or counts")
+        if len(g.separator) > 1 or g.separator == s.delimiter:
+            bad(f"sparse separator must be one character other than the delimiter; got {g.separator!r}")
+    if s.format == "multislot":
+        if not s.fields:
+            bad("multislot needs fields = [...]: every input in line order, label included")
+        missing = [n for n in names if n not in s.fields]
+        if missing:
+            bad(f"multislot fields do not list {missing}: add them in line order")
+    elif s.fields:
+        bad("fields is for the multislot format only")
+    if s.raw_ids and s.format not in ("slot", "multislot"):
+        bad("raw_ids keeps integer feasigns; it needs the slot or multislot format")
+    if s.format == "criteo" and s.label not in ("label", ""):
+        bad("the criteo format's label is its first column: label = \"label\" (or \"\" for none)")
