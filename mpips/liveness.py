@@ -37,7 +37,10 @@ class RequestRefused(RuntimeError):
 
 
 def err_line(text):
-    print(text, file=sys.stderr, flush=True)
+    """Print one line to stderr in one write, so that lines of ranks sharing the
+    launcher's stream do not run into each other."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 def discard(msg):
