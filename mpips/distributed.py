@@ -94,7 +94,8 @@ def serve(cfg, cluster, model, bounds):
         ck.load_shard_into(path, inner_table(sparse), dense, i, S, bounds, admission_of(sparse))
     server = Server(cluster.comm, cluster.worker_ranks, sparse, dense, cfg.mode, cfg.staleness,
                     cfg.peer_timeout, cfg.idle_sleep, label=f"server {i}",
-                    idle_timeout=cfg.peer_timeout + cfg.stream_timeout)   # workers may poll
+                    idle_timeout=cfg.peer_timeout + cfg.stream_timeout,   # workers may poll
+                    shard=(i, S))
     if cfg.save_dir:
         server.on_save, server.save_check = ck.server_save_hooks(
             cfg.save_dir, i, S, inner_table(sparse), dense, bounds[i], admission_of(sparse))
@@ -293,6 +294,7 @@ class DistBackend:
                "admitted_total": int(srv["admitted"].sum()),
                "ids_waiting": int(srv["waiting"].sum()),
                "requests_rejected": int(srv["rejected"].sum()),
+               "requests_duplicate": int(srv["duplicates"].sum()),
                "replies_in_flight": int(srv["replies_in_flight"].sum())}
         if self.cfg.mode == "ssp":
             out["ssp_max_lead"] = int(srv["ssp_max_lead"].max())
