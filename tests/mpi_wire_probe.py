@@ -464,6 +464,8 @@ def expect_replies(link, server, buf, out, got):
         want = [(TAG_CONTROL, 8)]
     elif op == Op.SAVE:
         want = [(TAG_CONTROL, len(got[0][1]) if got else -1)]
+    elif op == Op.DENSE_GET:    # the server's dense slice with its optimizer state (packed)
+        want = [(TAG_REPLY_DENSE, len(got[0][1]) if got and len(got[0][1]) >= 4 * DENSE else -1)]
     else:
         want = []
     check(link.failures, [(t, len(b)) for t, b in got] == want,
