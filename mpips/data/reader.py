@@ -44,9 +44,11 @@ EXAMPLES_KEPT = 5  # bad-line examples kept per file in stats
 class Batch:
     """One mini-batch."""
 
-    dense: np.ndarray  # (n, 13) float32, normalised
-    sparse: np.ndarray  # (n, 26) int64 feature ids
+    dense: np.ndarray  # (n, D) float32, normalised
+    sparse: np.ndarray  # int64 ids: (n, S) one per slot if offsets is None, else (nnz,) bags
     label: np.ndarray  # (n,) float32, 0/1 (0 without a label column)
+    offsets: np.ndarray = None  # None (one-hot) or (n*S + 1,) int64: bag (i, s) is
+    #                             sparse[offsets[i*S + s]:offsets[i*S + s + 1]], example-major
 
     def __len__(self) -> int:
         return int(self.label.shape[0])
