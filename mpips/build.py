@@ -1,7 +1,7 @@
 """Factories: what a run is made of, built from the config.
 
 ``resolve_data`` (the file lists), ``make_reader`` (a DataReader with the config's data
-settings), ``make_model`` (the CTR-DNN) and ``make_tables`` (a sparse table, behind an
+settings), ``schema_of`` (the feature schema), ``make_model`` (the CTR-DNN over it) and ``make_tables`` (a sparse table, behind an
 admission filter when ``--entry`` is set, and a dense slice).  Local runs, servers,
 workers and ``mpips.infer`` build their parts here.
 """
@@ -13,6 +13,7 @@ from mpips.data.files import resolve_paths
 from mpips.data.reader import DataReader
 from mpips.data.binary import load_stats
 from mpips.models.ctr_dnn import CTRDNN
+from mpips.schema import Schema, load_schema
 from mpips.server.admission import AdmittedTable
 from mpips.server.dense_table import DenseTable
 from mpips.server.optim import OptimizerConfig
@@ -66,5 +67,12 @@ def make_tables(cfg, model, lo=0, hi=None, dense_batches=1):
     return sparse, dense
 
 
-def make_model(cfg):
-    return CTRDNN(dim=cfg.embedding_dim, hidden=cfg.hidden)
+def schema_of(cfg):
+    """The run's feature schema: ``--schema FILE``, or Criteo's by default."""
+    path = getattr(cfg, "schema", "")
+    return load_schema(path) if path else Schema.criteo()
+
+
+def make_model(cfg, schema=None):
+    """The CTR-DNN over the schema's inputs (default: the config's schema)."""
+    return CTRDNN.for_schema(schema or schema_of(cfg), cfg.embedding_dim, cfg.hidden)

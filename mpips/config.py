@@ -41,6 +41,7 @@ class Config:
                                   "slot text)", choices=FORMATS)
     stats: str = _f("", "normalisation statistics (stats.json from data_prep.criteo); default: "
                         "Paddle's constants for text, a prepared set's own stats for binary parts")
+    schema: str = _f("", "feature schema TOML (default: Criteo's 13 integer + 26 categorical columns)")
     cache_dir: str = _f("~/.cache/mpips", "where the embedded synthetic dataset is kept")
     synth_rows: int = _f(300_000, "rows of the embedded synthetic training set")
     synth_test_rows: int = _f(60_000, "rows of the embedded synthetic test set")

@@ -13,7 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpips import checkpoint as ck
-from mpips.build import make_model, make_reader, make_tables, resolve_data
+from mpips.build import make_model, make_reader, make_tables, resolve_data, schema_of
 from mpips.cluster import Cluster, default_servers
 from mpips.config import SAVE_MODES
 from mpips.data.files import worker_files
@@ -61,12 +61,14 @@ def run_distributed(cfg, comm):
         resolve_data(cfg)
     pids = np.empty(comm.size, np.int64)    # in the role map: to match a launcher's PID
     wait_collective(comm.Iallgather(np.array([os.getpid()], np.int64), pids))
-    model = make_model(cfg)
+    schema = schema_of(cfg)
+    model = make_model(cfg, schema)
     bounds = dense_bounds(model.n_params, cluster.n_servers)
     first_worker = cluster.worker_ranks[0]
     if comm.rank == first_worker:
         log_line(f"mpips: {comm.size} ranks, {cluster.n_servers} servers x {cluster.n_workers} "
                  f"workers, mode {cfg.mode}, {model.n_params} dense parameters")
+        log_line(f"mpips {schema.describe()}")
         for line, pid in zip(cluster.role_map(), pids):
             log_line(f"  {line} pid {pid}")
     if cluster.is_server:
@@ -145,6 +147,7 @@ class DistBackend:
         self.lineage = ck.Lineage(cfg.save_dir, loaded) if cfg.save_dir and wi == 0 else None
         self.warned = False         # told the user this worker has no files
         self.fetched = False        # the dense replica holds the servers' values
+        self.schema = schema_of(cfg)
 
     def _replica_ready(self):
         """At first use, start the dense replica from the servers' dense slices: the seed's
@@ -261,7 +264,7 @@ class DistBackend:
             self.client.dense_put(self.trainer.replica)
         infos = [json.loads(b) for b in self.client.save(seq, SAVE_MODES.index(mode), step)]
         ck.write_manifest(path, {"shards": infos, "config": self.cfg.to_json(), "meta": meta,
-                                 "parent": parent})
+                                 "parent": parent, "schema": self.schema.to_dict()})
         self.lineage.saved(path, mode)
         log_line(f"SAVE --> {path} ({mode}, {sum(x['rows'] for x in infos)} rows)")
         return path

@@ -43,11 +43,12 @@ import numpy as np
 
 from mpips.backoff import COLLECTIVE, Backoff
 from mpips.build import make_reader
-from mpips.bundle import Snapshot, bundle_info
-from mpips.checkpoint import resolve
+from mpips.bundle import Snapshot, bundle_info, schema_of_manifest
+from mpips.checkpoint import read_manifest, resolve
 from mpips.config import Config
 from mpips.data.files import resolve_paths, split_files
 from mpips.metrics import BinaryMetrics
+from mpips.schema import check_same, load_schema, stored_schema
 from mpips.scoring import ServingModel, hash_slots
 from mpips.server.sparse_table import slots_for
 
@@ -68,7 +69,17 @@ def build_parser():
                    "batches (0 = the stored print_every)")
     p.add_argument("--table-per-rank", action="store_true", help="every rank loads its own "
                    "copy of the table (default: one copy per node, in MPI shared memory)")
+    p.add_argument("--schema", default="", help="feature schema TOML the data is in; it must "
+                   "be the checkpoint's (default: the schema stored in the checkpoint)")
     return p
+
+
+def check_schema(args):
+    """With --schema: fail (one line) unless it is the schema stored in the checkpoint."""
+    if args.schema:
+        path = resolve(args.model)
+        check_same(stored_schema(read_manifest(path)), load_schema(args.schema),
+                   f"checkpoint {path}")
 
 
 def config_from_manifest(manifest):
@@ -171,7 +182,11 @@ def _carve(mem, layout):
 
 def warm_up(model):
     """Score one row: the kernels' first calls (numba) count as loading, not scoring."""
-    model.predict(np.zeros((1, model.n_dense), np.float32), np.zeros((1, model.n_sparse), np.int64))
+    dense = np.zeros((1, model.n_dense), np.float32)
+    model.predict(dense, np.zeros((1, model.n_sparse), np.int64))
+    if not model.schema.one_hot:
+        model.predict(dense, np.zeros(1, np.int64),
+                      offsets=np.minimum(np.arange(model.n_sparse + 1), 1))
 
 
 def load_model(path, group, say, share=True):
@@ -194,7 +209,7 @@ def load_model(path, group, say, share=True):
     else:                          # meanwhile, the first kernel calls on an empty model
         warm_up(ServingModel(np.empty(0, np.int64), np.empty((0, snap.dim), np.float32),
                              np.zeros(info["model"]["n_params"], np.float32), info["model"],
-                             info["data"]))
+                             info["data"], schema=schema_of_manifest(info)))
     group._wait(node.Ibcast(sizes, root=0))
     n, n_slots, n_params = (int(x) for x in sizes)
     layout = [("keys", np.int64, (n,)), ("values", np.float32, (n, snap.dim)),
@@ -210,7 +225,8 @@ def load_model(path, group, say, share=True):
         hash_slots(views["keys"], views["slots"])
     group.barrier(node)
     model = ServingModel(views["keys"], views["values"], views["params"], info["model"],
-                         info["data"], info["checkpoint"], slots=views["slots"])
+                         info["data"], info["checkpoint"], slots=views["slots"],
+                         schema=schema_of_manifest(info))
     return snap, model, (win, node)
 
 
@@ -224,7 +240,8 @@ def score_files(cfg, model, files, batch_size, sink, on_batch):
     for path in files:
         with contextlib.closing(make_reader(cfg, [path], batch_size, on_batch.warn)) as reader:
             for batch in reader:
-                probs = model.predict(batch.dense, batch.sparse)          # (B,)
+                probs = model.predict(batch.dense, batch.sparse,          # (B,)
+                                      offsets=batch.offsets)
                 m.update(probs, batch.label)
                 if sink is not None:
                     sink.write(("%.7g\n" * len(probs)) % tuple(probs.tolist()))
@@ -269,6 +286,7 @@ def run(args, log=print, comm=None):
     say = log if group.rank == 0 else (lambda s: None)
     t0 = time.perf_counter()
     files = group.agree(lambda: (resolve(args.model, say), resolve_paths(args.data))[1])
+    group.agree(lambda: check_schema(args))
     snap, model, shared = load_model(args.model, group, say, not args.table_per_rank)
     warm_up(model)
     cfg = config_from_manifest(snap.manifest)

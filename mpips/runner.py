@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from mpips import checkpoint as ck
-from mpips.build import make_reader
+from mpips.build import make_reader, schema_of
 from mpips.data.files import worker_files
 from mpips.data.reader import Batch, DataError
 from mpips.progress import make_progress
@@ -76,6 +76,7 @@ class LocalBackend:
     def __init__(self, cfg, trainer, ps, loaded=None):
         self.cfg, self.trainer, self.ps = cfg, trainer, ps
         self.lineage = ck.Lineage(cfg.save_dir, loaded) if cfg.save_dir else None
+        self.schema = schema_of(cfg)
 
     def train(self, files, epoch, skip=0, label=None, lag=None):
         cfg = self.cfg
@@ -111,7 +112,8 @@ class LocalBackend:
         mode = self.lineage.mode(mode)
         path = ck.save_local(self.cfg.save_dir, inner_table(self.ps.sparse), self.ps.dense, mode,
                              self.cfg.to_json(), meta, admission_of(self.ps.sparse),
-                             self.lineage.parent if mode == "delta" else None)
+                             self.lineage.parent if mode == "delta" else None,
+                             self.schema.to_dict())
         self.lineage.saved(path, mode)
         log_line(f"SAVE --> {path} ({mode}, {len(self.ps.sparse)} rows)")
         return path
@@ -161,12 +163,21 @@ def concat_batches(readers):
     """Zip W readers into batches of W x B (the grouping GEO's local run uses), closing them
     after."""
     for parts in zip_batches(readers):
-        if len(parts) == 1:
-            yield parts[0]
-        else:
-            yield Batch(np.concatenate([p.dense for p in parts]),
-                        np.concatenate([p.sparse for p in parts]),
-                        np.concatenate([p.label for p in parts]))
+        yield parts[0] if len(parts) == 1 else concat(parts)
+
+
+def concat(parts):
+    """One Batch of the rows of ``parts`` in order (CSR bags: ids appended, offsets shifted)."""
+    dense, sparse, label = (np.concatenate([getattr(p, k) for p in parts])
+                            for k in ("dense", "sparse", "label"))
+    if all(p.offsets is None for p in parts):
+        return Batch(dense, sparse, label)
+    if any(p.offsets is None for p in parts):
+        raise ValueError("cannot join one-hot and multi-hot batches")
+    shift = np.cumsum([0] + [len(p.sparse) for p in parts[:-1]])
+    offsets = np.concatenate([parts[0].offsets[:1]] + [p.offsets[1:] + d
+                                                        for p, d in zip(parts, shift)])
+    return Batch(dense, sparse, label, offsets)
 
 
 def run_epochs(cfg, backend, train_files, test_files):

@@ -201,6 +201,21 @@ class Schema:
         return ""
 
 
+def stored_schema(record: dict) -> Schema:
+    """The schema a checkpoint or bundle manifest stores (key ``schema``); one written
+    before schemas (no key) is Criteo's."""
+    return Schema.from_dict(record.get("schema"))
+
+
+def check_same(stored: Schema, current: Schema, what: str) -> None:
+    """Raise SchemaError (one line) when ``current`` differs from the ``stored`` schema of
+    ``what`` (a checkpoint or bundle) in anything that changes its numbers."""
+    d = stored.diff(current)
+    if d:
+        raise SchemaError(f"{what} was saved with another feature schema: {d} (saved vs this "
+                          f"run's); use the --schema it was saved with")
+
+
 def _short(v, width=120):
     s = json.dumps(v)
     return s if len(s) <= width else s[:width - 3] + "..."

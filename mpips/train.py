@@ -12,13 +12,14 @@ import time
 import traceback
 
 from mpips import checkpoint as ck
-from mpips.build import make_model, make_tables, resolve_data
+from mpips.build import make_model, make_tables, resolve_data, schema_of
 from mpips.cluster import check_servers, default_servers
 from mpips.config import check_compatible, parse_args
 from mpips.report import log_line, peak_rss_mb
 from mpips.resume import resume_point
 from mpips.ownership import plan_keys
 from mpips.runner import LocalBackend, admission_of, inner_table, run_epochs
+from mpips.schema import check_same, stored_schema
 from mpips.stream import install_sigterm, run_stream
 from mpips.worker.local import LocalPS
 from mpips.worker.trainer import GeoTrainer, Trainer
@@ -27,7 +28,8 @@ from mpips.worker.trainer import GeoTrainer, Trainer
 def run_local(cfg):
     """Train in one process (the yardstick); returns the list of epoch/pass records."""
     train_files, test_files = ([], []) if cfg.stream else resolve_data(cfg)
-    model = make_model(cfg)
+    schema = schema_of(cfg)
+    model = make_model(cfg, schema)
     ps = LocalPS(*make_tables(cfg, model, dense_batches=cfg.local_workers))
     plan = lambda ids: plan_keys(ids, 1)  # noqa: E731
     if cfg.mode == "geo":
@@ -36,6 +38,7 @@ def run_local(cfg):
         trainer = Trainer(cfg, model, ps, plan, log=log_line, replica=ps.dense)
     log_line(f"mpips local: batch {cfg.local_workers} x {cfg.batch_size}, "
              f"{model.n_params} dense parameters")
+    log_line(f"mpips {schema.describe()}")
     path = resume_point(cfg)[0]
     if path:
         ck.load_local(path, inner_table(ps.sparse), ps.dense, admission_of(ps.sparse))
@@ -58,9 +61,12 @@ def precheck(cfg):
     """
     if cfg.stream:
         install_sigterm()
+    schema = schema_of(cfg)                 # a bad --schema file fails here, before MPI starts
     path = resume_point(cfg)[0]
     if path:
-        check_compatible(ck.read_manifest(path), cfg)
+        manifest = ck.read_manifest(path)
+        check_compatible(manifest, cfg)
+        check_same(stored_schema(manifest), schema, f"checkpoint {path}")
 
 
 def main(argv=None):
