@@ -2,6 +2,7 @@
 
     python tests/bags_driver.py --schema S.toml --train DIR ... (any mpips.train flags)
     mpiexec -n 4 python tests/bags_driver.py ...
+    mpiexec -n 2 python tests/bags_driver.py infer --model CKPT --data DIR ... (mpips.infer)
 
 Every ``make_reader`` of the run (local and distributed, training and evaluation) is
 replaced by ``NpzBags``: the files' rows in order, cut into batches of exactly
@@ -78,6 +79,10 @@ class NpzBags:
 
 
 def main(argv):
+    if argv[:1] == ["infer"]:
+        from mpips import infer
+        infer.make_reader = NpzBags
+        return infer.main(argv[1:])
     runner.make_reader = NpzBags
     if "--local" not in argv:
         from mpips import distributed      # under mpiexec: imports mpi4py.MPI

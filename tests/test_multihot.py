@@ -94,6 +94,24 @@ def test_schema_round_trip_checkpoint_bundle_predictor(bags, local_run, tmp_path
         p.predict_lines(["click:1 d:0.1 d:0.2 d:0.3 1:5"])
 
 
+def test_async_geo_and_infer_under_mpirun_on_bags(bags, local_run, tmp_path):
+    """2x2 async and local GEO learn the bags' task as --local does; mpips.infer under mpirun
+    (shared-memory table, warm-up on bags) scores the test bags as the run evaluated them."""
+    out, local = local_run
+    auc = local[0]["test_auc"]
+    a = run(bags, tmp_path, "async", "--mode", "async", n=4)
+    g = run(bags, tmp_path, "geo", "--local", "--mode", "geo", "--geo-steps", "4")
+    for r in (a[0], g[0]):       # 1600 examples: AUCs of the same task vary by a few 0.01
+        assert r["test_auc"] > 0.65 and abs(r["test_auc"] - auc) < 0.06, (r, auc)
+    rec = tmp_path / "infer.json"
+    proc = run_cmd([DRIVER, "infer", "--model", str(out / "local"), "--data", bags[1],
+                    "--metrics-out", str(rec), "--batch-size", "32"], n=2, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(rec.read_text())
+    assert r["ranks"] == 2 and r["test_examples"] == 600
+    assert r["test_auc"] == pytest.approx(auc, abs=1e-6)
+
+
 def one_line_error(text, *words):
     lines = [x for x in text.strip().splitlines() if x.strip()]
     assert len(lines) == 1, text
