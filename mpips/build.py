@@ -1,9 +1,9 @@
 """Factories: what a run is made of, built from the config.
 
 ``resolve_data`` (the file lists), ``make_reader`` (a DataReader with the config's data
-settings), ``schema_of`` (the feature schema), ``make_model`` (the CTR-DNN over it) and ``make_tables`` (a sparse table, behind an
-admission filter when ``--entry`` is set, and a dense slice).  Local runs, servers,
-workers and ``mpips.infer`` build their parts here.
+settings), ``make_schema`` (the feature schema), ``make_model`` (the CTR-DNN over it) and
+``make_tables`` (a sparse table, behind an admission filter when ``--entry`` is set, and a
+dense slice).  Local runs, servers, workers and ``mpips.infer`` build their parts here.
 """
 import dataclasses
 import os
@@ -28,6 +28,14 @@ def resolve_data(cfg):
             test_rows=cfg.synth_test_rows, parts=8, seed=0)
         return resolve_paths(train_dir), resolve_paths(test_dir)
     return resolve_paths(cfg.train), (resolve_paths(cfg.test) if cfg.test else [])
+
+
+def make_schema(cfg) -> Schema:
+    """The run's schema: ``--schema FILE`` (default Criteo), with ``--pipe-command`` applied."""
+    schema = load_schema(cfg.schema) if getattr(cfg, "schema", "") else Schema.criteo()
+    if getattr(cfg, "pipe_command", ""):
+        schema = dataclasses.replace(schema, pipe_command=cfg.pipe_command)
+    return schema
 
 
 def make_reader(cfg, files, batch_size, warn, shuffle=None):
@@ -67,12 +75,6 @@ def make_tables(cfg, model, lo=0, hi=None, dense_batches=1):
     return sparse, dense
 
 
-def schema_of(cfg):
-    """The run's feature schema: ``--schema FILE``, or Criteo's by default."""
-    path = getattr(cfg, "schema", "")
-    return load_schema(path) if path else Schema.criteo()
-
-
 def make_model(cfg, schema=None):
     """The CTR-DNN over the schema's inputs (default: the config's schema)."""
-    return CTRDNN.for_schema(schema or schema_of(cfg), cfg.embedding_dim, cfg.hidden)
+    return CTRDNN.for_schema(schema or make_schema(cfg), cfg.embedding_dim, cfg.hidden)

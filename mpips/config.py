@@ -39,9 +39,10 @@ class Config:
     test: str = _f("", "test data, same forms; empty with no --train = the synthetic held-out part")
     data_format: str = _f("auto", "input format: auto (by first line), tsv (Criteo), slot (Paddle "
                                   "slot text)", choices=FORMATS)
+    schema: str = _f("", "feature schema, a TOML file (format, label, dense and sparse inputs; "
+                         "docs/data.md); empty = Criteo's 13 integer + 26 categorical columns")
     stats: str = _f("", "normalisation statistics (stats.json from data_prep.criteo); default: "
                         "Paddle's constants for text, a prepared set's own stats for binary parts")
-    schema: str = _f("", "feature schema TOML (default: Criteo's 13 integer + 26 categorical columns)")
     cache_dir: str = _f("~/.cache/mpips", "where the embedded synthetic dataset is kept")
     synth_rows: int = _f(300_000, "rows of the embedded synthetic training set")
     synth_test_rows: int = _f(60_000, "rows of the embedded synthetic test set")

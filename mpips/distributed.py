@@ -13,7 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpips import checkpoint as ck
-from mpips.build import make_model, make_reader, make_tables, resolve_data, schema_of
+from mpips.build import make_model, make_reader, make_tables, resolve_data, make_schema
 from mpips.cluster import Cluster, default_servers
 from mpips.config import SAVE_MODES
 from mpips.data.files import worker_files
@@ -61,14 +61,14 @@ def run_distributed(cfg, comm):
         resolve_data(cfg)
     pids = np.empty(comm.size, np.int64)    # in the role map: to match a launcher's PID
     wait_collective(comm.Iallgather(np.array([os.getpid()], np.int64), pids))
-    schema = schema_of(cfg)
+    schema = make_schema(cfg)
     model = make_model(cfg, schema)
     bounds = dense_bounds(model.n_params, cluster.n_servers)
     first_worker = cluster.worker_ranks[0]
     if comm.rank == first_worker:
         log_line(f"mpips: {comm.size} ranks, {cluster.n_servers} servers x {cluster.n_workers} "
                  f"workers, mode {cfg.mode}, {model.n_params} dense parameters")
-        log_line(f"mpips {schema.describe()}")
+        log_line(make_schema(cfg).describe())
         for line, pid in zip(cluster.role_map(), pids):
             log_line(f"  {line} pid {pid}")
     if cluster.is_server:
@@ -147,7 +147,7 @@ class DistBackend:
         self.lineage = ck.Lineage(cfg.save_dir, loaded) if cfg.save_dir and wi == 0 else None
         self.warned = False         # told the user this worker has no files
         self.fetched = False        # the dense replica holds the servers' values
-        self.schema = schema_of(cfg)
+        self.schema = make_schema(cfg)
 
     def _replica_ready(self):
         """At first use, start the dense replica from the servers' dense slices: the seed's

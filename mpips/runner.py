@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from mpips import checkpoint as ck
-from mpips.build import make_reader, schema_of
+from mpips.build import make_reader, make_schema
 from mpips.data.files import worker_files
 from mpips.data.reader import Batch, DataError
 from mpips.progress import make_progress
@@ -76,7 +76,7 @@ class LocalBackend:
     def __init__(self, cfg, trainer, ps, loaded=None):
         self.cfg, self.trainer, self.ps = cfg, trainer, ps
         self.lineage = ck.Lineage(cfg.save_dir, loaded) if cfg.save_dir else None
-        self.schema = schema_of(cfg)
+        self.schema = make_schema(cfg)
 
     def train(self, files, epoch, skip=0, label=None, lag=None):
         cfg = self.cfg

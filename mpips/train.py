@@ -12,7 +12,7 @@ import time
 import traceback
 
 from mpips import checkpoint as ck
-from mpips.build import make_model, make_tables, resolve_data, schema_of
+from mpips.build import make_model, make_tables, resolve_data, make_schema
 from mpips.cluster import check_servers, default_servers
 from mpips.config import check_compatible, parse_args
 from mpips.report import log_line, peak_rss_mb
@@ -28,7 +28,7 @@ from mpips.worker.trainer import GeoTrainer, Trainer
 def run_local(cfg):
     """Train in one process (the yardstick); returns the list of epoch/pass records."""
     train_files, test_files = ([], []) if cfg.stream else resolve_data(cfg)
-    schema = schema_of(cfg)
+    schema = make_schema(cfg)
     model = make_model(cfg, schema)
     ps = LocalPS(*make_tables(cfg, model, dense_batches=cfg.local_workers))
     plan = lambda ids: plan_keys(ids, 1)  # noqa: E731
@@ -38,7 +38,7 @@ def run_local(cfg):
         trainer = Trainer(cfg, model, ps, plan, log=log_line, replica=ps.dense)
     log_line(f"mpips local: batch {cfg.local_workers} x {cfg.batch_size}, "
              f"{model.n_params} dense parameters")
-    log_line(f"mpips {schema.describe()}")
+    log_line(make_schema(cfg).describe())
     path = resume_point(cfg)[0]
     if path:
         ck.load_local(path, inner_table(ps.sparse), ps.dense, admission_of(ps.sparse))
@@ -61,7 +61,7 @@ def precheck(cfg):
     """
     if cfg.stream:
         install_sigterm()
-    schema = schema_of(cfg)                 # a bad --schema file fails here, before MPI starts
+    schema = make_schema(cfg)                 # a bad --schema file fails here, before MPI starts
     path = resume_point(cfg)[0]
     if path:
         manifest = ck.read_manifest(path)

@@ -42,13 +42,13 @@ EXAMPLES_KEPT = 5  # bad-line examples kept per file in stats
 
 @dataclass
 class Batch:
-    """One mini-batch."""
+    """One mini-batch (layout shared by every consumer; see docs/data.md)."""
 
     dense: np.ndarray  # (n, D) float32, normalised
     sparse: np.ndarray  # int64 ids: (n, S) one per slot if offsets is None, else (nnz,) bags
     label: np.ndarray  # (n,) float32, 0/1 (0 without a label column)
-    offsets: np.ndarray = None  # None (one-hot) or (n*S + 1,) int64: bag (i, s) is
-    #                             sparse[offsets[i*S + s]:offsets[i*S + s + 1]], example-major
+    offsets: np.ndarray | None = None  # None, or (n*S + 1,) int64: bag (i, s) is
+    #                                    sparse[offsets[i*S + s]:offsets[i*S + s + 1]]
 
     def __len__(self) -> int:
         return int(self.label.shape[0])

@@ -7,7 +7,6 @@ unique ids' rows once (``rows`` (u, dim)) and maps every id to its row (``invers
 code 0 sums the bag's rows, code 1 takes their mean; an empty bag pools to zeros and gets
 no gradient.  One-hot batches (one id per slot) keep ``gather_rows``/``scatter_add_rows``.
 """
-import numpy as np
 from numba import njit
 
 SUM, MEAN = 0, 1  # pooling codes (Schema.pooling_codes)
