@@ -290,6 +290,8 @@ def run(args, log=print, comm=None):
     snap, model, shared = load_model(args.model, group, say, not args.table_per_rank)
     warm_up(model)
     cfg = config_from_manifest(snap.manifest)
+    if args.schema:                      # the checkpoint's schema (checked): read the data with it
+        cfg = dataclasses.replace(cfg, schema=args.schema)
     load_s = time.perf_counter() - t0
     batch_size = args.batch_size or cfg.batch_size
     mine = my_files(files, group.size, group.rank)

@@ -105,7 +105,8 @@ def test_async_geo_and_infer_under_mpirun_on_bags(bags, local_run, tmp_path):
         assert r["test_auc"] > 0.65 and abs(r["test_auc"] - auc) < 0.06, (r, auc)
     rec = tmp_path / "infer.json"
     proc = run_cmd([DRIVER, "infer", "--model", str(out / "local"), "--data", bags[1],
-                    "--metrics-out", str(rec), "--batch-size", "32"], n=2, timeout=300)
+                    "--metrics-out", str(rec), "--batch-size", "32", "--schema", bags[2]],
+                   n=2, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(rec.read_text())
     assert r["ranks"] == 2 and r["test_examples"] == 600
