@@ -2,6 +2,7 @@
 trainer, servers and MPI paths from .npz files):
 
 - sync with 2 workers == ``--local --local-workers 2``, every parameter bit for bit;
+- a resume continues exactly; async and GEO learn the task; mpips.infer under mpirun;
 - the schema round trip: checkpoint manifest, bundle, Predictor (scores bags as the run
   evaluated them); a resume, infer or export with another schema fails with one line;
 - checkpoints and bundles written before schemas load as Criteo's.
@@ -111,6 +112,15 @@ def test_async_geo_and_infer_under_mpirun_on_bags(bags, local_run, tmp_path):
     r = json.loads(rec.read_text())
     assert r["ranks"] == 2 and r["test_examples"] == 600
     assert r["test_auc"] == pytest.approx(auc, abs=1e-6)
+
+
+def test_resume_on_bags_equals_uninterrupted(bags, tmp_path):
+    """2 epochs == 1 epoch, resume (same schema: accepted), 1 epoch; every parameter equal."""
+    run(bags, tmp_path, "two", "--local", "--epochs", "2")
+    run(bags, tmp_path, "one", "--local", "--epochs", "1")
+    r = run(bags, tmp_path, "one", "--local", "--epochs", "2", "--resume", str(tmp_path / "one"))
+    assert [x["epoch"] for x in r] == [0, 1]        # epoch 1 ran in the resumed job
+    assert_same_params(tmp_path / "two", tmp_path / "one", rtol=0, atol=0)
 
 
 def one_line_error(text, *words):
