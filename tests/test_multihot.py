@@ -171,3 +171,30 @@ def test_bad_offsets_are_one_clear_error(local_run, tmp_path):
     probs = p.predict_arrays(dense, np.arange(4), np.array([0, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4]))
     assert probs.shape == (2,) and np.isfinite(probs).all()
     assert json.dumps(p.model.schema.to_dict())
+
+
+def test_bag_sightings_are_occurrences_and_bad_offsets_fail(bags):
+    """Admission counts of a CSR batch: one per occurrence of an id (a repeat inside a bag
+    counts twice), as for one-hot batches; offsets that do not fit give one clear error."""
+    from mpips.build import make_model, make_tables
+    from mpips.config import Config
+    from mpips.data.reader import Batch
+    from mpips.ownership import plan_keys
+    from mpips.worker.local import LocalPS
+    from mpips.worker.trainer import Trainer
+    cfg = Config(local=True, fc="4", embedding_dim=2, entry="count:2")
+    schema = load_schema(bags[2])
+    model = make_model(cfg, schema)
+    ps = LocalPS(*make_tables(cfg, model))
+    tr = Trainer(cfg, model, ps, lambda ids: plan_keys(ids, 2), replica=ps.dense)
+    ids = np.array([7, 7, 3, 9, 7, 3, 5], np.int64)         # 2 examples x 5 slots
+    offsets = np.array([0, 2, 3, 3, 4, 4, 5, 5, 6, 7, 7], np.int64)
+    b = Batch(np.zeros((2, 3), np.float32), ids, np.zeros(2, np.float32), offsets)
+    prep = tr._prepare(b)
+    keys, counts = np.unique(ids, return_counts=True)
+    got = dict(zip(prep.plan.keys.tolist(), prep.counts[:, 0].tolist()))
+    assert got == dict(zip(keys.tolist(), counts.astype(float).tolist()))
+    with pytest.raises(ValueError, match=r"needs offsets \(11,\)"):
+        tr._prepare(Batch(b.dense, ids, b.label, offsets[:-1]))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        tr._prepare(Batch(b.dense, ids, b.label, offsets[::-1].copy()))
