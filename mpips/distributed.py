@@ -13,7 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpips import checkpoint as ck
-from mpips.build import make_model, make_reader, make_tables, resolve_data, make_schema
+from mpips.build import make_model, make_reader, make_schema, make_tables, resolve_data
 from mpips.cluster import Cluster, default_servers
 from mpips.config import SAVE_MODES
 from mpips.data.files import worker_files

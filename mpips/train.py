@@ -12,7 +12,7 @@ import time
 import traceback
 
 from mpips import checkpoint as ck
-from mpips.build import make_model, make_tables, resolve_data, make_schema
+from mpips.build import make_model, make_schema, make_tables, resolve_data
 from mpips.cluster import check_servers, default_servers
 from mpips.config import check_compatible, parse_args
 from mpips.report import log_line, peak_rss_mb
