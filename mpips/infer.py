@@ -83,8 +83,10 @@ def check_schema(args):
 
 
 def config_from_manifest(manifest):
-    """The stored run config as a Config (fields unknown to this version are dropped)."""
-    names = {f.name for f in dataclasses.fields(Config)}
+    """The stored run config as a Config (fields unknown to this version are dropped; the
+    schema is the one stored in the manifest, not the file the run was given, which may
+    have moved: the data is read with the model's schema)."""
+    names = {f.name for f in dataclasses.fields(Config)} - {"schema"}
     stored = {k: v for k, v in manifest["config"].items() if k in names}
     stored.setdefault("embedding_dim", manifest["embedding_dim"])
     stored.setdefault("optimizer", manifest["optimizer"]["name"])
@@ -238,7 +240,8 @@ def score_files(cfg, model, files, batch_size, sink, on_batch):
     """Score files one by one (batches from each file's start); return BinaryMetrics."""
     m = BinaryMetrics()
     for path in files:
-        with contextlib.closing(make_reader(cfg, [path], batch_size, on_batch.warn)) as reader:
+        with contextlib.closing(make_reader(cfg, [path], batch_size, on_batch.warn,
+                                            schema=model.schema)) as reader:
             for batch in reader:
                 probs = model.predict(batch.dense, batch.sparse,          # (B,)
                                       offsets=batch.offsets)
@@ -290,8 +293,6 @@ def run(args, log=print, comm=None):
     snap, model, shared = load_model(args.model, group, say, not args.table_per_rank)
     warm_up(model)
     cfg = config_from_manifest(snap.manifest)
-    if args.schema:                      # the checkpoint's schema (checked): read the data with it
-        cfg = dataclasses.replace(cfg, schema=args.schema)
     load_s = time.perf_counter() - t0
     batch_size = args.batch_size or cfg.batch_size
     mine = my_files(files, group.size, group.rank)
