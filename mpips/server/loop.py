@@ -283,9 +283,9 @@ class Server:
 
     def _timeout_text(self):
         waiting = sorted(set(self.workers) - self.finished)
-        return (f"server rank {self.comm.rank}: no request from any worker for "
-                f"{self.idle_timeout:.0f} s; still expecting worker rank(s) {waiting} "
-                f"(mode {self.mode}, step {self.version})")
+        return (f"server rank {self.comm.rank}: worker rank(s) {waiting} sent nothing for "
+                f"{self.idle_timeout:.0f} s: no request from any worker (mode {self.mode}, "
+                f"step {self.version})")
 
     # ---- dispatch
     def handle(self, req, source):
