@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mpips import checkpoint as ck
 from mpips.models.ctr_dnn import CTRDNN
+from mpips.schema import Schema
 from mpips.server.dense_table import DenseTable
 from mpips.server.optim import OptimizerConfig
 from mpips.server.sparse_table import SparseTable
@@ -41,7 +42,7 @@ def build(rows, dim, seed):
     for lo in range(0, rows, PUSH_CHUNK):
         k = keys[lo:lo + PUSH_CHUNK]
         sparse.push(k, rng.standard_normal((len(k), dim)).astype(np.float32))
-    model = CTRDNN(dim=dim)
+    model = CTRDNN.for_schema(Schema.criteo(), dim, (400, 400, 400))
     dense = DenseTable(model.init_params(seed), opt)
     dense.push(rng.standard_normal(model.n_params).astype(np.float32))
     return sparse, dense, keys, opt

@@ -1,9 +1,9 @@
 """Factories: what a run is made of, built from the config.
 
 ``resolve_data`` (the file lists), ``make_reader`` (a DataReader with the config's data
-settings), ``make_model`` (the CTR-DNN) and ``make_tables`` (a sparse table, behind an
-admission filter when ``--entry`` is set, and a dense slice).  Local runs, servers,
-workers and ``mpips.infer`` build their parts here.
+settings), ``make_schema`` (the feature schema), ``make_model`` (the CTR-DNN over it) and
+``make_tables`` (a sparse table, behind an admission filter when ``--entry`` is set, and a
+dense slice).  Local runs, servers, workers and ``mpips.infer`` build their parts here.
 """
 import dataclasses
 import os
@@ -38,12 +38,13 @@ def make_schema(cfg) -> Schema:
     return schema
 
 
-def make_reader(cfg, files, batch_size, warn, shuffle=None, norm=None):
-    """A DataReader of `files` with the run's schema; shuffle=(epoch, worker) shuffles rows
-    with --shuffle; norm=(cont_min, cont_diff) instead of the --stats file's (the values a
-    checkpoint recorded)."""
+def make_reader(cfg, files, batch_size, warn, shuffle=None, norm=None, schema=None):
+    """A DataReader of `files` with the run's schema (or ``schema``: mpips.infer reads with
+    the checkpoint's); shuffle=(epoch, worker) shuffles rows with --shuffle;
+    norm=(cont_min, cont_diff) instead of the --stats file's (the values a checkpoint
+    recorded)."""
     cont_min = cont_diff = None
-    schema = make_schema(cfg)
+    schema = schema or make_schema(cfg)
     if norm is not None:
         cont_min, cont_diff = norm
     elif cfg.stats:
@@ -81,5 +82,6 @@ def make_tables(cfg, model, lo=0, hi=None, dense_batches=1):
     return sparse, dense
 
 
-def make_model(cfg):
-    return CTRDNN(dim=cfg.embedding_dim, hidden=cfg.hidden)
+def make_model(cfg, schema=None):
+    """The CTR-DNN over the schema's inputs (default: the config's schema)."""
+    return CTRDNN.for_schema(schema or make_schema(cfg), cfg.embedding_dim, cfg.hidden)

@@ -14,7 +14,8 @@ base..delta chain into one table, so a chain of patches equals a bundle of the l
 checkpoint (a test holds it to that).
 
 The manifest is the JSON attribute ``manifest`` of the file: format, version, kind,
-dtype, the model config, the data settings (format, ``hash_bucket``, normalisation
+dtype, the model config, the feature schema (``schema``: ``Schema.to_dict()``; bundles
+written before schemas have none and read as Criteo's), the data settings (format, ``hash_bucket``, normalisation
 ``cont_min``/``cont_diff`` resolved at export time), the checkpoint it came from
 (``name``, ``seq``, ``lineage`` = its base checkpoint, and for a patch ``since``), and
 per dataset its shape, dtype and CRC-32, checked on every load with the checkpoint
@@ -40,6 +41,7 @@ from mpips.checkpoint.save import _write_whole
 from mpips.config import check_chain, check_compatible
 from mpips.data.criteo import make_norm
 from mpips.data.binary import load_stats
+from mpips.schema import SchemaError, stored_schema
 from mpips.server.dense_table import DenseTable
 from mpips.server.optim import OptimizerConfig
 from mpips.server.sparse_table import SparseTable
@@ -221,9 +223,18 @@ def write_bundle(path, kind, keys, values, evicted, dense, info, dtype="float32"
     return manifest
 
 
+def schema_of_manifest(m):
+    """The feature schema a checkpoint or bundle manifest stores (none: Criteo's)."""
+    try:
+        return stored_schema(m)
+    except SchemaError as e:
+        raise BundleError(f"bad stored schema: {e}") from None
+
+
 def bundle_info(snap, stats=""):
     """The manifest fields describing the model and where it came from."""
     return {"model": model_settings(snap.manifest),
+            "schema": schema_of_manifest(snap.manifest).to_dict(),
             "data": data_settings(snap.manifest, stats),
             "checkpoint": {"name": snap.name, "seq": snap.manifest["seq"],
                            "lineage": snap.lineage(), "meta": snap.manifest["meta"]}}
@@ -257,13 +268,18 @@ def export_patch(ckpt, since, out, dtype="float32", stats=""):
     after = elements[names.index(want["name"]) + 1:]
     m = elements[-1][1]
     keys, values, removed = read_changes(after, m["embedding_dim"])
-    info = {"model": model_settings(m), "data": data_settings(m, stats),
+    info = {"model": model_settings(m), "schema": schema_of_manifest(m).to_dict(),
+            "data": data_settings(m, stats),
             "checkpoint": {"name": names[-1], "seq": m["seq"], "lineage": lineage,
                            "meta": m["meta"]},
             "since": {"name": want["name"], "seq": want["seq"]}}
     if info["model"] != prev["model"]:
         raise BundleError(f"{path}: model {info['model']} differs from {prev['model']} of the "
                           "bundle to patch")
+    diff = schema_of_manifest(prev).diff(schema_of_manifest(info))
+    if diff:
+        raise BundleError(f"{path}: feature schema differs from the bundle to patch: {diff} "
+                          "(bundle vs checkpoint)")
     return write_bundle(out, "patch", keys, values, removed, _dense_values(*elements[-1]), info,
                         dtype)
 

@@ -62,7 +62,8 @@ def run_distributed(cfg, comm):
         resolve_data(cfg)
     pids = np.empty(comm.size, np.int64)    # in the role map: to match a launcher's PID
     wait_collective(comm.Iallgather(np.array([os.getpid()], np.int64), pids))
-    model = make_model(cfg)
+    schema = make_schema(cfg)
+    model = make_model(cfg, schema)
     bounds = dense_bounds(model.n_params, cluster.n_servers)
     first_worker = cluster.worker_ranks[0]
     if comm.rank == first_worker:
@@ -158,6 +159,7 @@ class DistBackend:
         self.lineage = ck.Lineage(cfg.save_dir, loaded) if cfg.save_dir and wi == 0 else None
         self.warned = False         # told the user this worker has no files
         self.fetched = False        # the dense replica holds the servers' values
+        self.schema = make_schema(cfg)
 
     def _replica_ready(self):
         """At first use, start the dense replica from the servers' dense slices: the seed's
@@ -274,7 +276,7 @@ class DistBackend:
             self.client.dense_put(self.trainer.replica)
         infos = [json.loads(b) for b in self.client.save(seq, SAVE_MODES.index(mode), step)]
         ck.write_manifest(path, {"shards": infos, "config": self.cfg.to_json(), "meta": meta,
-                                 "parent": parent})
+                                 "parent": parent, "schema": self.schema.to_dict()})
         self.lineage.saved(path, mode)
         log_line(f"SAVE --> {path} ({mode}, {sum(x['rows'] for x in infos)} rows)")
         return path

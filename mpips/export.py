@@ -20,6 +20,8 @@ import sys
 import time
 
 from mpips import bundle as bd
+from mpips.checkpoint import read_manifest, resolve
+from mpips.schema import check_same, load_schema, stored_schema
 
 PROG = "python -m mpips.export"
 
@@ -35,11 +37,17 @@ def build_parser():
     p.add_argument("--stats", default="", help="normalisation statistics (stats.json); "
                    "default: the values the checkpoint recorded from its run's --stats, "
                    "else Paddle's constants")
+    p.add_argument("--schema", default="", help="feature schema TOML the predictor will read; "
+                   "it must be the checkpoint's (default: the schema stored in it)")
     return p
 
 
 def run(args, log=print):
     t0 = time.perf_counter()
+    if args.schema:
+        path = resolve(args.model)
+        check_same(stored_schema(read_manifest(path)), load_schema(args.schema),
+                   f"checkpoint {path}")
     if args.since:
         m = bd.export_patch(args.model, args.since, args.out, args.dtype, args.stats)
     else:

@@ -47,12 +47,13 @@ import numpy as np
 
 from mpips.backoff import COLLECTIVE, Backoff
 from mpips.build import make_reader
-from mpips.bundle import Snapshot, bundle_info
-from mpips.checkpoint import resolve, saved_settings
+from mpips.bundle import Snapshot, bundle_info, schema_of_manifest
+from mpips.checkpoint import read_manifest, resolve, saved_settings
 from mpips.config import Config
 from mpips.data.files import resolve_paths, split_files
 from mpips.metrics import BinaryMetrics
 from mpips.resume import first_rank_decides
+from mpips.schema import check_same, load_schema, stored_schema
 from mpips.scoring import ServingModel, hash_slots
 from mpips.server.sparse_table import slots_for
 
@@ -73,12 +74,23 @@ def build_parser():
                    "batches (0 = the stored print_every)")
     p.add_argument("--table-per-rank", action="store_true", help="every rank loads its own "
                    "copy of the table (default: one copy per node, in MPI shared memory)")
+    p.add_argument("--schema", default="", help="feature schema TOML the data is in; it must "
+                   "be the checkpoint's (default: the schema stored in the checkpoint)")
     return p
 
 
+def check_schema(args, path):
+    """With --schema: fail (one line) unless it is the schema stored in checkpoint path."""
+    if args.schema:
+        check_same(stored_schema(read_manifest(path)), load_schema(args.schema),
+                   f"checkpoint {path}")
+
+
 def config_from_manifest(manifest):
-    """The stored run config as a Config (fields unknown to this version are dropped)."""
-    names = {f.name for f in dataclasses.fields(Config)}
+    """The stored run config as a Config (fields unknown to this version are dropped; the
+    schema is the one stored in the manifest, not the file the run was given, which may
+    have moved: the data is read with the model's schema)."""
+    names = {f.name for f in dataclasses.fields(Config)} - {"schema"}
     stored = {k: v for k, v in manifest["config"].items() if k in names}
     stored.setdefault("embedding_dim", manifest["embedding_dim"])
     stored.setdefault("optimizer", manifest["optimizer"]["name"])
@@ -176,7 +188,11 @@ def _carve(mem, layout):
 
 def warm_up(model):
     """Score one row: the kernels' first calls (numba) count as loading, not scoring."""
-    model.predict(np.zeros((1, model.n_dense), np.float32), np.zeros((1, model.n_sparse), np.int64))
+    dense = np.zeros((1, model.n_dense), np.float32)
+    model.predict(dense, np.zeros((1, model.n_sparse), np.int64))
+    if not model.schema.one_hot:
+        model.predict(dense, np.zeros(1, np.int64),
+                      offsets=np.minimum(np.arange(model.n_sparse + 1), 1))
 
 
 def load_model(path, group, say, share=True):
@@ -199,7 +215,7 @@ def load_model(path, group, say, share=True):
     else:                          # meanwhile, the first kernel calls on an empty model
         warm_up(ServingModel(np.empty(0, np.int64), np.empty((0, snap.dim), np.float32),
                              np.zeros(info["model"]["n_params"], np.float32), info["model"],
-                             info["data"]))
+                             info["data"], schema=schema_of_manifest(info)))
     group._wait(node.Ibcast(sizes, root=0))
     n, n_slots, n_params = (int(x) for x in sizes)
     layout = [("keys", np.int64, (n,)), ("values", np.float32, (n, snap.dim)),
@@ -215,7 +231,8 @@ def load_model(path, group, say, share=True):
         hash_slots(views["keys"], views["slots"])
     group.barrier(node)
     model = ServingModel(views["keys"], views["values"], views["params"], info["model"],
-                         info["data"], info["checkpoint"], slots=views["slots"])
+                         info["data"], info["checkpoint"], slots=views["slots"],
+                         schema=schema_of_manifest(info))
     return snap, model, (win, node)
 
 
@@ -229,9 +246,10 @@ def score_files(cfg, model, files, batch_size, sink, on_batch, norm=None):
     m = BinaryMetrics()
     for path in files:
         with contextlib.closing(make_reader(cfg, [path], batch_size, on_batch.warn,
-                                            norm=norm)) as reader:
+                                            norm=norm, schema=model.schema)) as reader:
             for batch in reader:
-                probs = model.predict(batch.dense, batch.sparse)          # (B,)
+                probs = model.predict(batch.dense, batch.sparse,          # (B,)
+                                      offsets=batch.offsets)
                 m.update(probs, batch.label)
                 if sink is not None:
                     sink.write(("%.7g\n" * len(probs)) % tuple(probs.tolist()))
@@ -277,6 +295,7 @@ def run(args, log=print, comm=None):
     t0 = time.perf_counter()
     path = group.agree(lambda: first_rank_decides(comm, lambda: resolve(args.model)))
     files = group.agree(lambda: (Snapshot(path, load=False), resolve_paths(args.data))[1])
+    group.agree(lambda: check_schema(args, path))
     snap, model, shared = load_model(path, group, say, not args.table_per_rank)
     warm_up(model)
     cfg = config_from_manifest(snap.manifest)

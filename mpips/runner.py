@@ -12,7 +12,7 @@ import time
 
 
 from mpips import checkpoint as ck
-from mpips.build import make_reader
+from mpips.build import make_reader, make_schema
 from mpips.data import bags
 from mpips.data.files import worker_files
 from mpips.data.reader import Batch, DataError
@@ -76,6 +76,7 @@ class LocalBackend:
     def __init__(self, cfg, trainer, ps, loaded=None):
         self.cfg, self.trainer, self.ps = cfg, trainer, ps
         self.lineage = ck.Lineage(cfg.save_dir, loaded) if cfg.save_dir else None
+        self.schema = make_schema(cfg)
 
     def train(self, files, epoch, skip=0, label=None, lag=None):
         cfg = self.cfg
@@ -122,7 +123,8 @@ class LocalBackend:
         mode = self.lineage.mode(mode)
         path = ck.save_local(self.cfg.save_dir, inner_table(self.ps.sparse), self.ps.dense, mode,
                              self.cfg.to_json(), meta, admission_of(self.ps.sparse),
-                             self.lineage.parent if mode == "delta" else None)
+                             self.lineage.parent if mode == "delta" else None,
+                             self.schema.to_dict())
         self.lineage.saved(path, mode)
         log_line(f"SAVE --> {path} ({mode}, {len(self.ps.sparse)} rows)")
         return path

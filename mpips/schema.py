@@ -197,8 +197,39 @@ class Schema:
             a.pop(k), b.pop(k)
         for k in sorted(set(a) | set(b), key=lambda k: (_TOP_KEYS + ("version",)).index(k)):
             if a.get(k) != b.get(k):
-                return f"schema {k}: {_short(a.get(k))} vs {_short(b.get(k))}"
+                return _first_difference(f"schema {k}", a.get(k), b.get(k))
         return ""
+
+
+def _first_difference(where, a, b):
+    """'where[i].key: a vs b' at the first place two JSON-like values differ (into lists of
+    equal length and into dicts), so that a long list of slots names the one field."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        if len(a) == len(b):
+            return _first_difference(f"{where}[{i}]", a[i], b[i])
+        x, y = (v[i] if i < len(v) else None for v in (a, b))
+        return (f"{where}: {len(a)} entries vs {len(b)}, the first different [{i}]: "
+                f"{_short(x, 60)} vs {_short(y, 60)}")
+    if isinstance(a, dict) and isinstance(b, dict):
+        k = next(k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+        return _first_difference(f"{where}.{k}", a.get(k), b.get(k))
+    return f"{where}: {_short(a)} vs {_short(b)}"
+
+
+def stored_schema(record: dict) -> Schema:
+    """The schema a checkpoint or bundle manifest stores (key ``schema``); one written
+    before schemas (no key) is Criteo's."""
+    return Schema.from_dict(record.get("schema"))
+
+
+def check_same(stored: Schema, current: Schema, what: str) -> None:
+    """Raise SchemaError (one line) when ``current`` differs from the ``stored`` schema of
+    ``what`` (a checkpoint or bundle) in anything that changes its numbers."""
+    d = stored.diff(current)
+    if d:
+        raise SchemaError(f"{what} was saved with another feature schema: {d} (saved vs this "
+                          f"run's); use the --schema it was saved with")
 
 
 def _short(v, width=120):

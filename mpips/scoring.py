@@ -15,7 +15,9 @@ import numpy as np
 from mpips import bundle as bd
 from mpips.data.criteo import make_norm
 from mpips.kernels.hashmap import lookup_rows, read_rows, rebuild_slots
+from mpips.kernels.pooling import pool_forward
 from mpips.models.ctr_dnn import CTRDNN
+from mpips.schema import Schema
 from mpips.server.sparse_table import slots_for
 
 CHUNK_ROWS = 8192        # rows scored per forward pass in predict (bounds memory)
@@ -33,16 +35,18 @@ class ServingModel:
 
     keys (n,) int64 unique; values (n, dim) float (stored as float32); dense (n_params,);
     model {embedding_dim, fc, n_params}; data {data_format, hash_bucket, cont_min, cont_diff};
-    version: where it came from (a bundle's ``checkpoint`` record).
+    version: where it came from (a bundle's ``checkpoint`` record); schema: the feature
+    schema it was trained on (a ``Schema``; default Criteo's).
     """
 
-    def __init__(self, keys, values, dense, model, data, version=None, slots=None):
+    def __init__(self, keys, values, dense, model, data, version=None, slots=None, schema=None):
         self.dim = int(model["embedding_dim"])
         hidden = tuple(int(x) for x in str(model["fc"]).split(",") if x.strip())
         self.model_cfg, self.data, self.version = dict(model), dict(data), dict(version or {})
         self._hidden = hidden
-        probe = CTRDNN(dim=self.dim, hidden=hidden)
-        self.n_sparse, self.n_dense = probe.n_sparse, probe.n_dense
+        self.schema = schema or Schema.criteo()
+        probe = CTRDNN.for_schema(self.schema, self.dim, hidden)
+        self.n_sparse, self.n_dense, self.pooling = probe.n_sparse, probe.n_dense, probe.pooling
         self.params = np.ascontiguousarray(dense, np.float32)
         if self.params.shape != (probe.n_params,):
             raise bd.BundleError(f"dense weights have {self.params.shape[0]} values; a CTR-DNN "
@@ -66,7 +70,7 @@ class ServingModel:
     def with_arrays(self, arrays):
         """The same model over other storage of equal arrays (e.g. shared memory)."""
         return ServingModel(arrays["keys"], arrays["values"], arrays["params"], self.model_cfg,
-                            self.data, self.version, arrays["slots"])
+                            self.data, self.version, arrays["slots"], self.schema)
 
     def __len__(self):
         return len(self.keys)
@@ -75,48 +79,77 @@ class ServingModel:
         """This thread's CTRDNN (its workspace is not shareable between threads)."""
         net = getattr(self._local, "net", None)
         if net is None:
-            net = self._local.net = CTRDNN(dim=self.dim, hidden=self._hidden)
+            net = self._local.net = CTRDNN.for_schema(self.schema, self.dim, self._hidden)
         return net
 
-    def embed(self, ids):
-        """(B, n_sparse * dim) float32 pooled slot embeddings of ids (B, n_sparse)."""
+    def embed(self, ids, offsets=None):
+        """(B, n_sparse * dim) float32 slot embeddings: of one-hot ids (B, n_sparse), or the
+        pooled bags of CSR ids (nnz,) with offsets (B*n_sparse + 1,) starting at 0."""
         flat = np.ascontiguousarray(ids, np.int64).reshape(-1)
         rows = np.empty(flat.shape[0], np.int64)
         lookup_rows(self.slots, self.keys, flat, rows)
         emb = np.empty((flat.shape[0], self.dim), np.float32)
         read_rows(self.values, rows, emb)
-        return emb.reshape(ids.shape[0], -1)
+        if offsets is None:
+            return emb.reshape(ids.shape[0], -1)
+        out = np.empty(((len(offsets) - 1) // self.n_sparse, self.n_sparse * self.dim),
+                       np.float32)
+        pool_forward(emb, np.arange(len(flat)), offsets, self.pooling, out)
+        return out
 
-    def predict(self, dense, ids, out=None):
-        """Probabilities (B,) float32 for normalised dense (B, 13) and ids (B, 26)."""
+    def _check(self, dense, ids, offsets):
+        n = dense.shape[0] if dense.ndim == 2 else -1
+        if offsets is None:
+            ok = ids.ndim == 2 and ids.shape[1] == self.n_sparse and len(ids) == n
+            want = f"ids (B, {self.n_sparse})"
+        else:
+            ok = (ids.ndim == 1 and offsets.shape == (n * self.n_sparse + 1,) and n >= 0
+                  and offsets[0] == 0 and offsets[-1] == len(ids)
+                  and not np.any(offsets[1:] < offsets[:-1]))
+            want = f"ids (nnz,) with offsets (B*{self.n_sparse}+1,) from 0 to nnz, non-decreasing"
+        if not ok or dense.shape != (n, self.n_dense):
+            raise ValueError(f"need dense (B, {self.n_dense}) and {want}; got dense "
+                             f"{dense.shape}, ids {ids.shape}"
+                             + ("" if offsets is None else f", offsets {offsets.shape}"))
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"ids must be integers (int64 feature ids); got {ids.dtype}")
+
+    def predict(self, dense, ids, out=None, offsets=None):
+        """Probabilities (B,) float32 for normalised dense (B, D) and ids: one per slot
+        (B, S), or bags in CSR form (nnz,) with ``offsets`` (B*S + 1,) (``mpips.data.reader.Batch``)."""
         dense = np.ascontiguousarray(dense, np.float32)
         ids = np.asarray(ids)
         ids = ids.view(np.int64) if ids.dtype == np.uint64 else ids
-        if ids.ndim != 2 or ids.shape[1] != self.n_sparse or dense.shape != (len(ids), self.n_dense):
-            raise ValueError(f"need dense (B, {self.n_dense}) and ids (B, {self.n_sparse}); got "
-                             f"{dense.shape} and {ids.shape}")
-        if ids.dtype.kind not in "iu":
-            raise ValueError(f"ids must be integers (int64 feature ids); got {ids.dtype}")
+        if offsets is not None:
+            offsets = np.ascontiguousarray(offsets, np.int64)
+        self._check(dense, ids, offsets)
         ids = np.ascontiguousarray(ids, np.int64)
-        out = np.empty(len(ids), np.float32) if out is None else out
+        n = len(dense)
+        out = np.empty(n, np.float32) if out is None else out
         net = self.network()
-        for lo in range(0, len(ids), CHUNK_ROWS):
-            hi = min(lo + CHUNK_ROWS, len(ids))
-            net.predict(self.params, self.embed(ids[lo:hi]), dense[lo:hi],
-                        out[lo:hi])
+        S = self.n_sparse
+        for lo in range(0, n, CHUNK_ROWS):
+            hi = min(lo + CHUNK_ROWS, n)
+            if offsets is None:
+                emb = self.embed(ids[lo:hi])
+            else:
+                a, b = offsets[lo * S], offsets[hi * S]
+                emb = self.embed(ids[a:b], offsets[lo * S:hi * S + 1] - a)
+            net.predict(self.params, emb, dense[lo:hi], out[lo:hi])
         return out
 
     # ------------------------------------------------------------------ building
     @classmethod
     def from_arrays(cls, manifest, arrays):
         return cls(arrays["sparse/keys"], arrays["sparse/values"], arrays["dense/values"],
-                   manifest["model"], manifest["data"], manifest["checkpoint"])
+                   manifest["model"], manifest["data"], manifest["checkpoint"],
+                   schema=bd.schema_of_manifest(manifest))
 
     @classmethod
     def from_snapshot(cls, snap, stats=""):
         info = bd.bundle_info(snap, stats)
         return cls(snap.keys, snap.values, snap.dense, info["model"], info["data"],
-                   info["checkpoint"])
+                   info["checkpoint"], schema=bd.schema_of_manifest(info))
 
     def patched(self, manifest, arrays):
         """A new ServingModel: this one with patch (manifest, arrays) applied."""
@@ -128,7 +161,11 @@ class ServingModel:
                                  f"({mine.get('lineage')})")
         if manifest["model"] != self.model_cfg:
             raise bd.BundleError(f"patch model {manifest['model']} differs from {self.model_cfg}")
+        diff = self.schema.diff(bd.schema_of_manifest(manifest))
+        if diff:
+            raise bd.BundleError(f"patch to {manifest['checkpoint']['name']} has another feature "
+                                 f"schema than this predictor: {diff} (this vs the patch's)")
         keys, values = bd.merge_rows(self.keys, self.values, arrays["sparse/keys"],
                                      arrays["sparse/values"], arrays["sparse/evicted"])
         return ServingModel(keys, values, arrays["dense/values"], self.model_cfg, manifest["data"],
-                            manifest["checkpoint"])
+                            manifest["checkpoint"], schema=self.schema)

@@ -3,7 +3,8 @@
     p = Predictor("model.h5")                   # a bundle from `python -m mpips.export`
     p.predict_lines([b"0\t1\t...", "..."])    # Criteo TSV or Paddle slot lines -> (n,) float32
                                                 # (a bad line raises LineError; errors="nan")
-    p.predict_arrays(dense, ids)                # normalised (B, 13) float32, (B, 26) int64
+    p.predict_arrays(dense, ids)                # normalised (B, D) float32, (B, S) int64 ids
+    p.predict_arrays(dense, ids, offsets)       # or bags: ids (nnz,), offsets (B*S + 1,)
     p.apply("patch-000005.h5")                  # rows changed / ids evicted since the bundle
 
     p = Predictor.follow("exports/")            # the newest state of a stream's --export-dir
@@ -154,9 +155,10 @@ class Predictor:
     def version(self):
         return self._model.version
 
-    def predict_arrays(self, dense, ids):
-        """Probabilities (B,) float32 for dense (B, 13) normalised and ids (B, 26) int64."""
-        return self._model.predict(dense, ids)
+    def predict_arrays(self, dense, ids, offsets=None):
+        """Probabilities (B,) float32 for dense (B, D) normalised and ids (B, S) int64, or
+        bags of ids (nnz,) with ``offsets`` (B*S + 1,) (the layout of ``Batch``)."""
+        return self._model.predict(dense, ids, offsets=offsets)
 
     def predict_lines(self, lines, errors="raise"):
         """Probabilities (n,) float32 for n raw lines (TSV or slot, str or bytes).
@@ -168,6 +170,11 @@ class Predictor:
         if errors not in ("raise", "nan"):
             raise ValueError(f"errors must be 'raise' or 'nan'; got {errors!r}")
         model = self._model
+        if not model.schema.is_criteo:
+            raise ValueError(f"predict_lines reads Criteo TSV or slot lines; this model's "
+                             f"schema is format {model.schema.format} with "
+                             f"{model.schema.n_sparse} slots: parse its lines with the "
+                             f"{model.schema.format} reader and call predict_arrays")
         why = {}
         dense, ids, ok = parse_lines(lines, model.data, why)
         bad = sorted(why.items())

@@ -26,6 +26,7 @@ from mpips.resume import (check_kind, choose, first_rank_decides, pin, resume_li
                           start_point)
 from mpips.ownership import plan_keys
 from mpips.runner import LocalBackend, admission_of, inner_table, run_epochs
+from mpips.schema import check_same, stored_schema
 from mpips.stream import install_sigterm, run_stream
 from mpips.warmup import report_new, signatures, warm
 from mpips.worker.local import LocalPS
@@ -38,7 +39,8 @@ def run_local(cfg):
     log_line(f"mpips: kernels compiled or loaded from numba's cache in "
              f"{warm(cfg, train_files[:1] or None):.1f} s (before training; in no rate)")
     jit0 = signatures()
-    model = make_model(cfg)
+    schema = make_schema(cfg)
+    model = make_model(cfg, schema)
     ps = LocalPS(*make_tables(cfg, model, dense_batches=cfg.local_workers))
     plan = lambda ids: plan_keys(ids, 1)  # noqa: E731
     if cfg.mode == "geo":
@@ -75,6 +77,7 @@ def precheck(cfg, comm=None):
     """
     if cfg.stream:
         install_sigterm()
+    schema = make_schema(cfg)                 # a bad --schema file fails here, before any work
     path = first_rank_decides(comm, lambda: choose(cfg))
     if path:                                   # before pinning: --resume naming it allows it
         check_kind(cfg, path, ck.read_manifest(path))
@@ -83,6 +86,7 @@ def precheck(cfg, comm=None):
         elements = chain_manifests(cfg.resume)
         check_chain(elements)
         check_compatible(elements[-1][1], cfg)
+        check_same(stored_schema(elements[-1][1]), schema, f"checkpoint {cfg.resume}")
         resume_point(cfg)                      # its position, checked against the run
         start_point(cfg, _train_files(cfg))    # (and against the data, when given)
     return cfg

@@ -47,7 +47,7 @@ def test_layout_is_contiguous_and_complete():
         off += int(np.prod(shape))
     assert off == m.n_params == (14 * 5 + 5) + (5 * 4 + 4) + (4 + 1)
     assert [n for n, _, _ in m.layout] == ["fc0.w", "fc0.b", "fc1.w", "fc1.b", "out.w", "out.b"]
-    default = CTRDNN()
+    default = CTRDNN(n_sparse=26, dim=10, n_dense=13)     # Criteo's 26 slots + 13 dense
     assert default.n_in == 26 * 10 + 13
     assert default.n_params == 273 * 400 + 400 + 2 * (400 * 400 + 400) + 401
 
@@ -140,7 +140,7 @@ def test_predict_equals_forward_probs(monkeypatch):
 
 def test_init_is_deterministic_and_scaled():
     for init in ctr_dnn.INITS:
-        m = CTRDNN(hidden=(40, 30), init=init)
+        m = CTRDNN(26, 10, 13, hidden=(40, 30), init=init)
         a, b, c = m.init_params(11), m.init_params(11), m.init_params(12)
         assert a.dtype == np.float32 and a.shape == (m.n_params,)
         np.testing.assert_array_equal(a, b)
@@ -213,6 +213,6 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="params"):
         m.predict(params[:-1], emb, dense, np.empty(4))
     with pytest.raises(ValueError, match="hidden"):
-        CTRDNN(hidden=())
+        CTRDNN(26, 10, 13, hidden=())
     with pytest.raises(ValueError, match="unknown init"):
-        CTRDNN(init="he")
+        CTRDNN(26, 10, 13, init="he")

@@ -199,6 +199,7 @@ def _check_manifest(path, m):
     _need(isinstance(m.get("optimizer"), dict) and "name" in m["optimizer"], where,
           "bad optimizer")
     _need(isinstance(m.get("config"), dict), where, "config is not an object")
+    _need(isinstance(m.get("schema", {}), dict), where, "schema is not an object")
     shards = m.get("shards")
     _need(isinstance(shards, list) and len(shards) == S, where, f"needs {S} shard entries")
     for i, sh in enumerate(shards):
@@ -317,7 +318,8 @@ def write_manifest(ckpt_dir, info):
     """Commit ``ckpt_dir``: validate the shards and write MANIFEST.json atomically.
 
     ``info``: ``shards`` (the dicts save_shard returned, any order), optional ``config``
-    (a Config, its JSON or a dict), ``meta`` (anything JSON: epoch, step, pass, data
+    (a Config, its JSON or a dict), ``schema`` (the feature schema's dict; absent in
+    checkpoints written before schemas, which load as Criteo's), ``meta`` (anything JSON: epoch, step, pass, data
     position) and, for a delta, ``parent`` (directory name; default: the newest committed
     base/delta before it in the same root).  Returns the manifest.
     """
@@ -356,6 +358,8 @@ def write_manifest(ckpt_dir, info):
                 "rows": sum(s["rows"] for s in shards), "created": time.time(),
                 "config": config, "settings": run_settings(config),
                 "meta": info.get("meta") or {}, "shards": entries}
+    if info.get("schema") is not None:
+        manifest["schema"] = info["schema"]
     try:
         manifest = seal(manifest)
     except (TypeError, ValueError) as e:

@@ -45,7 +45,7 @@ INITS = {
     # PaddleRec's CTR-DNN: Normal(0, 1/sqrt(fan_in)).
     "normal": lambda rng, fi, fo, n: rng.standard_normal(n) / math.sqrt(fi),
 }
-# Xavier trained best or tied in a synthetic CTR run (26 slots, 400x3, 200 steps of 512):
+# Xavier trained best or tied in a synthetic Criteo-shaped run (400x3, 200 steps of 512):
 # test AUC with Adam 1e-3: uniform .7911, xavier .7915, normal .7917; with SGD 0.05:
 # uniform .7743, xavier .7847, normal .7827.
 DEFAULT_INIT = "xavier"
@@ -73,16 +73,19 @@ class CTRDNN:
 
     Parameters
     ----------
-    n_sparse : number of sparse slots (26 for Criteo).
+    n_sparse : number of sparse slots S (``schema.n_sparse``).
     dim : embedding dimension per slot.
-    n_dense : number of dense features (13 for Criteo).
+    n_dense : number of dense features D (``schema.n_dense``).
     hidden : widths of the ReLU layers (at least one).
     dtype : float32 for training; float64 is supported for gradient checks.
     init : weight initialisation, one of ``INITS`` (biases start at 0).
+    pooling : per slot, how its bag of ids is pooled into its ``dim`` inputs (0 sum, 1 mean;
+        ``schema.pooling_codes()``); default all sum.  The network itself does not use it:
+        the trainer and the scorer pool with it (``mpips.kernels.pooling``).
     """
 
-    def __init__(self, n_sparse=26, dim=10, n_dense=13, hidden=(400, 400, 400),
-                 dtype=np.float32, init=DEFAULT_INIT):
+    def __init__(self, n_sparse, dim, n_dense, hidden=(400, 400, 400),
+                 dtype=np.float32, init=DEFAULT_INIT, pooling=None):
         hidden = tuple(int(h) for h in hidden)
         if n_sparse < 0 or n_dense < 0 or n_sparse + n_dense == 0 or dim < 1:
             raise ValueError(f"CTRDNN needs n_sparse>=0, n_dense>=0 (not both 0) and dim>=1; "
@@ -96,6 +99,11 @@ class CTRDNN:
             raise ValueError(f"dtype must be float32 or float64; got {self.dtype}")
         self.n_sparse, self.dim, self.n_dense = int(n_sparse), int(dim), int(n_dense)
         self.hidden, self.init = hidden, init
+        self.pooling = np.zeros(self.n_sparse, np.int8) if pooling is None else \
+            np.array(pooling, np.int8)                     # (S,)
+        if self.pooling.shape != (self.n_sparse,) or not np.isin(self.pooling, (0, 1)).all():
+            raise ValueError(f"pooling must give 0 (sum) or 1 (mean) for each of the "
+                             f"{self.n_sparse} slots; got {pooling!r}")
         self.n_emb = self.n_sparse * self.dim
         self.n_in = self.n_emb + self.n_dense
         self.layout = self._build_layout()
@@ -103,6 +111,12 @@ class CTRDNN:
         self.n_params = off + int(np.prod(shape))
         self._ws = None
         self._views_cache = {}      # id(flat) -> (flat, layer views)
+
+    @classmethod
+    def for_schema(cls, schema, dim, hidden, **kw):
+        """The network over a feature schema's inputs: S x dim pooled embeddings + D dense."""
+        return cls(n_sparse=schema.n_sparse, dim=dim, n_dense=schema.n_dense, hidden=hidden,
+                   pooling=schema.pooling_codes(), **kw)
 
     def _build_layout(self):
         layout, off = [], 0

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mpips.kernels.embedding import gather_rows, scatter_add_rows, sum_duplicates
+from mpips.kernels.pooling import pool_backward, pool_forward
 from mpips.metrics import BinaryMetrics
 from mpips.ownership import KeyPlan
 from mpips.protocol import Op
@@ -64,6 +65,18 @@ class _Prepared:
         if with_counts:
             self.counts = np.bincount(plan.inverse, minlength=len(plan.keys)).astype(
                 np.float32).reshape(-1, 1)
+
+
+def check_bags(batch, n_slots):
+    """Raise ValueError unless a CSR batch's offsets fit its ids and ``n_slots`` slots (the
+    pooling kernels index with them unchecked)."""
+    off, n = batch.offsets, len(batch.label)
+    if (off.shape != (n * n_slots + 1,) or off[0] != 0 or off[-1] != batch.sparse.shape[0]
+            or batch.sparse.ndim != 1 or (n and np.any(off[1:] < off[:-1]))):
+        raise ValueError(f"a batch of {n} examples over {n_slots} slots needs offsets "
+                         f"({n * n_slots + 1},) from 0 to len(ids), non-decreasing; got "
+                         f"offsets {off.shape} ending at {off[-1] if len(off) else None} "
+                         f"for ids {batch.sparse.shape}")
 
 
 class _Done:
@@ -140,6 +153,8 @@ class Trainer:
         if batch is None:
             return None
         t0 = time.perf_counter()
+        if batch.offsets is not None:
+            check_bags(batch, self.model.n_sparse)
         prep = _Prepared(batch, self.plan_fn(batch.sparse), self.dim, bool(self.cfg.entry))
         self.times["plan"] += time.perf_counter() - t0
         return prep
@@ -159,6 +174,19 @@ class Trainer:
             self._grad_emb = np.empty((n_rows, self.dim), np.float32)
         return self._emb[:n_rows], self._grad_emb[:n_rows]
 
+    def _slots(self, b):
+        return b.sparse.shape[1] if b.offsets is None else self.model.n_sparse
+
+    def _embed(self, prep, emb):
+        """The model input's embedding part into emb (B*slots, dim): one row per slot
+        (one-hot batch) or each slot's bag pooled (CSR batch)."""
+        b = prep.batch
+        if b.offsets is None:
+            gather_rows(prep.rows, prep.plan.inverse, emb)
+        else:
+            pool_forward(prep.rows, prep.plan.inverse, b.offsets, self.model.pooling,
+                         emb.reshape(len(b.label), -1))
+
     def _step_math(self, prep, params, scale=None):
         """Forward/backward of one batch; returns (mean loss, probs, row grads (u, dim)).
 
@@ -167,15 +195,19 @@ class Trainer:
         n = len(b.label)
         tm = self.times
         t0 = time.perf_counter()
-        emb, grad_emb = self._buffers(n * b.sparse.shape[1])               # (B*slots, dim)
-        gather_rows(prep.rows, prep.plan.inverse, emb)
+        emb, grad_emb = self._buffers(n * self._slots(b))                  # (B*slots, dim)
+        self._embed(prep, emb)
         t1 = time.perf_counter()
         loss, probs = self.model.forward_backward(params, emb.reshape(n, -1), b.dense, b.label,
                                                   self.grad_dense, grad_emb.reshape(n, -1),
                                                   scale)
         t2 = time.perf_counter()
         grads = np.empty_like(prep.rows)                                    # (u, dim)
-        scatter_add_rows(grad_emb, prep.plan.inverse, grads)               # zeroes grads first
+        if b.offsets is None:                                               # zero grads first
+            scatter_add_rows(grad_emb, prep.plan.inverse, grads)
+        else:
+            pool_backward(grad_emb.reshape(n, -1), prep.plan.inverse, b.offsets,
+                          self.model.pooling, grads)
         tm["scatter"] += time.perf_counter() - t2
         tm["fwd_bwd"] += t2 - t1
         tm["gather"] += t1 - t0
@@ -333,8 +365,8 @@ class Trainer:
                 h = self._pull(nxt, 0, None, create=False)
             b = cur.batch
             n = len(b.label)
-            emb = np.empty((n * b.sparse.shape[1], self.dim), np.float32)
-            gather_rows(cur.rows, cur.plan.inverse, emb)
+            emb = np.empty((n * self._slots(b), self.dim), np.float32)
+            self._embed(cur, emb)
             probs = np.empty(n, np.float32)
             self.model.predict(params, emb.reshape(n, -1), b.dense, probs)
             m.update(probs, b.label)
