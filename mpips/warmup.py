@@ -7,8 +7,9 @@ training step, so the first PROGRESS line showed ~18 ex/s and an ETA of hours.
 
 ``warm(cfg, files)`` runs a miniature of the run in this process: a few steps of training
 and an evaluation with the run's model, optimizer, admission and mode, on the first rows of
-the run's own first file (or on a few synthetic Criteo lines when there is none yet, e.g. a
-stream with no ready pass), so every kernel the run calls is compiled, or loaded from the
+the run's own first file (or, for the Criteo schema, on a few synthetic lines when there is
+none yet, e.g. a stream with no ready pass; other schemas then compile at their first
+step), so every kernel the run calls is compiled, or loaded from the
 cache, for exactly the types the run calls it with (``MPIPS_DEBUG_JIT=1`` makes each rank
 list any kernel compiled after it; the end-to-end tests expect none).  Under mpirun
 ``mpips.distributed.staged`` runs it on rank 0 first and, if that found the cache cold, on
@@ -32,7 +33,7 @@ import numpy as np
 from numba.core.registry import CPUDispatcher
 
 import mpips.kernels
-from mpips.build import make_model, make_reader, make_tables, resolve_data
+from mpips.build import make_model, make_reader, make_schema, make_tables, resolve_data
 from mpips.config import parse_args
 from mpips.data.reader import DataError
 from mpips.ownership import plan_keys
@@ -102,8 +103,8 @@ def warm(cfg, files=None):
         done = _mini_run(mini, files) if files else 0
     except (DataError, ValueError, OSError):
         done = 0
-    if not done:
-        with tempfile.TemporaryDirectory(prefix="mpips-warm-") as tmp:
+    if not done and make_schema(cfg).is_criteo:   # other schemas: no lines to make up; the
+        with tempfile.TemporaryDirectory(prefix="mpips-warm-") as tmp:  # run compiles lazily
             _mini_run(mini, _synthetic_file(tmp))
     return time.perf_counter() - t0
 

@@ -187,15 +187,17 @@ def test_garbage_part_in_2x2_fails_the_job_naming_rank_and_file(tiny_data, tmp_p
     train.mkdir()
     shutil.copy(tiny_data[0] + "/part-00000.txt", train / "part-00000.txt")
     good = (train / "part-00000.txt").read_text().splitlines(keepends=True)
-    # worker 1's file: 80 good lines and 20 of a 39-field file without labels (20% > 10%)
-    (train / "part-00001.txt").write_text("".join(good[:80] + [x.split("\t", 1)[1] for x in good[:20]]))
+    # worker 1's file: 80 good lines and 20 cut inside the dense columns (10 fields: not a
+    # short line read padded, which needs the label and every dense column; 20% > 10%)
+    (train / "part-00001.txt").write_text("".join(good[:80] + ["\t".join(x.split("\t")[:10]) + "\n"
+                                                               for x in good[:20]]))
     proc = run_cmd(["-m", "mpips.train", "--train", str(train), "--test", str(train), "--fc", "16",
                     "--print-every", "100000"], n=4, timeout=120)
     assert proc.returncode != 0
     lines = [x for x in proc.stderr.splitlines() if x.startswith("mpips: rank")]
     assert lines and "rank 3" in lines[0] and "part-00001.txt: 20 of 100 lines malformed" in lines[0], \
         proc.stderr[-2000:]
-    assert "39-field file without labels" in lines[0]
+    assert "expected 40 tab-separated fields, found 10" in lines[0]  # the reason, with a hint
     # a higher limit lets the run skip them and train
     proc = run_cmd(["-m", "mpips.train", "--train", str(train), "--test", str(train), "--fc", "16",
                     "--print-every", "100000", "--max-bad-fraction", "0.25"], n=4, timeout=120)
