@@ -172,23 +172,29 @@ def data_settings(manifest, stats=""):
     """How the predictor must parse: format, hash_bucket and the resolved normalisation.
 
     The normalisation is the values the checkpoint recorded from its run's ``--stats``
-    (a version 1 checkpoint: that file as it reads now), else Paddle's constants.
-    ``stats`` names a statistics file to use instead; it must hold the recorded values
-    (a checkpoint that recorded none takes it as it is)."""
+    (a version 1 checkpoint: that file as it reads now), else Paddle's constants (Criteo),
+    one pair per dense value of the stored schema; None for a schema with no min-max
+    dense value.  ``stats`` names a statistics file to use instead; it must hold the
+    recorded values (a checkpoint that recorded none takes it as it is)."""
     config = manifest["config"]
+    schema = schema_of_manifest(manifest)
     if stats:
-        check_compatible(manifest, dict(config, stats=stats),
+        check_compatible(manifest, dict(config, stats=stats), schema=schema,
                          fix="leave --stats out (the checkpoint holds the values it was "
                              "trained with)")
     saved = saved_settings(manifest)["norm"]
+    out = {"data_format": config.get("data_format", "auto"),
+           "hash_bucket": int(config.get("hash_bucket", 0)), "cont_min": None,
+           "cont_diff": None}
+    if "minmax" not in schema.dense_options("norm"):
+        return out
     if stats or not isinstance(saved, dict):
         path = stats or config.get("stats", "")
-        norm = make_norm(*load_stats(path)) if path else make_norm()
+        norm = (make_norm(*load_stats(path, schema.n_dense), schema.n_dense) if path
+                else make_norm(n_dense=schema.n_dense))
     else:
-        norm = make_norm(saved["cont_min"], saved["cont_diff"])
-    return {"data_format": config.get("data_format", "auto"),
-            "hash_bucket": int(config.get("hash_bucket", 0)),
-            "cont_min": norm[0].tolist(), "cont_diff": norm[1].tolist()}
+        norm = make_norm(saved["cont_min"], saved["cont_diff"], schema.n_dense)
+    return dict(out, cont_min=norm[0].tolist(), cont_diff=norm[1].tolist())
 
 
 def model_settings(manifest):

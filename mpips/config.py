@@ -363,11 +363,18 @@ def saved_meaning(manifest):
     return _meaning(config, saved_settings(manifest))
 
 
-def run_meaning(cfg, skip=()):
+def run_meaning(cfg, skip=(), schema=None):
     """The MEANING values of a run config (a Config or its dict); reads its --stats file
-    unless "norm" is in ``skip`` (keys in ``skip`` read UNKNOWN: never compared)."""
+    unless "norm" is in ``skip`` (keys in ``skip`` read UNKNOWN: never compared), with as
+    many values as ``schema`` (default: the config's --schema file, else Criteo's) has
+    dense inputs."""
     config = cfg if isinstance(cfg, dict) else json.loads(cfg.to_json())
-    settings = run_settings(dict(config, stats="") if "norm" in skip else config)
+    if "norm" in skip or not config.get("stats"):
+        settings = run_settings(dict(config, stats=""))
+    else:
+        if schema is None and config.get("schema"):
+            schema = load_schema(config["schema"])
+        settings = run_settings(config, schema)
     return dict(_meaning(config, settings), **dict.fromkeys(skip, UNKNOWN))
 
 
@@ -380,9 +387,12 @@ def _show(key, flag, value, config, other):
     where = config.get("stats") or "?"
     if not isinstance(other, dict):
         return f"--stats {where}"
-    k = next((i for i in range(13) if (value["cont_min"][i], value["cont_diff"][i]) !=
-              (other["cont_min"][i], other["cont_diff"][i])), 0)
-    return (f"--stats {where} (I{k + 1}: cont_min {value['cont_min'][k]:g}, cont_diff "
+    if len(value["cont_min"]) != len(other["cont_min"]):
+        return f"--stats {where} ({len(value['cont_min'])} dense values)"
+    k = next((i for i in range(len(value["cont_min"])) if (value["cont_min"][i],
+              value["cont_diff"][i]) != (other["cont_min"][i], other["cont_diff"][i])), 0)
+    name = f"I{k + 1}" if len(value["cont_min"]) == 13 else f"dense value {k + 1}"
+    return (f"--stats {where} ({name}: cont_min {value['cont_min'][k]:g}, cont_diff "
             f"{value['cont_diff'][k]:g})")
 
 
@@ -407,14 +417,15 @@ def first_difference(saved, now):
     return None
 
 
-def check_compatible(manifest, cfg, fix=None, skip=()):
+def check_compatible(manifest, cfg, fix=None, skip=(), schema=None):
     """Raise CheckpointError naming the first setting where ``cfg`` (a Config or a config
     dict) cannot use the checkpoint: one line with the setting, both values and ``fix``
     (default: run with the saved value, or do not resume).  ``skip``: MEANING keys not
-    to compare (scoring and export use the stored normalisation values, not the file's)."""
+    to compare (scoring and export use the stored normalisation values, not the file's);
+    ``schema``: the one to read ``cfg``'s --stats for (default: its --schema file's)."""
     now = cfg if isinstance(cfg, dict) else json.loads(cfg.to_json())
     saved = dict(manifest["config"])
-    s_val, n_val = saved_meaning(manifest), run_meaning(now, skip)
+    s_val, n_val = saved_meaning(manifest), run_meaning(now, skip, schema)
     diff = first_difference(s_val, n_val)
     if diff is not None:
         key, flag, what = diff

@@ -58,7 +58,8 @@ class ServingModel:
             raise bd.BundleError(f"values {self.values.shape} do not match {len(self.keys)} "
                                  f"keys of dim {self.dim}")
         self.slots = hash_slots(self.keys) if slots is None else slots   # else: built before
-        self.norm = make_norm(data["cont_min"], data["cont_diff"])
+        self.norm = (None if data.get("cont_min") is None else    # no min-max dense value
+                     make_norm(data["cont_min"], data["cont_diff"], self.n_dense))
         self.hash_bucket = int(data["hash_bucket"])
         self._local = threading.local()
 

@@ -3,6 +3,8 @@
     p = Predictor("model.h5")                   # a bundle from `python -m mpips.export`
     p.predict_lines([b"0\t1\t...", "..."])    # Criteo TSV or Paddle slot lines -> (n,) float32
                                                 # (a bad line raises LineError; errors="nan")
+    p = Predictor("model.h5", header="click,price,site")   # a CSV schema's header line
+    p.predict_lines(["0,12.5,s1", "..."])       # lines of the bundle's schema (docs/serving.md)
     p.predict_arrays(dense, ids)                # normalised (B, D) float32, (B, S) int64 ids
     p.predict_arrays(dense, ids, offsets)       # or bags: ids (nnz,), offsets (B*S + 1,)
     p.apply("patch-000005.h5")                  # rows changed / ids evicted since the bundle
@@ -10,8 +12,8 @@
     p = Predictor.follow("exports/")            # the newest state of a stream's --export-dir
     p.refresh()                                 # catch up (True if the model changed)
 
-The lines are parsed by the training parsers (``mpips.data.criteo`` / ``mpips.data.slot``)
-with the bundle's data settings (format, ``hash_bucket``, normalisation), and scored by
+The lines are parsed by the training parsers (``mpips.data.criteo`` / ``mpips.data.slot``;
+another schema's by ``mpips.data.formats.TextFormat``) with the bundle's data settings (format, ``hash_bucket``, normalisation), and scored by
 a ``mpips.scoring.ServingModel`` (the training forward pass).  The predictor holds ONE
 reference to its current model; a scoring call reads it once, and ``apply``/``refresh``
 build the new model aside and then swap the reference, so a concurrent reader sees the
@@ -23,7 +25,8 @@ import numpy as np
 
 from mpips import bundle as bd
 from mpips import exports
-from mpips.data import criteo, slot
+from mpips.data import bags, criteo, slot
+from mpips.data.formats import TextFormat
 from mpips.scoring import ServingModel
 
 SLOT_PREFIX = (b"click:", b"dense_feature:")
@@ -115,6 +118,45 @@ def parse_lines(lines, data, why=None):
     return dense[ok], ids[ok], ok
 
 
+def text_parser(model, header=None):
+    """The parse function of a non-Criteo model's lines: the training readers' parser
+    (``mpips.data.formats.TextFormat``) with the bundle's data settings; a CSV schema
+    with ``header = true`` needs ``header``, the column names line of its files."""
+    schema, data = model.schema, model.data
+    fmt = TextFormat(schema, has_label=False, hash_bucket=int(data["hash_bucket"]),
+                     cont_min=data.get("cont_min"), cont_diff=data.get("cont_diff"))
+    if fmt.needs_header or (header is not None and schema.format == "csv"):
+        if header is None:
+            raise ValueError("this model's schema is CSV with a header line: give it, "
+                             "Predictor(bundle, header=\"col1,col2,...\") (the first line of "
+                             "its data files)")
+        fmt.with_header(_as_bytes(header), "the predictor's header")
+    return fmt
+
+
+def parse_text_lines(lines, fmt, why=None):
+    """(piece, ok) for raw lines of a TextFormat ``fmt``: the parsed rows as a batch piece
+    (dense, sparse, label, offsets) and which lines they are (bool (n,)); blank and bad
+    lines have no row (``why[i]`` says why, as in ``parse_lines``)."""
+    why = {} if why is None else why
+    raw = [_as_bytes(x) for x in lines]
+    ok = np.array([bool(b.strip()) for b in raw], np.bool_)
+    for j in np.flatnonzero(~ok):
+        why[int(j)] = "blank line"
+    index = np.flatnonzero(ok)
+    step = criteo.MAX_BAD_RECORDS
+    pieces = []
+    for lo in range(0, len(index), step):    # at most MAX_BAD_RECORDS bad lines a parse
+        res = fmt.parse(b"\n".join(raw[j] for j in index[lo:lo + step]) + b"\n")
+        for line, reason, detail in res.bad.tolist():
+            ok[index[lo + line]] = False
+            why[int(index[lo + line])] = fmt.describe(reason, detail)
+        pieces.append((res.dense, res.sparse, res.label, res.offsets))
+    if not pieces:
+        return None, ok
+    return bags.concat(pieces), ok
+
+
 class LineError(ValueError):
     """Lines ``predict_lines`` cannot score; ``bad``: [(index, reason)] of all of them."""
 
@@ -135,13 +177,15 @@ class Predictor:
     newest state of an export folder and ``refresh()`` catches up with it.
     """
 
-    def __init__(self, bundle=None, *, model=None):
+    def __init__(self, bundle=None, *, model=None, header=None):
         if model is None:
             m, arrays = bd.read_bundle(bundle)
             if m["kind"] != "full":
                 raise bd.BundleError(f"{bundle}: is a patch; load a full bundle and apply() it")
             model = ServingModel.from_arrays(m, arrays)
         self._model = model
+        self.header = header        # CSV schemas: the column names line of the data files
+        self._text = (None, None)   # (model, its TextFormat) of non-Criteo schemas
         self.folder = None
         self.bad_lines = 0          # bad lines given NaN by predict_lines(errors="nan")
         self.last_bad = []          # [(index, reason)] of the last such call
@@ -171,10 +215,7 @@ class Predictor:
             raise ValueError(f"errors must be 'raise' or 'nan'; got {errors!r}")
         model = self._model
         if not model.schema.is_criteo:
-            raise ValueError(f"predict_lines reads Criteo TSV or slot lines; this model's "
-                             f"schema is format {model.schema.format} with "
-                             f"{model.schema.n_sparse} slots: parse its lines with the "
-                             f"{model.schema.format} reader and call predict_arrays")
+            return self._predict_text(model, lines, errors)
         why = {}
         dense, ids, ok = parse_lines(lines, model.data, why)
         bad = sorted(why.items())
@@ -183,6 +224,21 @@ class Predictor:
         out = np.full(len(ok), np.nan, np.float32)
         if len(ids):
             out[ok] = model.predict(dense, ids)
+        self.last_bad = bad
+        self.bad_lines += len(bad)
+        return out
+
+    def _predict_text(self, model, lines, errors):
+        if self._text[0] is not model:
+            self._text = (model, text_parser(model, self.header))
+        why = {}
+        piece, ok = parse_text_lines(lines, self._text[1], why)
+        bad = sorted(why.items())
+        if bad and errors == "raise":
+            raise LineError(bad, len(ok))
+        out = np.full(len(ok), np.nan, np.float32)
+        if piece is not None and ok.any():
+            out[ok] = model.predict(piece[0], piece[1], offsets=piece[3])
         self.last_bad = bad
         self.bad_lines += len(bad)
         return out
@@ -196,9 +252,9 @@ class Predictor:
 
     # ------------------------------------------------------------ export folders
     @classmethod
-    def follow(cls, folder):
+    def follow(cls, folder, header=None):
         """A predictor at the newest state of export folder ``folder``."""
-        p = cls(model=exports.load_latest(folder))
+        p = cls(model=exports.load_latest(folder), header=header)
         p.folder = folder
         return p
 

@@ -92,8 +92,8 @@ def test_schema_round_trip_checkpoint_bundle_predictor(bags, local_run, tmp_path
     for b in NpzBags(None, sorted(os.path.join(bags[1], f) for f in os.listdir(bags[1])), 32):
         mt.update(p.predict_arrays(b.dense, b.sparse, b.offsets), b.label)
     assert mt.count == 600 and mt.auc() == pytest.approx(local[0]["test_auc"], abs=1e-6)
-    with pytest.raises(ValueError, match="format slot with 5 slots"):
-        p.predict_lines(["click:1 d:0.1 d:0.2 d:0.3 1:5"])
+    got = p.predict_lines(["click:1 d:0.1 d:0.2 d:0.3 1:5", "d:0.1 d:0.2 d:0.3 1:5"])
+    assert got.shape == (2,) and np.isfinite(got).all() and got[0] == got[1]   # label or not
 
 
 def test_async_geo_and_infer_under_mpirun_on_bags(bags, local_run, tmp_path):

@@ -20,6 +20,7 @@ import time
 
 from mpips.data.binary import load_stats
 from mpips.data.criteo import ID_HASH
+from mpips.schema import Schema, SchemaError
 
 FORMAT = "mpips-checkpoint"
 VERSION = 2                            # 2: sealed ("checksum") and with "settings"
@@ -164,14 +165,21 @@ def _check_shard_entry(where, sh, i, n_servers):
         _need(ok, where, f"shard {i}: bad entry for dataset {dname!r}")
 
 
-def _check_settings(where, st):
+def _check_settings(where, st, schema):
+    """``schema``: the manifest's stored schema dict (None: Criteo's)."""
     _need(isinstance(st, dict) and isinstance(st.get("ids"), str), where, "bad settings")
+    try:
+        n = Schema.from_dict(schema).n_dense
+    except (SchemaError, TypeError, ValueError, KeyError):
+        n = None                                 # the schema check reports it
     norm = st.get("norm")
     ok = norm is None or (isinstance(norm, dict) and all(
-        isinstance(norm.get(k), list) and len(norm[k]) == 13
+        isinstance(norm.get(k), list) and len(norm[k]) == len(norm["cont_min"]) >= 1
+        and (n is None or len(norm[k]) == n)
         and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in norm[k])
         for k in ("cont_min", "cont_diff")))
-    _need(ok, where, "settings.norm must be null or cont_min/cont_diff lists of 13 numbers")
+    _need(ok, where, f"settings.norm must be null or cont_min/cont_diff lists of "
+                     f"{n or 'the schema'}'s dense width numbers")
 
 
 def _check_manifest(path, m):
@@ -181,7 +189,7 @@ def _check_manifest(path, m):
           f"format version {m.get('version')!r}; this mpips reads versions "
           f"{', '.join(map(str, LEGACY_VERSIONS + (VERSION,)))}")
     if m["version"] == VERSION:
-        _check_settings(where, m.get("settings"))
+        _check_settings(where, m.get("settings"), m.get("schema"))
     match = _DIR_RE.match(os.path.basename(os.path.normpath(path)))
     if match:
         _need(m.get("seq") == int(match.group(1)) and m.get("mode") == match.group(2), where,
@@ -264,14 +272,19 @@ def _check_seal(path, m):
                               "use another checkpoint")
 
 
-def run_settings(config):
-    """The manifest's ``settings`` for a run config (dict): the id hashing, and the values
-    of its ``--stats`` (None: the defaults, Paddle's constants or a binary set's own)."""
+def run_settings(config, schema=None):
+    """The manifest's ``settings`` for a run config (dict) with feature ``schema`` (a Schema
+    or its dict; None: Criteo's): the id hashing, and the values of its ``--stats``, one
+    pair per dense value of the schema (None: the defaults, Paddle's constants or a binary
+    set's own; also None when no dense value of the schema is normalised by min-max)."""
     stats = (config or {}).get("stats") or ""
     norm = None
     if stats:
+        schema = schema if isinstance(schema, Schema) else Schema.from_dict(schema)
+        if "minmax" not in schema.dense_options("norm"):
+            return {"ids": ID_HASH, "norm": None}
         try:
-            lo, diff = load_stats(stats)
+            lo, diff = load_stats(stats, schema.n_dense)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"cannot read the normalisation statistics --stats {stats} "
                                   f"({e})") from None
@@ -356,7 +369,7 @@ def write_manifest(ckpt_dir, info):
                 "dense_bounds": [s["dense_lo"] for s in shards] + [end],
                 "embedding_dim": shards[0]["embedding_dim"], "optimizer": shards[0]["optimizer"],
                 "rows": sum(s["rows"] for s in shards), "created": time.time(),
-                "config": config, "settings": run_settings(config),
+                "config": config, "settings": run_settings(config, info.get("schema")),
                 "meta": info.get("meta") or {}, "shards": entries}
     if info.get("schema") is not None:
         manifest["schema"] = info["schema"]
