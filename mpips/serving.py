@@ -13,7 +13,8 @@
     p.refresh()                                 # catch up (True if the model changed)
 
 The lines are parsed by the training parsers (``mpips.data.criteo`` / ``mpips.data.slot``;
-another schema's by ``mpips.data.formats.TextFormat``) with the bundle's data settings (format, ``hash_bucket``, normalisation), and scored by
+another schema's by ``mpips.data.formats.TextFormat``) with the bundle's data settings
+(format, ``hash_bucket``, normalisation), and scored by
 a ``mpips.scoring.ServingModel`` (the training forward pass).  The predictor holds ONE
 reference to its current model; a scoring call reads it once, and ``apply``/``refresh``
 build the new model aside and then swap the reference, so a concurrent reader sees the
