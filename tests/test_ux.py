@@ -128,12 +128,17 @@ def test_ctrl_c_one_line_exit_130_no_traceback(tiny_data, n):
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
-    # every rank exits 130; mpiexec forwards that, but on a loaded machine Hydra has been
-    # seen to end slow ranks itself (exit 9): the contract is non-zero, one line, no trace
-    assert p.returncode == 130 or (n and p.returncode != 0), (p.returncode, err[-3000:])
-    assert "Traceback" not in err and "BAD TERMINATION" not in out + err, err[-3000:]
-    lines = [x for x in err.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("mpips: interrupted (SIGINT)"), lines
+    assert "Traceback" not in err, err[-3000:]
+    ours = [x for x in err.splitlines() if x.startswith("mpips:")]
+    assert len(ours) == 1 and ours[0].startswith("mpips: interrupted (SIGINT)"), ours
+    if not n:
+        assert p.returncode == 130 and err.strip() == ours[0], (p.returncode, err[-3000:])
+        return
+    # Every rank exits 130 after meeting the others.  On a quiet machine they leave together
+    # and mpiexec prints nothing else; on a loaded one the first rank to exit non-zero can make
+    # Hydra kill a slower one (exit 9 and its BAD TERMINATION banner), so only the contract
+    # holds there: a non-zero exit, our one line, no traceback.
+    assert p.returncode != 0, err[-3000:]
 
 
 # ---------------------------------------------------------------- --help and typos
