@@ -25,6 +25,7 @@ FORMATS = ("auto", "tsv", "slot")
 SAVE_MODES = ("full", "base", "delta")
 SHRINK_EVERY = ("day", "pass", "never")
 LATE_PASS = ("warn", "fail")
+MODELS = ("dnn", "wide_deep", "deepfm")     # mpips.models.zoo.MODELS
 
 
 def _f(default, help_text, **kw):
@@ -60,6 +61,9 @@ class Config:
     geo_steps: int = _f(100, "GEO-SGD: send deltas every K local steps")
     staleness: int = _f(4, "ssp: a worker may run at most this many steps ahead of the slowest")
     # --- model and optimiser
+    model: str = _f("dnn", "network: dnn (CTR-DNN), wide_deep (Wide&Deep) or deepfm (DeepFM); "
+                           "wide_deep and deepfm add a first-order weight to every table row "
+                           "(docs/models.md)", choices=MODELS)
     embedding_dim: int = _f(10, "embedding size per sparse slot")
     fc: str = _f("400,400,400", "hidden layer sizes, comma-separated")
     optimizer: str = _f("adam", "server optimizer (sparse and dense)", choices=OPTIMIZERS)
@@ -137,7 +141,7 @@ class Config:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
         for name, choices in (("shrink_every", SHRINK_EVERY), ("late_pass", LATE_PASS),
                               ("save_mode", SAVE_MODES),
-                              ("mode", MODES), ("optimizer", OPTIMIZERS),
+                              ("mode", MODES), ("optimizer", OPTIMIZERS), ("model", MODELS),
                               ("data_format", FORMATS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(choices)}; "
@@ -256,7 +260,8 @@ def check_compatible(manifest, cfg):
     saved = dict(manifest["config"])
     saved.setdefault("embedding_dim", manifest["embedding_dim"])
     saved.setdefault("optimizer", manifest["optimizer"]["name"])
-    checks = (("embedding_dim", int), ("fc", _fc), ("optimizer", str))
+    saved.setdefault("model", "dnn")            # saved before --model: a CTR-DNN
+    checks = (("model", str), ("embedding_dim", int), ("fc", _fc), ("optimizer", str))
     for key, norm in checks:
         if key in saved and key in now and norm(saved[key]) != norm(now[key]):
             flag = "--" + key.replace("_", "-")

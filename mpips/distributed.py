@@ -105,7 +105,7 @@ def serve(cfg, cluster, model, bounds):
 def work(cfg, cluster, model, bounds):
     wi, W, S = cluster.index, cluster.n_workers, cluster.n_servers
     train_files, test_files = ([], []) if cfg.stream else resolve_data(cfg)
-    client = PSClient(cluster.comm, cluster.server_ranks, cfg.embedding_dim, bounds,
+    client = PSClient(cluster.comm, cluster.server_ranks, model.row_dim, bounds,
                       cfg.peer_timeout, label=f"worker {wi}")
     logger = log_line if wi == 0 else None
     if cfg.mode == "geo":

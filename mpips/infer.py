@@ -45,9 +45,10 @@ from mpips.backoff import COLLECTIVE, Backoff
 from mpips.build import make_reader
 from mpips.bundle import Snapshot, bundle_info, schema_of_manifest
 from mpips.checkpoint import read_manifest, resolve
-from mpips.config import Config
+from mpips.config import MODELS, Config
 from mpips.data.files import resolve_paths, split_files
 from mpips.metrics import BinaryMetrics
+from mpips.models.zoo import check_model
 from mpips.schema import check_same, load_schema, stored_schema
 from mpips.scoring import ServingModel, hash_slots
 from mpips.server.sparse_table import slots_for
@@ -69,13 +70,19 @@ def build_parser():
                    "batches (0 = the stored print_every)")
     p.add_argument("--table-per-rank", action="store_true", help="every rank loads its own "
                    "copy of the table (default: one copy per node, in MPI shared memory)")
+    p.add_argument("--network", default="", choices=("",) + MODELS, help="the network the "
+                   "checkpoint must hold: dnn, wide_deep or deepfm (default: the one stored in it)")
     p.add_argument("--schema", default="", help="feature schema TOML the data is in; it must "
                    "be the checkpoint's (default: the schema stored in the checkpoint)")
     return p
 
 
 def check_schema(args):
-    """With --schema: fail (one line) unless it is the schema stored in the checkpoint."""
+    """With --schema (--network): fail (one line) unless it is the schema (the model)
+    stored in the checkpoint."""
+    if args.network:
+        path = resolve(args.model)
+        check_model(read_manifest(path), args.network, f"checkpoint {path}")
     if args.schema:
         path = resolve(args.model)
         check_same(stored_schema(read_manifest(path)), load_schema(args.schema),

@@ -29,6 +29,20 @@ def emb_dim(name, row_width):
     return row_width - model_class(name).EXTRA_COLS
 
 
+def stored_name(manifest):
+    """The ``--model`` a checkpoint manifest was saved with (none recorded: dnn)."""
+    return manifest.get("config", {}).get("model", DEFAULT)
+
+
+def check_model(manifest, want, where):
+    """ValueError (one line) unless checkpoint ``manifest`` holds model ``want`` (empty:
+    any)."""
+    have = stored_name(manifest)
+    if want and want != have:
+        raise ValueError(f"{where} holds a {have} model, not {want} (drop the flag or give "
+                         f"{have}, or use a {want} checkpoint)")
+
+
 def make_net(name, schema, dim, hidden, **kw):
     """Model ``name`` over a feature schema's inputs with embeddings of ``dim``."""
     return model_class(name).for_schema(schema, dim, hidden, **kw)
