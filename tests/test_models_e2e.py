@@ -96,3 +96,24 @@ def test_checkpoint_without_a_model_name_is_a_dnn(tiny_data, tmp_path):
     check_compatible(m, parse_args(["--local", "--fc", "32,16", *SMALL]))
     with pytest.raises(ck.CheckpointError, match="--model dnn; this run has --model deepfm"):
         check_compatible(m, parse_args(["--local", "--fc", "32,16", "--model", "deepfm", *SMALL]))
+
+
+def test_each_model_learns_and_deepfm_beats_dnn_on_pairwise_clicks(tmp_path):
+    """criteo_like with most of the logit in factorised slot-pair crosses (rank 4) and
+    small vocabularies: one epoch at batch 64.  Measured test AUCs (oracle 0.929): dnn
+    0.699, deepfm 0.716; the bar: every model >= 0.68, deepfm >= dnn + 0.008."""
+    from data_prep.criteo_like import generate
+    from mpips.train import main
+    generate(str(tmp_path / "d"), rows=20000, test_rows=5000, parts=2, card_scale=0.0001,
+             interactions=0.8, dense_share=0.05, interaction_rank=4, signal=3.0, churn=0.0)
+    auc = {}
+    for model in ("dnn", "wide_deep", "deepfm"):
+        out = tmp_path / f"{model}.jsonl"
+        assert main(["--local", "--model", model, "--train", str(tmp_path / "d" / "train"),
+                     "--test", str(tmp_path / "d" / "test"), "--fc", "32,16",
+                     "--embedding-dim", "8", "--batch-size", "64", "--lr", "0.01",
+                     "--print-every", "100000", "--progress-every", "0",
+                     "--metrics-out", str(out)]) == 0
+        auc[model] = json.loads(open(out).read().splitlines()[-1])["test_auc"]
+    assert min(auc.values()) >= 0.68, auc
+    assert auc["deepfm"] >= auc["dnn"] + 0.008, auc
