@@ -4,6 +4,7 @@
     python bench/bench_vs_torch.py --rounds 3 --runs torch,local,async,sync
     python bench/bench_vs_torch.py --gen "--interactions 0.45 --signal 1.4" --runs torch,local,async
     python bench/bench_vs_torch.py --data DIR                   # any DIR/train + DIR/test
+    python bench/bench_vs_torch.py --model deepfm               # Wide&Deep / DeepFM, both sides
     python bench/bench_vs_torch.py --run "async-hb=--mode async --hash-bucket 1000001"
 
 Data: ``data_prep.criteo_like`` (Criteo Kaggle cardinalities x ``--card-scale``), generated
@@ -153,6 +154,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--extra", default="", help="flags for every mpips run")
     ap.add_argument("--torch-extra", default="", help="flags for every torch run")
+    ap.add_argument("--model", default="dnn", choices=("dnn", "wide_deep", "deepfm"),
+                    help="the network of every run, mpips's and torch's (default dnn)")
     ap.add_argument("--json", default="", help="write records and medians to this file")
     a = ap.parse_args(argv)
     if a.rounds < 1:
@@ -169,6 +172,8 @@ def main(argv=None):
               f" {te.get('rows')} test rows; oracle test AUC {te.get('oracle_auc', float('nan')):.4f}"
               f" logloss {te.get('oracle_logloss', float('nan')):.4f}", flush=True)
     extra, textra = shlex.split(a.extra), shlex.split(a.torch_extra)
+    if a.model != "dnn":
+        extra, textra = extra + ["--model", a.model], textra + ["--model", a.model]
     results = {n: [] for n in runs}
     for rnd in range(a.rounds):
         rout = out / f"vs_torch-{data.name}-{os.getpid()}" / f"round{rnd}"   # own dir per job
