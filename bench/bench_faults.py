@@ -7,7 +7,8 @@ Scenarios (2 servers x 2 workers, 3 epochs of 16k synthetic rows, a checkpoint p
 faults hit mid epoch 2, once checkpoint 2 = epoch 1 is committed):
   kill-worker, kill-server   SIGKILL a rank (by the PID the job prints in its role map)
   stop-worker, stop-server   SIGSTOP a rank (resumed and killed afterwards)
-  corrupt-checkpoint         flip bytes in a shard of the last checkpoint, then --resume it
+  corrupt-checkpoint         flip bytes in a shard of the last checkpoint, then --resume the
+                             root (the corrupted one is passed over for the one before)
   hostile-message            tests/mpi_wire_probe.py: crafted bad requests to a server
 For each: seconds from the fault to the job's exit, exit code, the first error line, and
 whether the last committed checkpoint still loads in full (CRC-checked) — i.e. whether
@@ -133,8 +134,11 @@ def corrupt(data, work, timeout):
     older = checkpoint_state(ck.resolve(str(work / "ck" / "ckpt-000001-full")))
     return {"scenario": "corrupt-checkpoint", "victim_rank": None,
             "seconds_to_exit": round(seconds, 2), "exit_code": proc.returncode,
-            "rank_named": None, "first_error": first_error(proc.stderr),
-            "last_checkpoint": f"corrupted {checkpoint_state(work / 'ck')}; previous: {older}"}
+            "rank_named": None,
+            "first_error": first_error(proc.stderr) or next(
+                (x.strip()[:300] for x in proc.stderr.splitlines() if "passing over" in x), ""),
+            "last_checkpoint": f"after the resume {checkpoint_state(work / 'ck')}; the one "
+                               f"before the corrupted one: {older}"}
 
 
 def hostile():

@@ -38,16 +38,18 @@ def make_schema(cfg) -> Schema:
     return schema
 
 
-def make_reader(cfg, files, batch_size, warn, shuffle=None, schema=None):
-    """A DataReader of `files`; shuffle=(epoch, worker) shuffles rows with --shuffle.
-
-    schema: the feature schema to read with (mpips.infer: the checkpoint's); default the
-    config's.  The readers here read the Criteo schema."""
+def make_reader(cfg, files, batch_size, warn, shuffle=None, norm=None, schema=None):
+    """A DataReader of `files`; shuffle=(epoch, worker) shuffles rows with --shuffle;
+    norm=(cont_min, cont_diff) instead of the --stats file's (the values a checkpoint
+    recorded); schema: the feature schema to read with (mpips.infer: the checkpoint's),
+    default the config's.  The readers here read the Criteo schema."""
     if schema is not None and not schema.is_criteo:
         raise ValueError(f"no reader for schema format {schema.format} with "
                          f"{schema.n_sparse} slots yet (this build reads Criteo's schema)")
     cont_min = cont_diff = None
-    if cfg.stats:
+    if norm is not None:
+        cont_min, cont_diff = norm
+    elif cfg.stats:
         cont_min, cont_diff = load_stats(cfg.stats)
     window, seed = 0, None
     if cfg.shuffle and shuffle is not None:

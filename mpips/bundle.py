@@ -35,8 +35,10 @@ import numpy as np
 
 from mpips.checkpoint.load import _dense_slice, _in_sorted, _Shard, _sorted_unique
 from mpips.checkpoint.load import _schema as shard_schema
-from mpips.checkpoint.manifest import CheckpointError, chain_manifests, fsync, resolve
+from mpips.checkpoint.load import resolve
+from mpips.checkpoint.manifest import CheckpointError, chain_manifests, fsync, saved_settings
 from mpips.checkpoint.save import _write_whole
+from mpips.config import check_chain, check_compatible
 from mpips.data.criteo import make_norm
 from mpips.data.binary import load_stats
 from mpips.schema import SchemaError, stored_schema
@@ -130,6 +132,14 @@ def read_changes(elements, dim, removed=True):
     return keys, values, gone
 
 
+def check_elements(elements):
+    """A chain [(dir, manifest)] must mean one thing throughout (every setting of
+    ``mpips.config.MEANING``), and its ids this mpips's hashing (scoring and export take
+    the rest from the stored config and settings)."""
+    check_chain(elements)
+    check_compatible(elements[-1][1], elements[-1][1]["config"], skip=("norm",))
+
+
 class Snapshot:
     """A checkpoint's serving values: ``keys``, ``values`` (float32), ``dense``, manifests.
 
@@ -140,6 +150,7 @@ class Snapshot:
         self.path = resolve(path, warn)
         self.elements = chain_manifests(self.path)
         self.manifest = self.elements[-1][1]
+        check_elements(self.elements)
         self.dim = self.manifest["embedding_dim"]
         self.keys = self.values = self.dense = None
         if load:
@@ -157,10 +168,24 @@ class Snapshot:
 
 
 # ------------------------------------------------------------------ settings
-def data_settings(config, stats=""):
-    """How the predictor must parse: format, hash_bucket and the resolved normalisation."""
-    path = stats or config.get("stats", "")
-    norm = make_norm(*load_stats(path)) if path else make_norm()
+def data_settings(manifest, stats=""):
+    """How the predictor must parse: format, hash_bucket and the resolved normalisation.
+
+    The normalisation is the values the checkpoint recorded from its run's ``--stats``
+    (a version 1 checkpoint: that file as it reads now), else Paddle's constants.
+    ``stats`` names a statistics file to use instead; it must hold the recorded values
+    (a checkpoint that recorded none takes it as it is)."""
+    config = manifest["config"]
+    if stats:
+        check_compatible(manifest, dict(config, stats=stats),
+                         fix="leave --stats out (the checkpoint holds the values it was "
+                             "trained with)")
+    saved = saved_settings(manifest)["norm"]
+    if stats or not isinstance(saved, dict):
+        path = stats or config.get("stats", "")
+        norm = make_norm(*load_stats(path)) if path else make_norm()
+    else:
+        norm = make_norm(saved["cont_min"], saved["cont_diff"])
     return {"data_format": config.get("data_format", "auto"),
             "hash_bucket": int(config.get("hash_bucket", 0)),
             "cont_min": norm[0].tolist(), "cont_diff": norm[1].tolist()}
@@ -219,7 +244,7 @@ def bundle_info(snap, stats=""):
     """The manifest fields describing the model and where it came from."""
     return {"model": model_settings(snap.manifest),
             "schema": schema_of_manifest(snap.manifest).to_dict(),
-            "data": data_settings(snap.manifest["config"], stats),
+            "data": data_settings(snap.manifest, stats),
             "checkpoint": {"name": snap.name, "seq": snap.manifest["seq"],
                            "lineage": snap.lineage(), "meta": snap.manifest["meta"]}}
 
@@ -240,6 +265,7 @@ def export_patch(ckpt, since, out, dtype="float32", stats=""):
     prev = since if isinstance(since, dict) else read_manifest(since)
     path = resolve(ckpt)
     elements = chain_manifests(path)
+    check_elements(elements)
     names = [os.path.basename(os.path.normpath(d)) for d, _ in elements]
     want = prev["checkpoint"]
     base = elements[0]
@@ -252,7 +278,7 @@ def export_patch(ckpt, since, out, dtype="float32", stats=""):
     m = elements[-1][1]
     keys, values, removed = read_changes(after, m["embedding_dim"])
     info = {"model": model_settings(m), "schema": schema_of_manifest(m).to_dict(),
-            "data": data_settings(m["config"], stats),
+            "data": data_settings(m, stats),
             "checkpoint": {"name": names[-1], "seq": m["seq"], "lineage": lineage,
                            "meta": m["meta"]},
             "since": {"name": want["name"], "seq": want["seq"]}}

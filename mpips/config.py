@@ -8,6 +8,7 @@ whether a stored one can be resumed or evaluated with this one.
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from mpips.checkpoint.manifest import CheckpointError
+from mpips.checkpoint.manifest import UNKNOWN, CheckpointError, run_settings, saved_settings
 from mpips.server.admission import parse_entry
 
 MODES = ("async", "sync", "geo", "ssp")
@@ -254,20 +255,106 @@ def _fc(value):
 ORDER_KEYS = ("shuffle", "shuffle_window", "seed", "batch_size", "local_workers")
 
 
-def check_compatible(manifest, cfg):
-    """Raise CheckpointError naming the first field where ``cfg`` cannot use the checkpoint."""
+# Settings that change what the numbers in a checkpoint mean (a row's id, a weight's place,
+# an optimizer state's kind): a checkpoint is resumed, scored and exported only with the
+# values it was saved with.  (key, flag, what it decides).  A key that is a Config field
+# is compared as stored in the manifest's config (a field missing there is one saved
+# before the field existed, i.e. with its default); the others are derived and stored in
+# the manifest's "settings" (mpips.checkpoint.run_settings).  `model` (--model) is one:
+# a checkpoint saved before it existed is a dnn's (the default).
+MEANING = (
+    ("model", "--model", "the network the weights belong to"),
+    ("hash_bucket", "--hash-bucket", "which row each feature value maps to"),
+    ("ids", "feature-id hashing", "which row each feature value maps to"),
+    ("norm", "--stats", "the dense inputs the weights were trained on"),
+    ("embedding_dim", "--embedding-dim", "the width of every row"),
+    ("fc", "--fc", "the layout of the dense weights"),
+    ("optimizer", "--optimizer", "the optimizer state stored with every row"),
+)
+_NORMALISE = {"model": str, "hash_bucket": int, "embedding_dim": int, "fc": _fc, "optimizer": str}
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
+
+
+def _meaning(config, settings):
+    """{key: value} of the MEANING keys for a config dict and its derived settings."""
+    out = {}
+    for key, _, _ in MEANING:
+        if key in settings:
+            out[key] = settings[key]
+        else:
+            value = config.get(key, _DEFAULTS.get(key))
+            out[key] = _NORMALISE.get(key, lambda v: v)(value)
+    return out
+
+
+def saved_meaning(manifest):
+    """The MEANING values a checkpoint was saved with."""
+    config = dict(manifest["config"])
+    config.setdefault("embedding_dim", manifest["embedding_dim"])
+    config.setdefault("optimizer", manifest["optimizer"]["name"])
+    return _meaning(config, saved_settings(manifest))
+
+
+def run_meaning(cfg, skip=()):
+    """The MEANING values of a run config (a Config or its dict); reads its --stats file
+    unless "norm" is in ``skip`` (keys in ``skip`` read UNKNOWN: never compared)."""
+    config = cfg if isinstance(cfg, dict) else json.loads(cfg.to_json())
+    settings = run_settings(dict(config, stats="") if "norm" in skip else config)
+    return dict(_meaning(config, settings), **dict.fromkeys(skip, UNKNOWN))
+
+
+def _show(key, flag, value, config, other):
+    """One setting's value for a message; the normalisation by its first differing value."""
+    if key != "norm":
+        return f"{flag} {','.join(map(str, value)) if key == 'fc' else value}"
+    if value is None:
+        return "no --stats"
+    where = config.get("stats") or "?"
+    if not isinstance(other, dict):
+        return f"--stats {where}"
+    k = next((i for i in range(13) if (value["cont_min"][i], value["cont_diff"][i]) !=
+              (other["cont_min"][i], other["cont_diff"][i])), 0)
+    return (f"--stats {where} (I{k + 1}: cont_min {value['cont_min'][k]:g}, cont_diff "
+            f"{value['cont_diff'][k]:g})")
+
+
+def _fix(key, flag, value, config):
+    """How to run with the saved value of a setting."""
+    if key == "ids":
+        return "use the mpips version that saved it, or train a new model"
+    if key == "norm":
+        use = ("run without --stats" if value is None else
+               f"run with --stats {config.get('stats')} (or a file of the same values)")
+    else:
+        use = f"run with {_show(key, flag, value, config, None)}"
+    return use + ", or do not resume from it"
+
+
+def first_difference(saved, now):
+    """The first MEANING row (key, flag, what) where two value dicts differ, or None."""
+    for key, flag, what in MEANING:
+        a, b = saved[key], now[key]
+        if a != b and UNKNOWN not in (a, b):
+            return key, flag, what
+    return None
+
+
+def check_compatible(manifest, cfg, fix=None, skip=()):
+    """Raise CheckpointError naming the first setting where ``cfg`` (a Config or a config
+    dict) cannot use the checkpoint: one line with the setting, both values and ``fix``
+    (default: run with the saved value, or do not resume).  ``skip``: MEANING keys not
+    to compare (scoring and export use the stored normalisation values, not the file's)."""
     now = cfg if isinstance(cfg, dict) else json.loads(cfg.to_json())
     saved = dict(manifest["config"])
-    saved.setdefault("embedding_dim", manifest["embedding_dim"])
-    saved.setdefault("optimizer", manifest["optimizer"]["name"])
-    saved.setdefault("model", "dnn")            # saved before --model: a CTR-DNN
-    checks = (("model", str), ("embedding_dim", int), ("fc", _fc), ("optimizer", str))
-    for key, norm in checks:
-        if key in saved and key in now and norm(saved[key]) != norm(now[key]):
-            flag = "--" + key.replace("_", "-")
-            raise CheckpointError(
-                f"checkpoint seq {manifest['seq']} was saved with {flag} {saved[key]}; this "
-                f"run has {flag} {now[key]} (use the same {flag}, or do not resume from it)")
+    s_val, n_val = saved_meaning(manifest), run_meaning(now, skip)
+    diff = first_difference(s_val, n_val)
+    if diff is not None:
+        key, flag, what = diff
+        was = _show(key, flag, s_val[key], saved, n_val[key])
+        fix = fix or _fix(key, flag, s_val[key], saved)
+        raise CheckpointError(
+            f"checkpoint seq {manifest['seq']} was saved with {was}; this run has "
+            f"{_show(key, flag, n_val[key], now, s_val[key])} (it decides {what}): {fix}")
     if (manifest.get("meta") or {}).get("complete", True):
         return
     for key in ORDER_KEYS:      # a mid-epoch resume skips batches: their order must match
@@ -277,3 +364,21 @@ def check_compatible(manifest, cfg):
                 f"checkpoint seq {manifest['seq']} was saved mid-epoch with {flag} "
                 f"{saved[key]}; this run has {flag} {now[key]}, so skipping the batches "
                 f"done would skip other rows (use the same {flag})")
+
+
+def check_chain(elements):
+    """Raise CheckpointError if the elements [(dir, manifest)] of a base..delta chain were
+    saved with different MEANING values (one would be read with the other's meaning)."""
+    last_dir, last = elements[-1]
+    want = saved_meaning(last)
+    for d, m in elements[:-1]:
+        diff = first_difference(saved_meaning(m), want)
+        if diff is not None:
+            key, flag, _ = diff
+            raise CheckpointError(
+                f"{last_dir}: its chain mixes settings: {os.path.basename(d)} was saved with "
+                f"{_show(key, flag, saved_meaning(m)[key], m['config'], want[key])}, "
+                f"{os.path.basename(last_dir)} with "
+                f"{_show(key, flag, want[key], last['config'], saved_meaning(m)[key])} "
+                "(use a checkpoint whose base and deltas come from one run)")
+

@@ -9,8 +9,10 @@ bundle holds the dense weights, the sparse ids and their embeddings (no optimize
 state), the model config, the data settings (format, ``hash_bucket``, normalisation)
 and a CRC-32 per dataset (format: ``mpips.bundle``).  ``--since BUNDLE`` writes a patch
 instead: the rows changed and ids evicted in the delta checkpoints after the one BUNDLE
-was made from.  ``--stats`` overrides the normalisation statistics stored in the run
-config (needed when that file has moved).  One line on stderr and exit 1 on failure.
+was made from.  The normalisation is the values the checkpoint recorded from its run's
+``--stats``; ``--stats`` is needed only for a checkpoint from before they were recorded
+(version 1) whose statistics file has moved, and must hold the recorded values when
+there are some.  One line on stderr and exit 1 on failure.
 """
 import argparse
 import os
@@ -34,7 +36,8 @@ def build_parser():
                    help="storage type of the embedding values")
     p.add_argument("--since", default="", help="write a patch from this bundle or patch")
     p.add_argument("--stats", default="", help="normalisation statistics (stats.json); "
-                   "default: the run's --stats, else Paddle's constants")
+                   "default: the values the checkpoint recorded from its run's --stats, "
+                   "else Paddle's constants")
     p.add_argument("--network", default="", choices=("",) + MODELS, help="the network the "
                    "checkpoint must hold: dnn, wide_deep or deepfm (default: the one stored in it)")
     p.add_argument("--schema", default="", help="feature schema TOML the predictor will read; "

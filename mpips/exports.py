@@ -20,7 +20,8 @@ import json
 import os
 
 from mpips import bundle as bd
-from mpips.checkpoint.manifest import fsync, read_manifest, resolve
+from mpips.checkpoint.load import resolve
+from mpips.checkpoint.manifest import fsync, read_manifest
 from mpips.scoring import ServingModel
 
 INDEX = "EXPORTS.json"

@@ -3,14 +3,18 @@
     python -m mpips.infer --model ckpts/ --data data/test --metrics-out m.json
     mpirun -n 4 python -m mpips.infer --model ckpts/ --data data/test --predictions-out p.txt
 
-``--model`` is a checkpoint directory or a root (its latest committed checkpoint).  The
+``--model`` is a checkpoint directory or a root (its newest checkpoint whose whole chain
+verifies, chosen by the first rank; one that does not is passed over with a warning).  The
 table is read straight from the checkpoint's shard files — keys, embedding values and
 dense weights, never the optimizer state — and the base..delta chain is folded into one
 read-only table (``mpips.scoring.ServingModel``; ids the checkpoint does not hold read
-zeros).  No server ranks: scoring needs no messages.  Under mpirun the first rank of each
-node loads the table into MPI shared memory and the node's other ranks map it, so a node
-holds one copy whatever N is (``--table-per-rank``: every rank loads its own;
-docs/serving.md has the measurements).
+zeros).  The data are read as the run read them: its hash bucket, and the normalisation
+values the checkpoint recorded from the run's ``--stats`` (not the file as it is now).  A
+chain whose elements disagree on a setting that changes what the numbers mean
+(``mpips.config.MEANING``) is refused.  No server ranks: scoring needs no messages.
+Under mpirun the first rank of each node loads the table into MPI shared memory and the
+node's other ranks map it, so a node holds one copy whatever N is (``--table-per-rank``:
+every rank loads its own; docs/serving.md has the measurements).
 
 Data parallel: the files are split over the ranks in contiguous blocks as in training
 (``split_files``; with fewer files than ranks, rank r takes file r).  Each file is scored
@@ -44,11 +48,12 @@ import numpy as np
 from mpips.backoff import COLLECTIVE, Backoff
 from mpips.build import make_reader
 from mpips.bundle import Snapshot, bundle_info, schema_of_manifest
-from mpips.checkpoint import read_manifest, resolve
+from mpips.checkpoint import read_manifest, resolve, saved_settings
 from mpips.config import MODELS, Config
 from mpips.data.files import resolve_paths, split_files
 from mpips.metrics import BinaryMetrics
 from mpips.models.zoo import check_model
+from mpips.resume import first_rank_decides
 from mpips.schema import check_same, load_schema, stored_schema
 from mpips.scoring import ServingModel, hash_slots
 from mpips.server.sparse_table import slots_for
@@ -77,14 +82,12 @@ def build_parser():
     return p
 
 
-def check_schema(args):
+def check_schema(args, path):
     """With --schema (--network): fail (one line) unless it is the schema (the model)
-    stored in the checkpoint."""
+    stored in checkpoint path."""
     if args.network:
-        path = resolve(args.model)
         check_model(read_manifest(path), args.network, f"checkpoint {path}")
     if args.schema:
-        path = resolve(args.model)
         check_same(stored_schema(read_manifest(path)), load_schema(args.schema),
                    f"checkpoint {path}")
 
@@ -243,12 +246,13 @@ def _finite(x):
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
-def score_files(cfg, model, files, batch_size, sink, on_batch):
-    """Score files one by one (batches from each file's start); return BinaryMetrics."""
+def score_files(cfg, model, files, batch_size, sink, on_batch, norm=None):
+    """Score files one by one (batches from each file's start); return BinaryMetrics.
+    norm: (cont_min, cont_diff) to read with instead of --stats' file."""
     m = BinaryMetrics()
     for path in files:
         with contextlib.closing(make_reader(cfg, [path], batch_size, on_batch.warn,
-                                            schema=model.schema)) as reader:
+                                            norm=norm, schema=model.schema)) as reader:
             for batch in reader:
                 probs = model.predict(batch.dense, batch.sparse,          # (B,)
                                       offsets=batch.offsets)
@@ -295,11 +299,14 @@ def run(args, log=print, comm=None):
     group = Group(comm)
     say = log if group.rank == 0 else (lambda s: None)
     t0 = time.perf_counter()
-    files = group.agree(lambda: (resolve(args.model, say), resolve_paths(args.data))[1])
-    group.agree(lambda: check_schema(args))
-    snap, model, shared = load_model(args.model, group, say, not args.table_per_rank)
+    path = group.agree(lambda: first_rank_decides(comm, lambda: resolve(args.model)))
+    files = group.agree(lambda: (Snapshot(path, load=False), resolve_paths(args.data))[1])
+    group.agree(lambda: check_schema(args, path))
+    snap, model, shared = load_model(path, group, say, not args.table_per_rank)
     warm_up(model)
     cfg = config_from_manifest(snap.manifest)
+    norm = saved_settings(snap.manifest)["norm"]         # the values it was trained with
+    norm = (norm["cont_min"], norm["cont_diff"]) if isinstance(norm, dict) else None
     load_s = time.perf_counter() - t0
     batch_size = args.batch_size or cfg.batch_size
     mine = my_files(files, group.size, group.rank)
@@ -313,7 +320,7 @@ def run(args, log=print, comm=None):
     with contextlib.ExitStack() as stack:
         sink = stack.enter_context(open(part, "w")) if part else None
         local = score_files(cfg, model, mine, batch_size, sink,
-                            _Progress(args.print_every or cfg.print_every, say))
+                            _Progress(args.print_every or cfg.print_every, say), norm)
     score_s, cpu_s = time.perf_counter() - t1, time.process_time() - c1
     m = BinaryMetrics.from_state(group.allreduce(local.state()))
     seconds = float(group.allreduce(np.array([score_s]), op="max")[0])

@@ -1,36 +1,138 @@
 """Where a run continues from: the checkpoint to load and the point in the data after it.
 
-``resume_point`` picks the checkpoint (``--resume``, or a stream's own latest one in
-``--save-dir``) and the last pass it holds; ``start_point`` turns a batch run's checkpoint
-into the epoch and the batches of it already trained.
+``choose`` picks the checkpoint once (``--resume``: a checkpoint directory, or the newest
+one of a root whose whole chain verifies; else a stream's own latest one in
+``--save-dir``) and ``pin`` makes ``--resume`` name it, so every later call and every rank
+loads that one.  ``resume_point`` gives it with the last pass it holds; ``start_point``
+turns a batch run's checkpoint into the epoch and the batches of it already trained.  The
+position (``meta``) is checked against the run before it is used: a value out of range
+is an error naming it, never a run that silently trains nothing or skips forever.
 """
+import dataclasses
 import os
 
+import numpy as np
+
 from mpips import checkpoint as ck
+from mpips.backoff import COLLECTIVE, Backoff
+from mpips.data.binary import part_rows
+
+MIN_LINE_BYTES = 40            # no valid text line is shorter (a Criteo line of empty
+                               # fields: label, 39 tabs and LF is 41 bytes; slot lines more)
+
+
+def choose(cfg, warn=None):
+    """The checkpoint directory a run continues from, or None (see the module docstring)."""
+    if cfg.resume:
+        return ck.resolve(cfg.resume, warn)
+    if cfg.stream and cfg.save_dir and os.path.isdir(cfg.save_dir):
+        return ck.latest(cfg.save_dir, warn)
+    return None
+
+
+def pin(cfg, path):
+    """``cfg`` with ``--resume`` naming checkpoint directory ``path`` (unchanged if None)."""
+    return dataclasses.replace(cfg, resume=path) if path else cfg
+
+
+def _is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def checked_meta(path, cfg):
+    """The position stored in checkpoint ``path``, after checking its types and ranges."""
+    m = ck.read_manifest(path)
+    meta, seq = m["meta"], m["seq"]
+
+    def need(ok, what):
+        if not ok:
+            raise ck.CheckpointError(f"checkpoint seq {seq} ({path}): its meta {what}; got "
+                                     f"{meta!r} (a damaged manifest? resume from another "
+                                     "checkpoint)")
+    need(isinstance(meta, dict), "is not an object")
+    need(meta.get("pass") is None or isinstance(meta["pass"], str), "pass is not a pass name")
+    need(_is_int(meta.get("epoch", -1)) and meta.get("epoch", -1) >= -1, "epoch is not >= -1")
+    need(_is_int(meta.get("steps", 0)) and meta.get("steps", 0) >= 0, "steps is not >= 0")
+    need(isinstance(meta.get("complete", True), bool), "complete is not true/false")
+    if cfg.stream or not cfg.resume:
+        return meta
+    epoch, complete = meta.get("epoch", -1), meta.get("complete", True)
+    first = epoch + 1 if complete else epoch
+    if first >= cfg.epochs:
+        where = f"the end of epoch {epoch}" if complete else f"a point in epoch {epoch}"
+        raise ck.CheckpointError(
+            f"checkpoint seq {seq} ({path}) holds {where}, and --epochs {cfg.epochs} ends "
+            f"before epoch {first}: nothing left to train (epochs count from 0; give "
+            f"--epochs {first + 1} or more to train on from it)")
+    return meta
 
 
 def resume_point(cfg):
-    """(checkpoint path or None, last pass name or None) a run continues from.
-
-    `--resume` names it; a stream also resumes by itself from the latest checkpoint in
-    `--save-dir` (restarted with the same command).
-    """
-    path = None
-    if cfg.resume:
-        path = ck.resolve(cfg.resume)
-    elif cfg.stream and cfg.save_dir and os.path.isdir(cfg.save_dir):
-        path = ck.latest(cfg.save_dir)
+    """(checkpoint path or None, last pass name or None) a run continues from."""
+    path = choose(cfg)
     if path is None:
         return None, None
-    return path, ck.read_manifest(path)["meta"].get("pass")
+    return path, checked_meta(path, cfg).get("pass")
 
 
-def start_point(cfg):
-    """(epoch, batches to skip in it) to continue from the --resume checkpoint."""
+def max_batches(files, batch_size):
+    """An upper bound on the batches of ``batch_size`` rows a worker reads from ``files``
+    in an epoch: binary parts by their rows, text by its bytes / MIN_LINE_BYTES."""
+    rows = 0
+    for path in files:
+        rows += part_rows(path) if os.path.isdir(path) else \
+            os.path.getsize(path) // MIN_LINE_BYTES
+    return -(-rows // batch_size), rows
+
+
+def start_point(cfg, files=None):
+    """(epoch, batches to skip in it) to continue from the --resume checkpoint.  With the
+    training ``files``, a mid-epoch position is checked against the batches they hold."""
     if not cfg.resume or cfg.stream:
         return 0, 0
-    meta = ck.read_manifest(ck.resolve(cfg.resume))["meta"]
-    epoch = int(meta.get("epoch", -1))
+    path = ck.resolve(cfg.resume)
+    meta = checked_meta(path, cfg)
+    epoch = meta.get("epoch", -1)
     if meta.get("complete", True):
         return epoch + 1, 0
-    return epoch, int(meta.get("steps", 0))        # saved mid-epoch after `steps` batches
+    steps = meta.get("steps", 0)             # saved mid-epoch after `steps` batches
+    if files is not None:
+        most, rows = max_batches(files, cfg.batch_size)
+        if steps > most:
+            raise ck.CheckpointError(
+                f"checkpoint seq {ck.read_manifest(path)['seq']} ({path}) was saved after "
+                f"{steps} batches of epoch {epoch}, but the training data hold at most "
+                f"{most} batches of {cfg.batch_size} (<= {rows} rows): resume with the "
+                "--train data and --batch-size it was saved with")
+    return epoch, steps
+
+
+def first_rank_decides(comm, fn):
+    """``fn()`` (a str or None) on rank 0 of ``comm`` only; every rank returns its result or
+    raises its error as a ValueError with the same text (None comm: just ``fn()``).  So one
+    rank verifies and chooses a checkpoint, and every rank loads the one it chose."""
+    if comm is None or comm.size == 1:
+        return fn()
+    data = b""
+    if comm.rank == 0:
+        try:
+            out = fn()
+            data = b"N" if out is None else b"P" + out.encode()
+        except Exception as e:  # noqa: BLE001 - handed to every rank, raised there
+            text = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            data = b"E" + text.encode()
+    size = np.array([len(data)], np.int64)
+    _wait(comm.Ibcast(size, root=0))
+    buf = np.frombuffer(data, np.uint8).copy() if comm.rank == 0 else \
+        np.empty(int(size[0]), np.uint8)
+    _wait(comm.Ibcast(buf, root=0))
+    kind, text = chr(buf[0]), buf[1:].tobytes().decode()
+    if kind == "E":
+        raise ValueError(text)
+    return None if kind == "N" else text
+
+
+def _wait(req):
+    backoff = Backoff(*COLLECTIVE)       # rank 0 may read a large checkpoint meanwhile
+    while not req.Test():
+        backoff.sleep()

@@ -183,7 +183,7 @@ def concat(parts):
 def run_epochs(cfg, backend, train_files, test_files):
     """Batch training: epochs over the files, evaluation and saves after each."""
     records = []
-    first, skip = start_point(cfg)
+    first, skip = start_point(cfg, train_files)
     for epoch in range(first, cfg.epochs):
         n_workers = getattr(backend, "W", cfg.local_workers)
         backend.trainer.on_step = table_hook(cfg, backend, n_workers,

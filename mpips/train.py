@@ -14,9 +14,11 @@ import traceback
 from mpips import checkpoint as ck
 from mpips.build import make_model, make_schema, make_tables, resolve_data
 from mpips.cluster import check_servers, default_servers
-from mpips.config import check_compatible, parse_args
+from mpips.checkpoint.manifest import chain_manifests
+from mpips.config import check_chain, check_compatible, parse_args
 from mpips.report import log_line, peak_rss_mb
-from mpips.resume import resume_point
+from mpips.data.files import resolve_paths
+from mpips.resume import choose, first_rank_decides, pin, resume_point, start_point
 from mpips.ownership import plan_keys
 from mpips.runner import LocalBackend, admission_of, inner_table, run_epochs
 from mpips.schema import check_same, stored_schema
@@ -54,27 +56,43 @@ def run_local(cfg):
     return records
 
 
-def precheck(cfg):
-    """Checks that need files: the --resume checkpoint exists and fits this config.
+def precheck(cfg, comm=None):
+    """Checks that need files, before any work; returns ``cfg`` with ``--resume`` pinned.
 
-    Also: a stream run stops after its current pass on SIGTERM.
+    The checkpoint to continue from is chosen once (on rank 0 of ``comm``: the newest in a
+    root whose whole chain verifies) and pinned as ``cfg.resume``, so every rank loads that
+    one; its chain must agree with itself and with this config on every setting that
+    changes what its numbers mean, and its position must lie in this run.  Also: a stream
+    run stops after its current pass on SIGTERM.
     """
     if cfg.stream:
         install_sigterm()
-    schema = make_schema(cfg)                 # a bad --schema file fails here, before MPI starts
-    path = resume_point(cfg)[0]
-    if path:
-        manifest = ck.read_manifest(path)
-        check_compatible(manifest, cfg)
-        check_same(stored_schema(manifest), schema, f"checkpoint {path}")
+    schema = make_schema(cfg)                 # a bad --schema file fails here, before any work
+    cfg = pin(cfg, first_rank_decides(comm, lambda: choose(cfg)))
+    if cfg.resume:
+        elements = chain_manifests(cfg.resume)
+        check_chain(elements)
+        check_compatible(elements[-1][1], cfg)
+        check_same(stored_schema(elements[-1][1]), schema, f"checkpoint {cfg.resume}")
+        resume_point(cfg)                      # its position, checked against the run
+        start_point(cfg, _train_files(cfg))    # (and against the data, when given)
+    return cfg
+
+
+def _train_files(cfg):
+    """The --train files, or None (the embedded dataset, a stream, a path that the run
+    itself will report)."""
+    try:
+        return resolve_paths(cfg.train) if cfg.train else None
+    except OSError:
+        return None
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if "--local" in argv:       # no MPI at all
         try:
-            cfg = parse_args(argv)
-            precheck(cfg)
+            cfg = precheck(parse_args(argv))
         except ValueError as e:
             print(f"mpips: error: {e}", file=sys.stderr)
             return 2
@@ -87,7 +105,7 @@ def main(argv=None):
         cfg = parse_args(argv)
         if comm.size > 1:
             check_servers(cfg.servers or default_servers(comm.size), comm.size)
-        precheck(cfg)
+        cfg = precheck(cfg, comm)
     except ValueError as e:
         if comm.rank == 0:
             print(f"mpips: error: {e}", file=sys.stderr)

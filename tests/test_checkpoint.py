@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from mpips import checkpoint as ck
+from mpips.checkpoint.manifest import seal
 from mpips.config import Config, check_compatible
 from mpips.server.dense_table import DenseTable
 from mpips.server.optim import OptimizerConfig
@@ -264,13 +265,15 @@ def saved(tmp_path):
     return path, os.path.join(path, ck.shard_name(0, 1))
 
 
-def _edit_manifest(path, fn):
+def _edit_manifest(path, fn, reseal=True):
+    """Edit a manifest as a consistent but wrong writer would, its checksum recomputed (so
+    the checks behind the seal are reached); ``reseal=False``: an edit by hand."""
     mpath = os.path.join(path, ck.MANIFEST)
     with open(mpath) as fh:
         m = json.load(fh)
     fn(m)
     with open(mpath, "w") as fh:
-        json.dump(m, fh)
+        json.dump(seal(m) if reseal else m, fh)
 
 
 def _replace_dataset(path, shard, name, arr, **kw):
@@ -410,7 +413,7 @@ def test_latest_falls_back_past_a_broken_chain(tmp_path):
     with open(shard, "r+b") as fh:
         fh.truncate(os.path.getsize(shard) - 1)
     warned = []
-    assert ck.latest(root, warned.append) == base and "missing or not" in warned[0]
+    assert ck.latest(root, warned.append) == base and "(truncated or overwritten)" in warned[0]
     shutil.rmtree(base)
     warned = []
     assert ck.latest(root, warned.append) == full and len(warned) == 1

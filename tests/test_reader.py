@@ -10,7 +10,7 @@ from data_prep.synth import generate
 from mpips.data import reader as R
 from mpips.data.criteo import parse_tsv_bytes
 from mpips.data.files import resolve_paths, split_files
-from mpips.data.reader import Batch, DataReader, detect_format, iter_chunks
+from mpips.data.reader import Batch, DataError, DataReader, detect_format, iter_chunks
 from mpips.data.slot import parse_slot_bytes
 
 SAMPLE = str(Path(__file__).parent / "data" / "paddle_slot_sample.txt")
@@ -153,10 +153,54 @@ def test_edge_files(tmp_path):
     msgs = []
     rd = DataReader(str(tmp_path), 4, warn=msgs.append, chunk_bytes=4096)
     _, got = collect(rd)
-    assert len(got) == 5
-    assert_same(got, whole([str(tmp_path / "b_nonl.txt"), str(tmp_path / "c_crlf.txt")]))
+    assert len(got) == 4                      # b_nonl's last line has no newline: not trusted
+    (tmp_path / "ref.txt").write_bytes(lines[0])
+    assert_same(got, whole([str(tmp_path / "ref.txt"), str(tmp_path / "c_crlf.txt")]))
+    assert rd.stats.files[str(tmp_path / "b_nonl.txt")].bad == 1
+    assert any(m.startswith(f"{tmp_path / 'b_nonl.txt'}:2: ") and "newline" in m for m in msgs)
     assert rd.stats.files[str(tmp_path / "d_junk.bin")].bad > 0
-    assert len(msgs) <= 11
+    assert len(msgs) <= 12
+
+
+@pytest.mark.parametrize("fmt", ["tsv", "slot"])
+def test_cut_last_line_is_a_bad_line(tmp_path, fmt):
+    """Issue 23 D8: a file cut inside the last field of its last line.  That line still
+    parses (to a wrong id), so a last line without a newline is a bad line: --strict stops
+    naming file:line, otherwise it is counted, reported and skipped; the rows before it
+    are read as they are; a final lone CR, or no final line at all, is fine."""
+    if fmt == "tsv":
+        whole_lines = b"".join(open_lines())
+    else:
+        whole_lines = b"".join(open(SAMPLE, "rb").readlines()[:3])
+    last = whole_lines.splitlines(keepends=True)[-1]
+    cut = last[:-4]                              # inside the last categorical value / id
+    complete = parse_tsv_bytes(last) if fmt == "tsv" else parse_slot_bytes(last)
+    wrong = parse_tsv_bytes(cut) if fmt == "tsv" else parse_slot_bytes(cut)
+    assert wrong.n_rows == 1 and wrong.sparse[0, -1] != complete.sparse[0, -1]  # the danger
+    head = whole_lines[:-len(last)]
+    ref = parse_tsv_bytes(head) if fmt == "tsv" else parse_slot_bytes(head)
+    p = tmp_path / "cut.txt"
+    p.write_bytes(head + cut)
+    n_lines = head.count(b"\n") + 1
+    for chunk in (64, 1 << 20):                  # the cut line alone in the last chunk, or not
+        msgs = []
+        rd = DataReader(str(p), 2, fmt=fmt, warn=msgs.append, chunk_bytes=chunk)
+        _, got = collect(rd)
+        assert_same(got, Batch(ref.dense, ref.sparse, ref.label))
+        assert rd.stats.bad_lines == 1 and rd.stats.files[str(p)].lines == n_lines
+        assert msgs == [f"{p}:{n_lines}: malformed line skipped: last line ({len(cut)} bytes) "
+                        "does not end in a newline: the file may be cut (a copy or write "
+                        "still going?), so the line is not trusted"]
+        with pytest.raises(ValueError, match=rf"{p}:{n_lines}: .*does not end in a newline.*"
+                                             r"\(strict mode"):
+            list(DataReader(str(p), 2, fmt=fmt, strict=True, chunk_bytes=chunk))
+    for ending in (b"", b"\r"):                 # ends in a newline (or a lone CR): all rows
+        p.write_bytes(whole_lines + ending)
+        rd = DataReader(str(p), 2, fmt=fmt, strict=True)
+        assert collect(rd)[1].sparse.shape[0] == n_lines and rd.stats.bad_lines == 0
+    p.write_bytes(cut)                           # a one-line file without newline: no valid line
+    with pytest.raises(DataError, match=r"1 of 1 lines malformed .*end the file with a newline"):
+        list(DataReader(str(p), 2, fmt=fmt, max_bad_fraction=0.1))
 
 
 def test_too_long_line_is_skipped(tmp_path, monkeypatch):

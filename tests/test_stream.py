@@ -211,6 +211,45 @@ def test_stream_resumed_into_more_servers(small_stream, local_ref, tmp_path):
     assert_same_run(tmp_path / "run", local_ref)
 
 
+@pytest.mark.parametrize("n", [None, 3], ids=["local", "2-servers"])
+def test_corrupted_newest_checkpoint_is_passed_over(small_stream, local_ref, tmp_path, n):
+    """Issue 23 D11: one flipped bit (same file size) in the newest checkpoint of a finished
+    stream.  The same command again passes it over with one warning (printed once, by the
+    rank that chooses), resumes from the one before, trains the last pass again, and ends
+    with the uninterrupted run's numbers and checkpoint, every field."""
+    import shutil
+
+    import h5py
+    run = tmp_path / "run"
+    shutil.copytree(local_ref, run)
+    newest = run / "ck" / "ckpt-000006-delta"
+    shard = newest / "shard-00000-of-00001.h5"
+    with h5py.File(shard, "r") as f:
+        off = f["dense/values"].id.get_offset() + 9
+    size = os.path.getsize(shard)
+    with open(shard, "r+b") as fh:
+        fh.seek(off)
+        b = fh.read(1)
+        fh.seek(off)
+        fh.write(bytes([b[0] ^ 0x10]))
+    assert os.path.getsize(shard) == size
+    flags = EXACT + (("--local",) if n is None else ("--servers", "2"))
+    proc = run_cmd(args(small_stream, run, *flags), n=n)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    warned = [x for x in proc.stderr.splitlines() if "passing over" in x]
+    assert warned == [f"mpips.checkpoint: passing over {shard}: checksum mismatch in dataset "
+                      "dense/values (the file is corrupted)"], proc.stderr[-2000:]
+    recs = records(run)
+    assert len(recs) == 7 and recs[-1]["pass"] == "20261130/02"
+    assert {k: recs[-1].get(k) for k in SAME} == {k: recs[5].get(k) for k in SAME}
+    assert ckpts(run)[-1] == "ckpt-000007-delta"
+    name_r, state_r = final_state(local_ref / "ck")
+    name, state = final_state(run / "ck")
+    assert name == name_r == "20261130/02" and sorted(state) == sorted(state_r)
+    for k, v in state_r.items():
+        np.testing.assert_array_equal(state[k], v, err_msg=k)
+
+
 def test_distributed_stream_sync(stream_dir, tmp_path):
     proc = run_cmd(args(stream_dir, tmp_path, "--mode", "sync", "--entry", "count:2"), n=4)
     assert proc.returncode == 0, proc.stderr[-2000:]

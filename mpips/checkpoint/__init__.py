@@ -40,17 +40,22 @@ delta's parent is the checkpoint the tables were loaded from or last saved as ba
 delta (:class:`Lineage`), so a run resumed from an older checkpoint into the same root
 never chains onto the abandoned run's deltas.  Datasets and entry keys added since
 version 1 first shipped are optional on read.
+
+Trust: the manifest is sealed by its own SHA-256 (``checksum``), so an edited manifest is
+refused; a root's checkpoint is chosen only once its whole chain verifies (every CRC), and
+one that does not is passed over with a warning for the next older one.
 """
-from mpips.checkpoint.load import load_local, load_shard_into
+from mpips.checkpoint.load import (latest, load_config, load_local, load_shard_into, resolve,
+                                   verify)
 from mpips.checkpoint.manifest import (MANIFEST, MODES, CheckpointError, Lineage, chain,
-                                       check_files, latest, list_checkpoints, load_config,
-                                       new_checkpoint_dir, read_manifest, resolve, shard_name,
+                                       list_checkpoints, new_checkpoint_dir, read_manifest,
+                                       run_settings, saved_settings, shard_name,
                                        write_manifest)
 from mpips.checkpoint.save import save_local, save_shard, server_save_hooks
 
-__all__ = ["MANIFEST", "MODES", "CheckpointError", "Lineage", "chain", "check_files", "latest",
+__all__ = ["MANIFEST", "MODES", "CheckpointError", "Lineage", "chain", "latest",
            "list_checkpoints",
            "load_config", "load_local", "load_shard_into", "new_checkpoint_dir",
-           "read_manifest", "resolve", "save_local", "save_shard", "server_save_hooks",
-           "shard_name",
+           "read_manifest", "resolve", "run_settings", "save_local", "save_shard",
+           "saved_settings", "server_save_hooks", "shard_name", "verify",
            "write_manifest"]

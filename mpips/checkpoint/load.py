@@ -1,8 +1,12 @@
-"""Loading a checkpoint: a base..delta chain into any number of servers, every byte checked.
+"""Choosing and loading a checkpoint: a base..delta chain into any number of servers,
+every byte checked.
 
-Every server calls :func:`load_shard_into` with its own index and the new server count;
+:func:`latest` / :func:`resolve` choose the checkpoint of a root: the newest whose whole
+chain verifies (:func:`verify`: manifests, file sizes, and every dataset's CRC-32).  Every
+server then calls :func:`load_shard_into` with its own index and the new server count;
 ids are re-assigned by ``owner_of``, so S servers' files load into any S'.  Sizes, shapes,
-dtypes and CRC-32s are verified against the manifest; any problem raises CheckpointError.
+dtypes and CRC-32s are verified against the manifest again as the rows are read; any
+problem raises CheckpointError.
 """
 import os
 import zlib
@@ -11,12 +15,14 @@ from contextlib import contextmanager
 import h5py
 import numpy as np
 
-from mpips.checkpoint.manifest import (MANIFEST, SKIPPED_FIELDS, CheckpointError,
-                                       chain_manifests, resolve)
+from mpips.checkpoint.manifest import (_DIR_RE, MANIFEST, SKIPPED_FIELDS, CheckpointError,
+                                       chain_manifests, list_checkpoints, read_manifest,
+                                       stderr_warn)
 from mpips.ownership import owners
 
 LOAD_ROWS = 1 << 16                    # rows per read + import_rows call (its np.unique
                                        # is ~4x faster per row on cache-sized pieces)
+VERIFY_BYTES = 1 << 24                 # bytes per read while verifying a dataset's CRC
 
 
 @contextmanager
@@ -122,6 +128,18 @@ class _Shard:
                 nbytes and ds.id.get_storage_size() != nbytes):
             raise CheckpointError(f"{self.path}: dataset {name} is not stored as a whole "
                                   f"contiguous array of {nbytes} bytes")
+
+    def verify(self, name):
+        """Check a dataset's CRC-32, reading it in pieces of about VERIFY_BYTES."""
+        with _h5_errors(self.path):
+            ds = self.file[name]
+            row = max(int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize, 1)
+            step = max(VERIFY_BYTES // row, 1)
+            crc = 0
+            for lo in range(0, ds.shape[0] if ds.shape else 1, step):
+                crc = zlib.crc32(np.ascontiguousarray(ds[lo:lo + step] if ds.shape else ds[()]),
+                                 crc)
+        self._verify(name, crc)
 
     def read(self, name):
         """A whole dataset, checksum verified."""
@@ -319,6 +337,85 @@ def _admitted(group, server_id, same):
     return sum(int(s.read("admission/admitted")[0]) for s in group) if server_id == 0 else 0
 
 
+# ------------------------------------------------------------------ choosing
+def _listed_schema(entry):
+    """A schema of exactly the datasets a shard entry lists (what :func:`verify` checks)."""
+    return {name: (np.dtype(d["dtype"]), lambda e, shape=d["shape"]: tuple(shape))
+            for name, d in entry["datasets"].items()}
+
+
+def verify_element(ckpt_dir, m):
+    """Raise CheckpointError unless every shard file of one checkpoint directory is there,
+    at its size, and every dataset its manifest lists matches its shape, dtype and CRC."""
+    for entry in m["shards"]:
+        shard = _Shard(ckpt_dir, entry, _listed_schema(entry))
+        try:
+            for name in entry["datasets"]:
+                shard.verify(name)
+        finally:
+            shard.close()
+
+
+def verify(path, verified=None):
+    """Raise CheckpointError unless checkpoint ``path`` and every element of its chain
+    verify (manifests, file sizes, every dataset's CRC-32).  ``verified``: a dict of
+    directory -> error (None when it verified) shared between calls, so a base is read once
+    while its deltas are tried one after the other."""
+    verified = {} if verified is None else verified
+    for d, m in chain_manifests(path):
+        if d not in verified:
+            try:
+                verify_element(d, m)
+                verified[d] = None
+            except CheckpointError as e:
+                verified[d] = str(e)
+        if verified[d] is not None:
+            raise CheckpointError(verified[d] if d == os.path.normpath(path) else
+                                  f"{path} needs {os.path.basename(d)}: {verified[d]}")
+
+
+def latest(root, warn=None):
+    """Path of the newest checkpoint in root whose whole chain verifies, or None.
+
+    Newer ones that do not (an interrupted save, an edited manifest, a delta whose chain is
+    broken, a missing, truncated or corrupted shard file) are passed over with one line
+    each through ``warn`` (default: stderr).  Verifying reads every byte of the chosen
+    chain once (the load reads it again, mostly from the page cache).
+    """
+    warn = warn or stderr_warn
+    verified = {}
+    for info in reversed(list_checkpoints(root)):
+        if info["valid"]:
+            try:
+                verify(info["path"], verified)
+                return info["path"]
+            except CheckpointError as e:
+                info["error"] = str(e)
+        warn(f"passing over {info['error']}")
+    return None
+
+
+def resolve(path, warn=None):
+    """A checkpoint directory from ``path``: itself (checked when it is loaded), or the
+    newest one that verifies (:func:`latest`) if it is a root."""
+    path = os.path.normpath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint or checkpoint root")
+    if os.path.exists(os.path.join(path, MANIFEST)) or _DIR_RE.match(os.path.basename(path)):
+        return path
+    found = latest(path, warn)
+    if found is None:
+        raise CheckpointError(f"{path}: holds no checkpoint that verifies (none committed, "
+                              "or each failed a check named above)")
+    return found
+
+
+def load_config(path, warn=None):
+    """The run config stored in checkpoint ``path`` (a checkpoint dir or a root), as a dict."""
+    return read_manifest(resolve(path, warn))["config"]
+
+
+# ------------------------------------------------------------------ loading
 def load_local(path, sparse, dense, admission=None):
     """Load checkpoint ``path`` (dir or root) whole into one process's empty tables."""
     return load_shard_into(resolve(path), sparse, dense, 0, 1, [0, len(dense)], admission)

@@ -1,18 +1,30 @@
 """Checkpoint directories and manifests: naming, discovery, validation, atomic commit.
 
 A checkpoint directory ``ROOT/ckpt-<seq>-<mode>`` is committed by its ``MANIFEST.json``,
-written last and atomically (:func:`write_manifest`); :func:`read_manifest` validates one,
-:func:`latest` / :func:`resolve` find the newest committed one and :func:`chain` walks a
-delta back to its base.  The package docstring (``mpips.checkpoint``) has the layout.
+written last and atomically (:func:`write_manifest`); :func:`read_manifest` validates one
+and :func:`chain` walks a delta back to its base (``mpips.checkpoint.load`` chooses which
+one to load).  The package docstring (``mpips.checkpoint``) has the layout.
+
+A manifest is sealed: its ``checksum`` field is the SHA-256 of its canonical JSON without
+that field, so an edited or damaged manifest is refused (it is not a signature: whoever
+recomputes the checksum can forge one).  Its ``settings`` record what the run's numbers
+mean beyond its config: the feature-id hashing and the normalisation statistics' values.
+Version 1 manifests (before the seal) still load, with a one-line note.
 """
+import hashlib
 import json
 import os
 import re
 import sys
 import time
 
+from mpips.data.binary import load_stats
+from mpips.data.criteo import ID_HASH
+
 FORMAT = "mpips-checkpoint"
-VERSION = 1
+VERSION = 2                            # 2: sealed ("checksum") and with "settings"
+LEGACY_VERSIONS = (1,)                 # read unsealed, with a note
+CHECKSUM = "checksum"
 MODES = ("full", "base", "delta")      # Paddle save_persistables mode 0, 1, 2
 MANIFEST = "MANIFEST.json"
 SKIPPED_FIELDS = ("dirty",)            # save tracking, meaningless inside a checkpoint
@@ -102,36 +114,6 @@ def list_checkpoints(root):
     return out
 
 
-def latest(root, warn=None):
-    """Path of the newest checkpoint in root that loads, or None.
-
-    Newer directories without a valid manifest (interrupted saves), and deltas whose chain
-    back to a base is broken (a deleted or damaged parent, a missing or truncated shard
-    file), are skipped with a warning through ``warn`` (default: stderr).
-    """
-    warn = warn or stderr_warn
-    for info in reversed(list_checkpoints(root)):
-        if info["valid"]:
-            try:
-                check_files(info["path"])
-                return info["path"]
-            except CheckpointError as e:
-                info["error"] = str(e)
-        warn(f"ignoring {info['error']}")
-    return None
-
-
-def check_files(path):
-    """Raise CheckpointError unless every element of path's chain has its manifest and all
-    its shard files at their recorded sizes (checksums are verified on load)."""
-    for d, m in chain_manifests(path):
-        for sh in m["shards"]:
-            f = os.path.join(d, sh["file"])
-            if not os.path.isfile(f) or os.path.getsize(f) != sh["bytes"]:
-                raise CheckpointError(f"{path}: shard file {f} is missing or not "
-                                      f"{sh['bytes']} bytes")
-
-
 class Lineage:
     """The parent of the next delta: the checkpoint the tables were loaded from or last
     saved as base/delta, not the newest one in the root (which may belong to an abandoned
@@ -151,19 +133,6 @@ class Lineage:
     def saved(self, path, mode):
         if mode in ("base", "delta"):
             self.parent = os.path.basename(os.path.normpath(path))
-
-
-def resolve(path, warn=None):
-    """A checkpoint directory from ``path``: itself, or the latest one if it is a root."""
-    path = os.path.normpath(path)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: no such checkpoint or checkpoint root")
-    if os.path.exists(os.path.join(path, MANIFEST)) or _DIR_RE.match(os.path.basename(path)):
-        return path
-    found = latest(path, warn)
-    if found is None:
-        raise CheckpointError(f"{path}: holds no committed checkpoint (no ckpt-*/{MANIFEST})")
-    return found
 
 
 # ------------------------------------------------------------------- manifest
@@ -195,11 +164,24 @@ def _check_shard_entry(where, sh, i, n_servers):
         _need(ok, where, f"shard {i}: bad entry for dataset {dname!r}")
 
 
+def _check_settings(where, st):
+    _need(isinstance(st, dict) and isinstance(st.get("ids"), str), where, "bad settings")
+    norm = st.get("norm")
+    ok = norm is None or (isinstance(norm, dict) and all(
+        isinstance(norm.get(k), list) and len(norm[k]) == 13
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in norm[k])
+        for k in ("cont_min", "cont_diff")))
+    _need(ok, where, "settings.norm must be null or cont_min/cont_diff lists of 13 numbers")
+
+
 def _check_manifest(path, m):
     where = path
     _need(isinstance(m, dict) and m.get("format") == FORMAT, where, f"format is not {FORMAT}")
-    _need(m.get("version") == VERSION, where,
-          f"format version {m.get('version')!r}; this mpips reads version {VERSION}")
+    _need(m.get("version") in LEGACY_VERSIONS + (VERSION,), where,
+          f"format version {m.get('version')!r}; this mpips reads versions "
+          f"{', '.join(map(str, LEGACY_VERSIONS + (VERSION,)))}")
+    if m["version"] == VERSION:
+        _check_settings(where, m.get("settings"))
     match = _DIR_RE.match(os.path.basename(os.path.normpath(path)))
     if match:
         _need(m.get("seq") == int(match.group(1)) and m.get("mode") == match.group(2), where,
@@ -241,8 +223,75 @@ def read_manifest(path):
             m = json.loads(fh.read().decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: unreadable {MANIFEST} ({e})") from None
+    _check_seal(path, m)
     _check_manifest(path, m)
     return m
+
+
+def manifest_checksum(m):
+    """``sha256:<hex>`` of the manifest's canonical JSON (sorted keys, no spaces), without
+    its ``checksum`` field."""
+    body = {k: v for k, v in m.items() if k != CHECKSUM}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def seal(m):
+    """``m`` (JSON-able) as it reads back from disk, with its checksum set."""
+    m = json.loads(json.dumps({k: v for k, v in m.items() if k != CHECKSUM}, allow_nan=False))
+    m[CHECKSUM] = manifest_checksum(m)
+    return m
+
+
+_NOTED = set()                # roots whose legacy manifests were noted in this process
+
+
+def _check_seal(path, m):
+    if not isinstance(m, dict) or m.get("version") in LEGACY_VERSIONS and CHECKSUM not in m:
+        root = os.path.dirname(os.path.abspath(path))
+        if isinstance(m, dict) and root not in _NOTED:          # once per root
+            _NOTED.add(root)
+            stderr_warn(f"note: {path}: a version {m['version']} {MANIFEST} (written before "
+                        "manifests were sealed): read as it is, edits to it cannot be detected")
+        return
+    try:
+        ok = m.get(CHECKSUM) == manifest_checksum(m)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{path}: {MANIFEST} was edited or damaged after it was written "
+                              f"(its {CHECKSUM} does not match its contents); restore it, or "
+                              "use another checkpoint")
+
+
+def run_settings(config):
+    """The manifest's ``settings`` for a run config (dict): the id hashing, and the values
+    of its ``--stats`` (None: the defaults, Paddle's constants or a binary set's own)."""
+    stats = (config or {}).get("stats") or ""
+    norm = None
+    if stats:
+        try:
+            lo, diff = load_stats(stats)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read the normalisation statistics --stats {stats} "
+                                  f"({e})") from None
+        norm = {"cont_min": lo.tolist(), "cont_diff": diff.tolist()}
+    return {"ids": ID_HASH, "norm": norm}
+
+
+UNKNOWN = "unknown"                     # a legacy setting that cannot be recovered
+
+
+def saved_settings(m):
+    """The ``settings`` a checkpoint was saved with.  A version 1 manifest has none: its ids
+    are this hashing (unchanged since), its statistics those of its ``--stats`` file if that
+    still reads (else UNKNOWN)."""
+    if "settings" in m:
+        return m["settings"]
+    try:
+        return run_settings(m.get("config"))
+    except CheckpointError:
+        return {"ids": ID_HASH, "norm": UNKNOWN}
 
 
 def _auto_parent(root, below_seq):
@@ -301,20 +350,22 @@ def write_manifest(ckpt_dir, info):
                for s in shards]
     last = shards[-1]
     end = last["dense_lo"] + last["dense_size"]
+    config = _config_dict(info.get("config"))
     manifest = {"format": FORMAT, "version": VERSION, "seq": seq, "mode": mode,
                 "parent": parent, "n_servers": S, "n_params": end,
                 "dense_bounds": [s["dense_lo"] for s in shards] + [end],
                 "embedding_dim": shards[0]["embedding_dim"], "optimizer": shards[0]["optimizer"],
                 "rows": sum(s["rows"] for s in shards), "created": time.time(),
-                "config": _config_dict(info.get("config")), "meta": info.get("meta") or {},
-                "shards": entries}
+                "config": config, "settings": run_settings(config),
+                "meta": info.get("meta") or {}, "shards": entries}
     if info.get("schema") is not None:
         manifest["schema"] = info["schema"]
-    _check_manifest(ckpt_dir, manifest)
     try:
-        text = json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False)
+        manifest = seal(manifest)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{ckpt_dir}: meta/config is not JSON-serialisable ({e})") from None
+    _check_manifest(ckpt_dir, manifest)
+    text = json.dumps(manifest, indent=1, sort_keys=True)
     tmp = os.path.join(ckpt_dir, MANIFEST + ".tmp")
     with open(tmp, "w") as fh:
         fh.write(text)
@@ -346,8 +397,3 @@ def chain_manifests(path):
         path, m = parent, pm
         out.append((path, m))
     return out[::-1]
-
-
-def load_config(path, warn=None):
-    """The run config stored in checkpoint ``path`` (a checkpoint dir or a root), as a dict."""
-    return read_manifest(resolve(path, warn))["config"]

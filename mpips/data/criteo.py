@@ -9,7 +9,9 @@ One example a line: ``label \\t I1..I13 \\t C1..C26`` (40 fields; 39 without lab
   id = ``hash_feature(k - 1, raw)`` — see ``mpips.kernels.tsv_parse`` for the exact hash.
   Empty is a value of its own.  ``hash_bucket=B`` gives ``unsigned_hash % B`` instead
   (Paddle's ``% 1000001`` bucketing; ids then collide across slots, as in Paddle).
-* Lines end in LF, optionally CRLF; a last line without LF is read.  Blank lines are
+* Lines end in LF, optionally CRLF; this parser reads a last line without LF (a line
+  handed over alone, as the predictor does).  A *file* whose last line has no LF is cut
+  (``mpips.data.reader`` treats that line as bad: ``BAD_NO_NEWLINE``).  Blank lines are
   skipped silently.  Bad lines (wrong field count, non-integer I-field, label not 0/1)
   produce no row and are reported with their line number.
 """
@@ -25,11 +27,16 @@ CONT_MIN = np.array([0, -3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], dtype=np.float64)
 CONT_DIFF = np.array([20, 603, 100, 50, 64000, 500, 100, 50, 500, 10, 10, 10, 50],
                      dtype=np.float64)
 PADDLE_HASH_BUCKET = 1000001
+# The feature-id hashing of this version (TSV: hash_feature; slot: slot_feature_id), stored
+# in every checkpoint: change it whenever either hash changes, so that checkpoints holding
+# rows under the old ids are refused instead of silently never read.
+ID_HASH = "fnv1a64-splitmix64/1"
 
 BAD_LINE_TOO_LONG = 5  # Python-side: line longer than the reader's max_line_bytes
 BAD_SLOT_TOKENS = 6  # slot format: wrong token count; detail = tokens found
 BAD_SLOT_KEY = 7  # slot format: unexpected key at token index = detail
 BAD_SLOT_VALUE = 8  # slot format: unparsable value at token index = detail
+BAD_NO_NEWLINE = 9  # reader: a file's last line has no LF (cut?); detail = its bytes
 
 MAX_BAD_RECORDS = 64  # bad lines recorded (with number and reason) per parse call
 
@@ -79,6 +86,9 @@ def describe_bad(reason: int, detail: int, has_label: bool = True) -> str:
         return f"unexpected key in token {detail + 1}"
     if reason == BAD_SLOT_VALUE:
         return f"bad value in token {detail + 1}"
+    if reason == BAD_NO_NEWLINE:
+        return (f"last line ({detail} bytes) does not end in a newline: the file may be cut "
+                "(a copy or write still going?), so the line is not trusted")
     return f"malformed (reason {reason}, detail {detail})"
 
 

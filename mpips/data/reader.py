@@ -8,6 +8,11 @@ boundaries, as if the files were one stream.  Bad lines are skipped, counted in
 first ``max_warnings`` of each file individually, then one summary line per file);
 ``strict=True`` raises ``ValueError`` with that message instead.
 
+A file's last line must end in a newline.  One that does not may have been cut by a copy
+or a writer still at work, and a line cut inside its last field still parses (to a wrong
+id or value), so it is a bad line like any other: reported as ``file:line: ... does not
+end in a newline``, counted and skipped, or the error under ``strict``.
+
 Binary data parts (directories from ``resolve_paths`` of a ``data_prep.criteo`` output,
 see ``mpips.data.binary``) are read memory-mapped in pieces of ``binary.PIECE_ROWS`` rows
 and batched in the same stream, so text files and parts can even be mixed.  Their dense
@@ -99,6 +104,9 @@ def _hint(path, fmt, reason, detail, has_label):
     if reason == BAD_FIELDS and fmt == "tsv":
         return ("Paddle slot lines ('click:0 dense_feature:...')? use --data-format slot; "
                 f"Criteo TSV has {n + 1} tab-separated fields (label, 13 integers, 26 hex)")
+    if reason == criteo.BAD_NO_NEWLINE:
+        return ("a file cut short? if its last line is complete, end the file with a "
+                "newline (echo >> FILE)")
     if reason in (criteo.BAD_SLOT_TOKENS, criteo.BAD_SLOT_KEY, criteo.BAD_SLOT_VALUE):
         return ("Criteo TSV? use --data-format tsv; slot lines are 'click:<0|1>', 13 "
                 "'dense_feature:<x>' and 26 '<slot>:<id>' tokens")
@@ -154,6 +162,16 @@ def iter_chunks(path: str, chunk_bytes: int = CHUNK_BYTES, max_line: int | None 
             rest = data[cut:]
     if rest or too_long:
         yield rest, line, too_long
+
+
+def split_unterminated(data: bytes):
+    """(whole lines, last line) of a chunk: the part after its last LF (the end of a file
+    that does not end in a newline), or b"" when there is none or it is a lone CR."""
+    cut = data.rfind(b"\n") + 1
+    tail = data[cut:]
+    if not tail.strip(b"\r"):
+        return data, b""
+    return data[:cut], tail
 
 
 def _skip_to_newline(f, chunk_bytes: int) -> bytes:
@@ -302,12 +320,18 @@ class DataReader:
         for data, first, too_long in iter_chunks(path, self.chunk_bytes):
             self._report(path, fst, ((ln, criteo.BAD_LINE_TOO_LONG, MAX_LINE_BYTES)
                                      for ln in too_long))
+            data, cut = split_unterminated(data)      # only the file's end can lack LF
             res = parse(fmt, data)
             self._report(path, fst, ((first + int(b[0]), int(b[1]), int(b[2]))
                                      for b in res.bad))
             unlisted = res.n_bad - res.bad.shape[0]  # beyond the kernel's record capacity
             fst.bad += unlisted
             fst.lines = first + res.n_lines
+            if cut:
+                ln = first + data.count(b"\n")
+                self._report(path, fst, [(ln, criteo.BAD_NO_NEWLINE, len(cut))])
+                fst.lines = ln + 1
+                self.stats.bad_lines += 1
             fst.rows += res.n_rows
             self.stats.rows += res.n_rows
             self.stats.bad_lines += len(too_long) + res.n_bad
