@@ -117,3 +117,14 @@ def test_each_model_learns_and_deepfm_beats_dnn_on_pairwise_clicks(tmp_path):
         auc[model] = json.loads(open(out).read().splitlines()[-1])["test_auc"]
     assert min(auc.values()) >= 0.68, auc
     assert auc["deepfm"] >= auc["dnn"] + 0.008, auc
+
+
+@pytest.mark.parametrize("mode", [("--mode", "async"), ("--mode", "geo", "--geo-steps", "10"),
+                                  ("--mode", "ssp", "--staleness", "2")])
+def test_deepfm_learns_in_every_distributed_mode(tiny_data, tmp_path, mode):
+    """2x2 async, GEO and SSP train DeepFM's [w | v] rows (the GEO worker's local tables
+    are dim + 1 wide too) to a test AUC the dnn reaches on this set (> 0.65)."""
+    rec = train(tiny_data, tmp_path, "run", "--model", "deepfm", *mode, *SMALL, n=4)[0]
+    assert rec["test_auc"] > 0.65, rec
+    _, values, _ = load_params(tmp_path / "run")
+    assert values.shape[1] == 5 and np.abs(values[:, 0]).max() > 0.06
