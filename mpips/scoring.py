@@ -34,7 +34,8 @@ class ServingModel:
     """Dense weights + embedding rows + data settings; immutable once built.
 
     keys (n,) int64 unique; values (n, dim) float (stored as float32); dense (n_params,);
-    model {model (--model; default dnn), embedding_dim (row width), fc, n_params}; data {data_format, hash_bucket, cont_min, cont_diff};
+    model {model (--model; default dnn), embedding_dim (row width), fc, n_params};
+    data {data_format, hash_bucket, cont_min, cont_diff};
     version: where it came from (a bundle's ``checkpoint`` record); schema: the feature
     schema it was trained on (a ``Schema``; default Criteo's).
     """
