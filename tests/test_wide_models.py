@@ -136,6 +136,8 @@ def test_row_widths_layout_and_names():
     assert not p[d.n_params:].any()                                     # w_0, u start at 0
     with pytest.raises(ValueError, match="unknown model 'fm'"):
         zoo.model_class("fm")
+    from mpips.config import MODELS
+    assert MODELS == tuple(zoo.MODELS)              # the flag's choices are the zoo's names
 
 
 @pytest.mark.parametrize("name", NAMES)
