@@ -6,6 +6,8 @@
     python bench/bench_vs_torch.py --data DIR                   # any DIR/train + DIR/test
     python bench/bench_vs_torch.py --model deepfm               # Wide&Deep / DeepFM, both sides
     python bench/bench_vs_torch.py --run "async-hb=--mode async --hash-bucket 1000001"
+    python bench/bench_vs_torch.py --shape wide --runs torch,local,async   # multi-hot, 300 slots
+    python bench/bench_vs_torch.py --data DIR --schema DIR/schema.toml     # any data + schema
 
 Data: ``data_prep.criteo_like`` (Criteo Kaggle cardinalities x ``--card-scale``), generated
 once into bench/out/ (``--gen`` passes more generator flags).  Each round runs every entry of
@@ -24,6 +26,17 @@ Per run: train ex/s (the training span, as mpips's ``train_seconds``), whole-job
 (examples / wall time of the process, start-up and test pass included), test AUC, logloss,
 and the ratio of both speeds to the reference (``--ref``, default ``torch``) of the same
 round.  ``--json FILE`` writes every record and the medians.
+
+Shapes: ``--shape criteo`` (above; Criteo's default schema, dim 10, 400,400,400) or
+``--shape wide``: ``data_prep.multihot_synth`` (``--slots`` sparse slots of bags, ~1.5 ids
+per slot, Paddle slot text), trained as PaddleRec's slot_dnn (dim 9, hidden
+512,256,128,128,128), with the generator's ``schema.toml``.  ``--schema FILE`` (or a
+``schema.toml`` next to ``--data``'s train/test) is passed to mpips and to the reference,
+which pools each slot's bag with ``nn.EmbeddingBag``.  ``--dim``/``--fc`` override the
+shape's model for both sides.  mpips runs print their PROFILE lines (``--profile``) and,
+from them, where the time goes (``time_goes`` in the JSON): servers' CPU seconds per 1M
+examples, workers' MB sent + received per 1k examples (pulls, pushes and the dense
+exchange), and the workers' mean seconds outside forward/backward (train span - compute).
 """
 import argparse
 import hashlib
@@ -49,6 +62,20 @@ TORCH_RUNS = {"torch": (["--hash-bucket", "1000001"], "PASSIVE"),
               "torch-rowadam": (["--hash-bucket", "1000001", "--row-adam"], "PASSIVE"),
               "torch-spin": (["--hash-bucket", "1000001"], None)}
 TORCH_ENV = dict(ENV, OMP_NUM_THREADS="2")
+
+
+SHAPES = {"criteo": {"dim": 10, "fc": "400,400,400"},
+          "wide": {"dim": 9, "fc": "512,256,128,128,128"}}
+
+
+def ensure_wide(out, rows, test_rows, slots, seed, gen):
+    from data_prep.multihot_synth import main as gen_main
+    tag = hashlib.sha1(" ".join(gen).encode()).hexdigest()[:8] if gen else "default"
+    d = out / f"multihot-{rows}-{test_rows}-s{slots}-seed{seed}-{tag}"
+    if not (d / "meta.json").exists():
+        gen_main(["--out", str(d), "--rows", str(rows), "--test-rows", str(test_rows),
+                  "--slots", str(slots), "--seed", str(seed), "--parts", "8"] + gen)
+    return d
 
 
 def ensure_data(out, rows, test_rows, scale, seed, gen):
@@ -80,6 +107,30 @@ def run_torch(name, flags, wait_policy, data, out, extra):
     rec = [json.loads(x) for x in metrics.read_text().splitlines()][-1]
     rec["wall_seconds"] = wall
     return rec
+
+
+def where_time_goes(rec):
+    """From an mpips run's PROFILE rows: servers' CPU seconds per 1M training examples,
+    workers' MB sent + received (pull and push) per 1k examples, and the workers' mean
+    seconds outside forward/backward (train span minus compute) with its share."""
+    rows = rec.get("profile") or []
+    head = next((r.split() for r in rows if " role " in r), None)
+    if head is None or not rec.get("train_examples"):
+        return {}
+    cols = head[head.index("rank"):]
+    table = [dict(zip(cols, r.split()[len(head) - len(cols):])) for r in rows if r.split() != head]
+    srv = [t for t in table if t.get("role") == "server"]
+    wrk = [t for t in table if t.get("role") == "worker"]
+    if not wrk:
+        return {}
+    n, span = rec["train_examples"], rec.get("train_seconds", 0.0)
+    out = {"server_cpu_s_per_1M": sum(float(t["cpu_s"]) for t in srv) / n * 1e6,
+           "worker_MB_per_1k_examples": sum(float(t["MB_sent"]) + float(t["MB_recv"])
+                                            for t in wrk) / n * 1e3}
+    if span:
+        outside = statistics.mean(span - float(t["compute_s"]) for t in wrk)
+        out.update(worker_outside_fwd_bwd_s=outside, worker_outside_share=outside / span)
+    return out
 
 
 def parse_runs(names, custom):
@@ -147,7 +198,16 @@ def main(argv=None):
     ap.add_argument("--test-rows", type=int, default=200_000)
     ap.add_argument("--card-scale", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--gen", default="", help="more data_prep.criteo_like flags, one string")
+    ap.add_argument("--gen", default="", help="more generator flags (data_prep.criteo_like, or "
+                    "data_prep.multihot_synth with --shape wide), one string")
+    ap.add_argument("--shape", default="criteo", choices=sorted(SHAPES),
+                    help="criteo (default) or wide (multi-hot, see above)")
+    ap.add_argument("--slots", type=int, default=300, help="--shape wide: sparse slots")
+    ap.add_argument("--schema", default="", help="schema TOML for both sides (default: the "
+                    "data's schema.toml if there is one, else Criteo's)")
+    ap.add_argument("--dim", type=int, default=0, help="embedding dim (default: the shape's)")
+    ap.add_argument("--fc", default="", help="hidden layers (default: the shape's)")
+    ap.add_argument("--profile", action="store_true", help="print mpips's PROFILE lines")
     ap.add_argument("--runs", default="torch,local,async,sync")
     ap.add_argument("--run", action="append", default=[], help="NAME=MPIPS_FLAGS (repeatable)")
     ap.add_argument("--ref", default="torch", help="the run ratios are taken to")
@@ -163,17 +223,25 @@ def main(argv=None):
     runs = parse_runs([n for n in a.runs.split(",") if n], a.run)
     out = ROOT / "bench" / "out"
     out.mkdir(parents=True, exist_ok=True)
-    data = Path(a.data) if a.data else ensure_data(out, a.rows, a.test_rows, a.card_scale,
-                                                   a.seed, shlex.split(a.gen))
+    if a.data:
+        data = Path(a.data)
+    elif a.shape == "wide":
+        data = ensure_wide(out, a.rows, a.test_rows, a.slots, a.seed, shlex.split(a.gen))
+    else:
+        data = ensure_data(out, a.rows, a.test_rows, a.card_scale, a.seed, shlex.split(a.gen))
+    schema = a.schema or (str(data / "schema.toml") if (data / "schema.toml").exists() else "")
+    model = ["--embedding-dim", str(a.dim or SHAPES[a.shape]["dim"]),
+             "--fc", a.fc or SHAPES[a.shape]["fc"]] + (["--schema", schema] if schema else [])
+    if a.model != "dnn":
+        model += ["--model", a.model]
+    print(f"model and schema flags (both sides): {' '.join(model)}", flush=True)
     meta = json.loads((data / "meta.json").read_text()) if (data / "meta.json").exists() else {}
     if meta:
         tr, te = meta.get("train", {}), meta.get("test", {})
         print(f"data {data}: {tr.get('rows')} train rows ({tr.get('distinct_ids')} distinct ids),"
               f" {te.get('rows')} test rows; oracle test AUC {te.get('oracle_auc', float('nan')):.4f}"
               f" logloss {te.get('oracle_logloss', float('nan')):.4f}", flush=True)
-    extra, textra = shlex.split(a.extra), shlex.split(a.torch_extra)
-    if a.model != "dnn":
-        extra, textra = extra + ["--model", a.model], textra + ["--model", a.model]
+    extra, textra = model + shlex.split(a.extra), model + shlex.split(a.torch_extra)
     results = {n: [] for n in runs}
     for rnd in range(a.rounds):
         rout = out / f"vs_torch-{data.name}-{os.getpid()}" / f"round{rnd}"   # own dir per job
@@ -186,6 +254,13 @@ def main(argv=None):
             results[name].append(rec)
             if rec is not None:
                 print(f"  ran {name} ({rec['wall_seconds']:.0f} s)", flush=True)
+                if a.profile:
+                    for pl in rec.get("profile", []):
+                        print("    " + pl, flush=True)
+                rec["time_goes"] = where_time_goes(rec)
+                if rec["time_goes"]:
+                    print("    " + ", ".join(f"{k} {v:.3g}" for k, v in rec["time_goes"].items()),
+                          flush=True)
         ref = results[a.ref][rnd] if a.ref in results else None
         print(HEADER)
         for name in runs:

@@ -29,6 +29,15 @@ to after the last optimiser step, reading and parsing included (parsing runs in 
 reader's prefetch thread, as in mpips).  Test AUC/logloss use ``mpips.metrics``.
 Prints one JSON record (the keys of mpips's ``--metrics-out`` records) and writes it to
 ``--metrics-out`` if given.
+
+Any schema: ``--schema FILE`` (mpips's TOML schema, issue 20) gives S sparse slots of bags
+and D dense values; a batch is the Batch contract (dense (n, D), flat ids with offsets
+(n*S + 1) example-major, label).  Each slot's bag is pooled by one ``nn.EmbeddingBag``
+(sum, or mean as the slot's ``pooling`` says: mixed poolings are a sum with per-id weights
+1/len for the mean slots; an empty bag pools to zeros and gets no gradient), the model
+input is concat(pooled (n, S*dim), dense (n, D)), with the same init as mpips.  Batches come
+from mpips's reader when it takes a schema, else from ``bench/slot_text.py`` (slot text).
+Without ``--schema`` (or with Criteo's) everything is as before: one-hot ``nn.Embedding``.
 """
 import argparse
 import json
@@ -45,16 +54,27 @@ from common import ROOT  # noqa: E402,F401  (puts the repo root on sys.path)
 
 from mpips.data.reader import DataReader  # noqa: E402
 from mpips.metrics import BinaryMetrics  # noqa: E402
+from mpips.schema import Schema, load_schema  # noqa: E402
 
 VOCAB_MERGE = 1 << 23     # ids gathered before they are merged into the sorted vocabulary
 
 
 class CTRDNN(nn.Module):
     def __init__(self, n_rows, n_sparse=26, dim=10, n_dense=13, hidden=(400, 400, 400),
-                 init_range=0.05):
+                 init_range=0.05, pooling=None):
+        """pooling None: one id per slot (nn.Embedding); else per slot 0 = sum, 1 = mean."""
         super().__init__()
         self.n_sparse, self.dim = n_sparse, dim
-        self.emb = nn.Embedding(n_rows, dim, sparse=True)
+        self.mean_slots = None
+        if pooling is None:
+            self.emb = nn.Embedding(n_rows, dim, sparse=True)
+        else:
+            codes = np.asarray(pooling)
+            mode = "mean" if codes.all() else "sum"
+            if codes.any() and not codes.all():
+                self.mean_slots = torch.from_numpy(codes.astype(bool))
+            self.emb = nn.EmbeddingBag(n_rows, dim, mode=mode, sparse=True,
+                                       include_last_offset=True)
         nn.init.uniform_(self.emb.weight, -init_range, init_range)
         layers, fan_in = [], n_sparse * dim + n_dense
         for h in hidden:
@@ -67,9 +87,26 @@ class CTRDNN(nn.Module):
                 nn.init.xavier_uniform_(m.weight)
                 nn.init.zeros_(m.bias)
 
-    def forward(self, rows, dense):
-        e = self.emb(rows).reshape(rows.shape[0], self.n_sparse * self.dim)
-        return self.mlp(torch.cat([e, dense], dim=1)).squeeze(1)
+    def forward(self, rows, dense, offsets=None):
+        n = dense.shape[0]
+        e = self.pooled(rows, n, offsets)
+        return self.mlp(torch.cat([e.reshape(n, self.n_sparse * self.dim), dense], dim=1)).squeeze(1)
+
+    def pooled(self, rows, n, offsets=None):
+        """The pooled rows of each slot (n*S or (n, S) rows of the table's width)."""
+        if offsets is None and isinstance(self.emb, nn.EmbeddingBag):   # a one-hot batch
+            rows = rows.reshape(-1)
+            offsets = torch.arange(rows.numel() + 1)
+        if offsets is None:
+            e = self.emb(rows)
+        else:
+            w = None
+            if self.mean_slots is not None:            # mixed: mean slots weigh ids 1/len
+                lens = offsets[1:] - offsets[:-1]
+                inv = 1.0 / lens.clamp(min=1).to(self.emb.weight.dtype)
+                w = torch.repeat_interleave(torch.where(self.mean_slots.repeat(n), inv, 1.0), lens)
+            e = self.emb(rows, offsets, per_sample_weights=w)
+        return e
 
     def dense_parameters(self):
         """The weights the dense optimizer updates (all but the embedding table)."""
@@ -82,8 +119,8 @@ class WideDeep(CTRDNN):
     FM = False
 
     def __init__(self, n_rows, n_sparse=26, dim=10, n_dense=13, hidden=(400, 400, 400),
-                 init_range=0.05):
-        super().__init__(n_rows, n_sparse, dim + 1, n_dense, hidden, init_range)
+                 init_range=0.05, pooling=None):
+        super().__init__(n_rows, n_sparse, dim + 1, n_dense, hidden, init_range, pooling)
         self.dim = dim
         fan_in = n_sparse * dim + n_dense
         first = self.mlp[0]                       # the MLP sees p (dim per slot), not w
@@ -93,13 +130,14 @@ class WideDeep(CTRDNN):
         self.w0 = nn.Parameter(torch.zeros(1))
         self.u = nn.Parameter(torch.zeros(n_dense))
 
-    def forward(self, rows, dense):
-        e = self.emb(rows)                                   # (B, S, dim + 1)
+    def forward(self, rows, dense, offsets=None):
+        n = dense.shape[0]
+        e = self.pooled(rows, n, offsets).reshape(n, self.n_sparse, self.dim + 1)
         w, p = e[:, :, 0], e[:, :, 1:]
         logit = self.w0 + w.sum(1) + dense @ self.u
         if self.FM:                                          # sum_{f<g} <p_f, p_g>
             logit = logit + 0.5 * (p.sum(1) ** 2 - (p ** 2).sum(1)).sum(1)
-        deep = self.mlp(torch.cat([p.reshape(rows.shape[0], -1), dense], dim=1)).squeeze(1)
+        deep = self.mlp(torch.cat([p.reshape(n, -1), dense], dim=1)).squeeze(1)
         return logit + deep
 
 
@@ -136,16 +174,36 @@ class RowAdam:
         self.w.grad = None
 
 
-def build_vocab(train, batch_size):
+def build_vocab(train, batch_size, schema=None):
     """Sorted unique int64 ids of every row of the training files (one read pass)."""
     vocab, pending, n = np.empty(0, np.int64), [], 0
-    for b in DataReader(train, 1 << 16, hash_bucket=0):
-        pending.append(np.unique(b.sparse))
+    for b in batches(train, 1 << 16, 0, schema):
+        pending.append(np.unique(b[3]))
         n += pending[-1].size
         if n > VOCAB_MERGE:
             vocab = np.union1d(vocab, np.concatenate(pending))
             pending, n = [], 0
     return np.union1d(vocab, np.concatenate(pending)) if pending else vocab
+
+
+def batches(files, batch_size, hash_bucket, schema=None):
+    """(label, dense, offsets or None, ids) per batch: mpips's reader, or the slot-text
+    fallback for a schema mpips's reader does not take yet."""
+    if schema is None or schema.is_criteo:
+        for b in DataReader(files, batch_size, hash_bucket=hash_bucket):
+            yield b.label, b.dense, None, b.sparse
+        return
+    import inspect
+    if "schema" in inspect.signature(DataReader).parameters:
+        for b in DataReader(files, batch_size, hash_bucket=hash_bucket, schema=schema):
+            yield b.label, b.dense, getattr(b, "offsets", None), b.sparse
+        return
+    from slot_text import SlotTextReader
+    reader = SlotTextReader(files, batch_size, schema, hash_bucket=hash_bucket)
+    yield from reader
+    if reader.bad_lines or reader.skipped_tokens:
+        print(f"torch_ref: {files}: {reader.bad_lines} bad lines skipped, "
+              f"{reader.skipped_tokens} tokens of undeclared slots skipped", file=sys.stderr)
 
 
 class IdMap:
@@ -167,18 +225,22 @@ def run(a):
     torch.manual_seed(a.seed)
     torch.set_num_threads(a.threads)
     t_job = time.perf_counter()
+    schema = load_schema(a.schema) if a.schema else Schema.criteo()
+    print("torch_ref: " + schema.describe(), file=sys.stderr, flush=True)
     vocab_s = 0.0
     if a.hash_bucket:
         idmap = IdMap(a.hash_bucket)
     else:
         t0 = time.perf_counter()
-        vocab = build_vocab(a.train, a.batch_size)
+        vocab = build_vocab(a.train, a.batch_size, schema)
         if vocab.size == 0:
             raise SystemExit(f"torch_ref: no training rows in {a.train}")
         idmap = IdMap(0, vocab)
         vocab_s = time.perf_counter() - t0
-    model = MODELS[a.model](idmap.n_rows, dim=a.embedding_dim,
-                   hidden=tuple(int(x) for x in a.fc.split(",")), init_range=a.init_range)
+    model = MODELS[a.model](idmap.n_rows, n_sparse=schema.n_sparse, dim=a.embedding_dim,
+                            n_dense=schema.n_dense, hidden=tuple(int(x) for x in a.fc.split(",")),
+                            init_range=a.init_range,
+                            pooling=None if schema.is_criteo else schema.pooling_codes())
     if not a.hash_bucket:
         with torch.no_grad():
             model.emb.weight[-1] = 0.0          # the unknown-id row: zeros, never trained
@@ -191,21 +253,20 @@ def run(a):
     for epoch in range(a.epochs):
         train_m, loss_sum, n_ex = BinaryMetrics(), 0.0, 0
         t_start = time.perf_counter()
-        reader = DataReader(a.train, a.batch_size, hash_bucket=a.hash_bucket)
         model.train()
-        for b in reader:
-            rows, dense, y = idmap(b.sparse), torch.from_numpy(b.dense), torch.from_numpy(b.label)
-            logit = model(rows, dense)
+        for label, dense_np, offsets, ids in batches(a.train, a.batch_size, a.hash_bucket, schema):
+            rows, dense, y = idmap(ids), torch.from_numpy(dense_np), torch.from_numpy(label)
+            logit = model(rows, dense, None if offsets is None else torch.from_numpy(offsets))
             loss = lossf(logit, y)
             dense_opt.zero_grad(set_to_none=True)
             sparse_opt.zero_grad()
             loss.backward()
             dense_opt.step()
             sparse_opt.step()
-            n = len(b.label)
+            n = len(label)
             n_ex += n
             loss_sum += loss.item() * n
-            train_m.update(torch.sigmoid(logit.detach()).numpy(), b.label)
+            train_m.update(torch.sigmoid(logit.detach()).numpy(), label)
             if a.print_every and n_ex // a.batch_size % a.print_every == 0:
                 print(f"torch_ref: {n_ex} examples, {n_ex / (time.perf_counter() - t_start):.0f}"
                       f" ex/s, loss {loss_sum / n_ex:.4f}", file=sys.stderr, flush=True)
@@ -216,14 +277,16 @@ def run(a):
                "id_map": f"hash % {a.hash_bucket}" if a.hash_bucket else "vocabulary",
                "table_rows": idmap.n_rows, "vocab_seconds": round(vocab_s, 3),
                "model": a.model, "sparse_optimizer": "row-adam" if a.row_adam else "SparseAdam",
-               "threads": torch.get_num_threads(), "torch": torch.__version__}
+               "threads": torch.get_num_threads(), "torch": torch.__version__,
+               "schema": schema.describe(), "embedding_dim": a.embedding_dim, "fc": a.fc}
         if a.test:
             test_m = BinaryMetrics()
             model.eval()
             with torch.no_grad():
-                for b in DataReader(a.test, 4096, hash_bucket=a.hash_bucket):
-                    p = torch.sigmoid(model(idmap(b.sparse), torch.from_numpy(b.dense)))
-                    test_m.update(p.numpy(), b.label)
+                for label, dense_np, offsets, ids in batches(a.test, 4096, a.hash_bucket, schema):
+                    p = torch.sigmoid(model(idmap(ids), torch.from_numpy(dense_np), None if
+                                            offsets is None else torch.from_numpy(offsets)))
+                    test_m.update(p.numpy(), label)
             rec.update(test_examples=test_m.count, test_auc=test_m.auc(),
                        test_logloss=test_m.logloss(), test_mean_pred=test_m.mean_pred(),
                        test_ctr=test_m.observed_ctr())
@@ -241,6 +304,7 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--train", required=True)
     ap.add_argument("--test", default="")
+    ap.add_argument("--schema", default="", help="mpips schema TOML of the data (default: Criteo)")
     ap.add_argument("--hash-bucket", type=int, default=1000001,
                     help="table rows = hash %% N (default 1000001); 0 = full ids via a vocabulary")
     ap.add_argument("--lr", type=float, default=1e-3)

@@ -69,25 +69,27 @@ def val_mask(seed: int, start: int, n: int, fraction: float) -> np.ndarray:
 
 # ---------------------------------------------------------------- parsing
 def parse_raw(data, has_label: bool, hash_bucket: int) -> C.ParseResult:
-    """Like ``parse_tsv_bytes`` but dense = raw values, float64 (n, 13), NaN when empty."""
+    """Like ``parse_tsv_bytes`` but dense = raw values, float64 (n, 13), NaN when empty.
+
+    Lines missing trailing categorical fields are read with them empty (as the reader
+    does without --strict)."""
     buf = C.as_uint8(data)
-    cap = int(np.count_nonzero(buf == 10)) + 1 if buf.size else 0
-    dense = np.empty((cap, C.N_DENSE), dtype=np.float64)
-    sparse = np.empty((cap, C.N_SPARSE), dtype=np.int64)
-    label = np.empty(cap, dtype=np.float32)
-    bad = np.empty((C.MAX_BAD_RECORDS, 3), dtype=np.int64)
-    counts = np.zeros(3, dtype=np.int64)
-    opts = np.array([1 if has_label else 0, hash_bucket], dtype=np.int64)
-    n = K.parse_criteo_tsv(buf, opts, RAW_NORM, dense, sparse, label, bad, counts)
-    n_bad = int(counts[K.CNT_BAD])
-    return C.ParseResult(dense[:n], sparse[:n], label[:n], bad[:min(n_bad, C.MAX_BAD_RECORDS)],
-                         int(counts[K.CNT_LINES]), n_bad)
+    out = C.kernel_outputs(buf, dense_dtype=np.float64)
+    opts = np.array([1 if has_label else 0, hash_bucket, 1], dtype=np.int64)
+    n = K.parse_criteo_tsv(buf, opts, RAW_NORM, None, *out)
+    return C.parse_result(n, *out)
 
 
 def to_raw_int32(dense: np.ndarray, path: str) -> np.ndarray:
     """(n, 13) float64 raw (NaN empty) -> int32 with ``binary.DENSE_MISSING`` for empty."""
     empty = np.isnan(dense)
     bad = ~empty & ~((dense > binary.DENSE_MISSING) & (dense <= INT32_MAX))
+    frac = ~empty & ~bad & (dense != np.floor(np.where(empty | bad, 0.0, dense)))
+    if frac.any():  # (260.0 is fine: it is the integer 260)
+        i, j = np.argwhere(frac)[0]
+        raise ValueError(f"{path}: integer feature I{j + 1} has value {dense[i, j]:.17g}, "
+                         f"not a whole number; binary data parts store integers: read this "
+                         f"file as TSV instead of preparing binary parts")
     if bad.any():
         i, j = np.argwhere(bad)[0]
         raise ValueError(f"{path}: integer feature I{j + 1} has value {dense[i, j]:.17g}, "

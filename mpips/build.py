@@ -39,25 +39,24 @@ def make_schema(cfg) -> Schema:
 
 
 def make_reader(cfg, files, batch_size, warn, shuffle=None, norm=None, schema=None):
-    """A DataReader of `files`; shuffle=(epoch, worker) shuffles rows with --shuffle;
+    """A DataReader of `files` with the run's schema (or ``schema``: mpips.infer reads with
+    the checkpoint's); shuffle=(epoch, worker) shuffles rows with --shuffle;
     norm=(cont_min, cont_diff) instead of the --stats file's (the values a checkpoint
-    recorded); schema: the feature schema to read with (mpips.infer: the checkpoint's),
-    default the config's.  The readers here read the Criteo schema."""
-    if schema is not None and not schema.is_criteo:
-        raise ValueError(f"no reader for schema format {schema.format} with "
-                         f"{schema.n_sparse} slots yet (this build reads Criteo's schema)")
+    recorded)."""
     cont_min = cont_diff = None
+    schema = schema or make_schema(cfg)
     if norm is not None:
         cont_min, cont_diff = norm
     elif cfg.stats:
-        cont_min, cont_diff = load_stats(cfg.stats)
+        cont_min, cont_diff = load_stats(cfg.stats, schema.n_dense)
     window, seed = 0, None
     if cfg.shuffle and shuffle is not None:
         window, seed = cfg.shuffle_window, [cfg.seed, *shuffle]
     return DataReader(files, batch_size, fmt=cfg.data_format, strict=cfg.strict,
                       hash_bucket=cfg.hash_bucket, prefetch=cfg.prefetch, warn=warn,
                       cont_min=cont_min, cont_diff=cont_diff, shuffle_window=window,
-                      shuffle_seed=seed, max_bad_fraction=cfg.max_bad_fraction)
+                      shuffle_seed=seed, max_bad_fraction=cfg.max_bad_fraction,
+                      schema=schema)
 
 
 def dense_lr(cfg, n_batches):

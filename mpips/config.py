@@ -7,6 +7,7 @@ whether a stored one can be resumed or evaluated with this one.
 """
 import argparse
 import dataclasses
+import difflib
 import json
 import os
 import sys
@@ -18,6 +19,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from mpips.checkpoint.manifest import UNKNOWN, CheckpointError, run_settings, saved_settings
+from mpips.schema import load_schema
 from mpips.server.admission import parse_entry
 
 MODES = ("async", "sync", "geo", "ssp")
@@ -43,6 +45,8 @@ class Config:
                                   "slot text)", choices=FORMATS)
     schema: str = _f("", "feature schema, a TOML file (format, label, dense and sparse inputs; "
                          "docs/data.md); empty = Criteo's 13 integer + 26 categorical columns")
+    pipe_command: str = _f("", "feed each data file to this shell command and read its stdout "
+                               "in the schema's format (overrides the schema's pipe_command)")
     stats: str = _f("", "normalisation statistics (stats.json from data_prep.criteo); default: "
                         "Paddle's constants for text, a prepared set's own stats for binary parts")
     cache_dir: str = _f("~/.cache/mpips", "where the embedded synthetic dataset is kept")
@@ -58,7 +62,9 @@ class Config:
     local: bool = _f(False, "train in one process without MPI messages (the yardstick)")
     local_workers: int = _f(1, "local mode: read the data as W workers would and train on the "
                                "concatenation of their batches (batch W x B), to reproduce sync mode")
-    mode: str = _f("async", "training mode", choices=MODES)
+    mode: str = _f("async", "training mode: async (sparse pushes applied on arrival), sync "
+                            "(BSP), geo (GEO-SGD, see --geo-steps) or ssp (bounded staleness, "
+                            "see --staleness)", choices=MODES)
     geo_steps: int = _f(100, "GEO-SGD: send deltas every K local steps")
     staleness: int = _f(4, "ssp: a worker may run at most this many steps ahead of the slowest")
     # --- model and optimiser
@@ -67,8 +73,11 @@ class Config:
                            "(docs/models.md)", choices=MODELS)
     embedding_dim: int = _f(10, "embedding size per sparse slot")
     fc: str = _f("400,400,400", "hidden layer sizes, comma-separated")
-    optimizer: str = _f("adam", "server optimizer (sparse and dense)", choices=OPTIMIZERS)
-    lr: float = _f(1e-3, "learning rate")
+    optimizer: str = _f("adam", "optimizer of the sparse rows (on the servers) and of the dense "
+                                "weights (on every worker's replica; GEO: the worker's local "
+                                "copy)", choices=OPTIMIZERS)
+    lr: float = _f(1e-3, "learning rate of the sparse rows (the dense weights': see "
+                         "--dense-lr-scale)")
     dense_lr_scale: float = _f(0.0, "dense weights learn at --lr x this; 0 = x the batches one "
                                     "dense step averages (the workers, or --local-workers; GEO 1)")
     adagrad_init: float = _f(0.0, "adagrad: initial accumulator (Paddle's default 0; > 0 makes "
@@ -79,14 +88,15 @@ class Config:
     seed: int = _f(0, "seed of all initialisation (and of --shuffle)")
     shuffle: bool = _f(False, "reshuffle every epoch, from (seed, epoch): which files or binary "
                               "parts each worker reads, and rows inside a worker's window "
-                              "(default: file order)")
+                              "(default: off, file order)")
     shuffle_window: int = _f(100_000, "with --shuffle: rows shuffled together in memory inside "
                                       "a worker (0 = reshuffle only the files)")
     # --- online (streaming) training
     stream: str = _f("", "train online on the passes of this folder: DIR/YYYYMMDD/HH/ (or "
                          "DIR/YYYYMMDD/), each ready when it holds a _SUCCESS file")
     stream_timeout: float = _f(0.0, "stream: wait this many seconds for a new pass before "
-                                    "finishing (0 = finish when no pass is ready)")
+                                    "finishing, saying so in a STREAM line (0 = finish when no "
+                                    "pass is ready)")
     shrink_every: str = _f("day", "stream: evict rows unseen for --shrink-threshold shrinks, at "
                                   "every new day, every pass, or never", choices=SHRINK_EVERY)
     shrink_threshold: int = _f(30, "stream: rows unseen for more than this many shrink calls go")
@@ -95,10 +105,12 @@ class Config:
                                 "passes_late in the metrics) or fail (stop the run)",
                         choices=LATE_PASS)
     entry: str = _f("", "feature admission: count:N (a row at an id's N-th sighting) or "
-                        "probability:P (Paddle's CountFilterEntry / ProbabilityEntry)")
+                        "probability:P (Paddle's CountFilterEntry / ProbabilityEntry); empty = "
+                        "every id gets a row at its first sighting")
     # --- checkpoints
-    save_dir: str = _f("", "checkpoint root: a checkpoint is saved there after every "
-                           "--save-every epochs (HDF5 shards + MANIFEST.json)")
+    save_dir: str = _f("", "checkpoint root: checkpoints (HDF5 shards + MANIFEST.json) are "
+                           "saved there as --save-every says, a stream's after every pass (and "
+                           "it resumes from the newest when restarted); empty = no checkpoints")
     save_every: str = _f("epoch", "with --save-dir: 'epoch' (after every epoch) or N (every N "
                                   "batches per worker, and after the last epoch)")
     save_mode: str = _f("full", "what a save holds: full, base (and start tracking changes) or "
@@ -106,14 +118,18 @@ class Config:
                         choices=SAVE_MODES)
     export_dir: str = _f("", "stream: after each saved pass, export it for serving into this "
                              "folder (a full bundle after a base, a patch after a delta)")
-    resume: str = _f("", "continue from this checkpoint, or the latest valid one in this root")
+    resume: str = _f("", "continue from this checkpoint, or the newest valid one in this root "
+                         "(a checkpoint of the other kind, stream or batch, only if named "
+                         "itself); empty = start afresh (a stream still resumes from its "
+                         "--save-dir)")
     # --- output and robustness
     print_every: int = _f(100, "log a TRAIN line every N batches (first worker)")
     progress_every: float = _f(10.0, "print a PROGRESS line (position in the epoch or pass, "
                                      "ex/s, ETA) every this many seconds (first worker; 0 = off)")
     table_every: int = _f(0, "log a TABLE line (examples, seconds, worker compute/wait, table "
                              "rows and bytes per row) every N examples (first worker; 0 = off)")
-    metrics_out: str = _f("", "write JSON lines (one per epoch) to this file")
+    metrics_out: str = _f("", "append JSON lines (one per epoch, or per pass of a stream) to "
+                              "this file")
     peer_timeout: float = _f(120.0, "seconds without an answer from a peer before failing")
     prefetch: bool = _f(True, "parse data in a background thread")
     idle_sleep: float = _f(5e-4, "longest sleep (s) of an idle server between polls; 0 = "
@@ -154,6 +170,7 @@ class Config:
         if not hidden or min(hidden) < 1:
             raise ValueError(f"--fc needs at least one positive layer size; got {self.fc!r}")
         parse_entry(self.entry)
+        self.check_schema()
         if self.stream and self.train:
             raise ValueError("--stream and --train exclude each other (a stream's passes are "
                              "its training data)")
@@ -178,19 +195,70 @@ class Config:
                              "embedded synthetic dataset)")
         return self
 
+    def check_schema(self):
+        """The --schema file loads and fits --data-format (which names the Criteo readers)."""
+        if not self.schema:
+            return
+        schema = load_schema(self.schema)
+        if self.data_format != "auto" and not schema.is_criteo:
+            raise ValueError(f"--data-format {self.data_format} is for the default Criteo "
+                             f"schema; --schema {self.schema} says format = "
+                             f"{schema.format!r} (drop --data-format)")
+
     def to_json(self):
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (no 40-option usage), and that says
+    which option an unknown one may be a typo of."""
+
+    def error(self, message):
+        if message.startswith("unrecognized arguments: "):
+            known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+            typos = [a.split("=")[0] for a in message.split(": ", 1)[1].split()
+                     if a.startswith("--")]
+            hints = [(t, did_you_mean(t, known)) for t in typos]
+            hints = [(t, h) for t, h in hints if h]
+            if len(hints) == 1:
+                message += f" (did you mean {hints[0][1]}?)"
+            elif hints:
+                message += " (" + "; ".join(f"{t}: did you mean {h}?" for t, h in hints) + ")"
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class _Flag(argparse.BooleanOptionalAction):
+    """--x / --no-x, its help as written (Python 3.10 would add its own default)."""
+
+    def __init__(self, *args, help=None, **kw):
+        super().__init__(*args, help=help, **kw)
+        self.help = help
+
+
+def did_you_mean(name, known):
+    """The closest of `known` to a mistyped `name` (difflib), or None."""
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _help(f):
+    """A field's help with its default, unless the text already says it or it is empty."""
+    text = f.metadata["help"]
+    if "default" in text or f.default == "":
+        return text
+    shown = ("on" if f.default else "off") if f.type is bool else f.default
+    return f"{text} (default: {shown})"
+
+
 def build_parser(prog="python -m mpips.train"):
-    p = argparse.ArgumentParser(prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                description="Parameter-server training of CTR-DNN over MPI.")
-    p.add_argument("--config", default="", help="TOML file whose keys mirror these flags")
+    p = _Parser(prog=prog, description="Parameter-server training of CTR-DNN over MPI.")
+    p.add_argument("--config", default="", help="TOML file whose keys mirror these flags "
+                   "(flags given on the command line win)")
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
-        kw = dict(default=f.default, help=f.metadata["help"])
+        kw = dict(default=f.default, help=_help(f))
         if f.type is bool:
-            kw["action"] = argparse.BooleanOptionalAction
+            kw["action"] = _Flag
         else:
             kw["type"] = f.type
             if "choices" in f.metadata:
@@ -212,7 +280,12 @@ def _from_toml(path):
     for key, value in raw.items():
         name = key.replace("-", "_")
         if name not in names:
-            raise ValueError(f"--config {path}: unknown key {key!r} (known: {', '.join(sorted(names))})")
+            hint = did_you_mean(name, list(names))
+            if hint and "-" in key:
+                hint = hint.replace("_", "-")
+            raise ValueError(f"--config {path}: unknown key {key!r}" + (
+                f" (did you mean {hint!r}?)" if hint else
+                f" (known: {', '.join(sorted(names))})"))
         typ = names[name].type
         want = (int, float) if typ is float else typ
         if not isinstance(value, want) or (typ is not bool and isinstance(value, bool)):

@@ -23,10 +23,11 @@ from mpips.ownership import dense_bounds, plan_keys
 from mpips.progress import make_progress
 from mpips.protocol import Op
 from mpips.report import log_line, model_note, peak_rss_mb, write_metrics
-from mpips.resume import resume_point
+from mpips.resume import resume_line, resume_point
 from mpips.runner import admission_of, inner_table, run_epochs
 from mpips.server.loop import Server
 from mpips.stream import Pass, run_stream
+from mpips.warmup import cache_misses, report_new, signatures, warm
 from mpips.worker.client import PSClient
 from mpips.worker.dense_sync import DenseExchange
 from mpips.worker.trainer import EpochStats, GeoTrainer, Trainer
@@ -72,12 +73,19 @@ def run_distributed(cfg, comm):
         log_line(make_schema(cfg).describe())
         for line, pid in zip(cluster.role_map(), pids):
             log_line(f"  {line} pid {pid}")
+    t0 = time.perf_counter()
+    staged(comm, cluster.hosts, lambda: warm(cfg))   # compilation before any clock starts
+    jit0 = signatures()
+    if comm.rank == first_worker:
+        log_line(f"mpips: kernels compiled or loaded from numba's cache on all ranks in "
+                 f"{time.perf_counter() - t0:.1f} s (before training; in no rate)")
     if cluster.is_server:
         prof = serve(cfg, cluster, model, bounds)
     else:
         prof = work(cfg, cluster, model, bounds)
     prof["cpu_s"] = time.process_time()
     report_profile(comm, first_worker, prof)
+    report_new(jit0, f"rank {comm.rank}")
 
 
 def serve(cfg, cluster, model, bounds):
@@ -88,7 +96,8 @@ def serve(cfg, cluster, model, bounds):
         ck.load_shard_into(path, inner_table(sparse), dense, i, S, bounds, admission_of(sparse))
     server = Server(cluster.comm, cluster.worker_ranks, sparse, dense, cfg.mode, cfg.staleness,
                     cfg.peer_timeout, cfg.idle_sleep, label=f"server {i}",
-                    idle_timeout=cfg.peer_timeout + cfg.stream_timeout)   # workers may poll
+                    idle_timeout=cfg.peer_timeout + cfg.stream_timeout,   # workers may poll
+                    shard=(i, S))
     if cfg.save_dir:
         server.on_save, server.save_check = ck.server_save_hooks(
             cfg.save_dir, i, S, inner_table(sparse), dense, bounds[i], admission_of(sparse))
@@ -125,7 +134,10 @@ def work(cfg, cluster, model, bounds):
     stretch = os.environ.get("MPIPS_BENCH_SLOW_WORKER", "")  # "I:F": benchmarks only; worker
     if stretch and int(stretch.split(":")[0]) == wi:         # I sleeps F x its compute time
         trainer.stretch = float(stretch.split(":")[1])
-    backend = DistBackend(cfg, trainer, client, cluster.role_comm, wi, W, resume_point(cfg)[0])
+    path = resume_point(cfg)[0]
+    if path and wi == 0:
+        log_line(resume_line(path, ck.read_manifest(path)))
+    backend = DistBackend(cfg, trainer, client, cluster.role_comm, wi, W, path)
     if cfg.stream:
         run_stream(cfg, backend, log_line)
     else:
@@ -285,6 +297,7 @@ class DistBackend:
                "admitted_total": int(srv["admitted"].sum()),
                "ids_waiting": int(srv["waiting"].sum()),
                "requests_rejected": int(srv["rejected"].sum()),
+               "requests_duplicate": int(srv["duplicates"].sum()),
                "replies_in_flight": int(srv["replies_in_flight"].sum())}
         if self.cfg.mode == "ssp":
             out["ssp_max_lead"] = int(srv["ssp_max_lead"].max())
@@ -312,6 +325,25 @@ class DistBackend:
 def is_sync(cfg):
     """Do the servers apply steps BSP (sync mode, or ssp with staleness 0)?"""
     return cfg.mode == "sync" or (cfg.mode == "ssp" and cfg.staleness == 0)
+
+
+def staged(comm, hosts, fn):
+    """fn() on every rank of `comm`, rank 0 first; returns this rank's seconds in fn.
+
+    If rank 0 had to compile (numba's cache was cold), the first rank of each other host
+    (`hosts`: host name per rank) goes next, then the rest, which load what is cached;
+    with a warm cache all the others at once.  Ranks waiting for a stage sleep between
+    polls (they leave the core to the compiling rank)."""
+    seconds = fn() if comm.rank == 0 else 0.0
+    cold = np.array([comm.rank == 0 and cache_misses() > 0], np.int64)
+    wait_collective(comm.Ibcast(cold, root=0), "Ibcast after the kernel warm-up of rank 0")
+    leader = hosts.index(hosts[comm.rank]) == comm.rank
+    stages = [leader, not leader] if cold[0] else [True]
+    for run_now in stages:
+        if run_now and comm.rank != 0:
+            seconds = fn()
+        wait_collective(comm.Ibarrier(), "Ibarrier after a kernel warm-up stage")
+    return seconds
 
 
 def report_profile(comm, root, prof):

@@ -33,7 +33,8 @@ def build_parser():
     p.add_argument("--model", required=True, help="checkpoint directory or root")
     p.add_argument("--out", required=True, help="bundle (or patch) file to write")
     p.add_argument("--dtype", default="float32", choices=bd.DTYPES,
-                   help="storage type of the embedding values")
+                   help="storage type of the embedding values (default: float32; float16 halves "
+                   "them, the dense weights stay float32)")
     p.add_argument("--since", default="", help="write a patch from this bundle or patch")
     p.add_argument("--stats", default="", help="normalisation statistics (stats.json); "
                    "default: the values the checkpoint recorded from its run's --stats, "

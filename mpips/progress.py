@@ -8,7 +8,9 @@ them, an estimate from their size in bytes and the rows per byte parsed so far; 
 then says so (`~42%`, `~1,000,000 rows est. from bytes`).  Percentages never go down
 within an epoch and reach 100 only at its end, where a last line gives the exact count.
 With W workers, ex/s is this worker's rate (the EPOCH line gives the job's).  On a stream
-the line names the pass and how many ready passes wait behind it.
+the line names the pass and how many ready passes wait behind it.  The rate and ETA count
+from the end of the first step (the numba kernels are compiled before training starts,
+``mpips.warmup``); a line due before a second step shows no rate yet.
 
 Lines go through `write` (print); on a terminal in local mode (`redraw=True`) the line is
 redrawn in place instead and cleared before any other line.  The cost per step is one
@@ -61,7 +63,8 @@ class Progress:
         """After a step: `rows` trained in this phase so far, `loss_sum` their summed loss."""
         self.steps += 1
         if self.first is None:               # rates count from the first step done, so
-            self.first = (self.clock(), rows)   # start-up and JIT compilation do not skew them
+            self.first = (self.clock(), rows)   # start-up (first reads, pulls) does not skew
+                                                # them; a line due before a second step has none
         if self.every_steps:
             if self.steps % self.every_steps:
                 return
@@ -104,7 +107,7 @@ class Progress:
         done = self.offset + rows
         total, est = (done, False) if final else self.total()
         sec = max(now - self.t0, 1e-9)
-        rate = rows / sec
+        rate = rows / sec if final else None       # the whole phase, at its end
         if not final and self.first is not None and now > self.first[0] and rows > self.first[1]:
             rate = (rows - self.first[1]) / (now - self.first[0])
         loss = loss_sum / max(rows, 1)
@@ -120,10 +123,11 @@ class Progress:
             pct = f"{tilde}{self.shown}% "
             pos = (f"{done:,} / {tilde}{total:,} rows{' est. from bytes' if est else ''}{who}")
         per = " per worker" if self.worker else ""
-        line = f"PROGRESS --> {self.label} {pct}({pos}) {fmt_rate(rate)} ex/s{per}  loss {loss:.4f}"
+        speed = f"{fmt_rate(rate)} ex/s{per}" if rate is not None else "rate after step 2"
+        line = f"PROGRESS --> {self.label} {pct}({pos}) {speed}  loss {loss:.4f}"
         if final:
             line += f"  done in {fmt_seconds(sec)}"
-        elif total is not None and rate > 0:
+        elif total is not None and rate:
             line += f"  ETA {fmt_seconds((total - done) / rate)}"
         if self.lag is not None:
             behind = self.lag()

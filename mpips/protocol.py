@@ -10,7 +10,19 @@ Replies to a pull are bare float32 buffers: the sparse rows (tag ``TAG_REPLY_SPA
 when asked for, the server's dense slice (tag ``TAG_REPLY_DENSE``).  Replies from one
 server arrive in request order (MPI's non-overtaking rule), so a worker matches them by
 (source, tag) alone.  Nothing is pickled; a server checks every header before use
-(:func:`decode`) and rejects a malformed one with an error naming the sender.
+(:func:`decode`) and rejects a malformed one with an error naming the sender; a worker's
+request that is refused is answered on ``TAG_ERROR`` with that line, so the worker fails
+with the server's reason instead of waiting for a reply.
+
+Request ids: a worker numbers its requests 1, 2, 3, ... (one counter for all servers), so
+the ids one server sees from one worker increase (MPI keeps one sender's messages in
+order).  A request whose id is not above the last one from its sender is a duplicate: the
+server counts it and drops it without a reply (it answered the original).
+
+Sizes are checked before anything is received: a message is taken off the wire with
+``Mprobe``/``Improbe`` first, and its byte count must fit its tag (``MAX_REQUEST_BYTES``,
+``DUMP_BYTES``, ``MAX_LINE_BYTES``); one that does not is discarded unread
+(:func:`mpips.liveness.discard`) with a line naming the sender.
 """
 from enum import IntEnum
 
@@ -25,7 +37,14 @@ TAG_REPLY_DENSE = 13    # server -> worker: dense slice of a pull
 TAG_CONTROL = 14        # server -> worker: small int64 replies (stats, acks)
 TAG_DUMP = 15           # any rank -> any rank: "say what you are waiting for" (int64[1])
 TAG_DUMP_REPLY = 16     # the answer: one UTF-8 status line
+TAG_ERROR = 17          # server -> worker: one UTF-8 line saying why a request was refused
 BARRIER_KEEPALIVE = -1  # barrier reply meaning "not released yet, the missing workers progress"
+
+# Largest messages each tag accepts (checked with a probe before receiving).
+MAX_REQUEST_BYTES = 1 << 30     # a request (worker.client refuses to build a larger one)
+DUMP_BYTES = 8                  # a status request is one int64
+MAX_LINE_BYTES = 4096           # a status line or a refusal line
+MAX_CONFIRM_BYTES = 1 << 20     # a SAVE confirmation (the shard's manifest entry, JSON)
 
 # flags
 F_CREATE = 1    # pull: create missing rows (training); without it unknown ids read zeros
@@ -44,6 +63,7 @@ STATS_DTYPE = np.dtype([
     ("evicted", np.int64),            # rows removed by SHRINK
     ("rejected", np.int64),           # malformed requests rejected
     ("replies_in_flight", np.int64),  # replies sent, not yet taken by the workers
+    ("duplicates", np.int64),         # duplicate requests (a request id seen before) dropped
 ])
 STATS_LEN = len(STATS_DTYPE.names)
 
@@ -112,15 +132,18 @@ class Request:
 def decode(buf, nbytes, n_tables, source):
     """Validate and decode a request of `nbytes` bytes from rank `source`.
 
-    Raises ProtocolError naming the sender for anything inconsistent: unknown op, negative
-    or absurd counts, sizes that disagree with the buffer length, unknown table.
+    Raises ProtocolError naming the sender for anything inconsistent: unknown op, request
+    id below 1, negative or absurd counts, sizes that disagree with the buffer length,
+    unknown table.
     """
-    if nbytes < HEADER_BYTES or nbytes % 4:
+    if nbytes < HEADER_BYTES or nbytes % 4 or nbytes > MAX_REQUEST_BYTES:
         raise ProtocolError(f"request from rank {source}: {nbytes} bytes is not a valid message")
     hdr = buf[:HEADER_BYTES].view(np.int64)
-    op, _, table, n, _, dim, _, d = (int(x) for x in hdr)
+    op, req_id, table, n, _, dim, _, d = (int(x) for x in hdr)
     if op not in Op._value2member_map_:
         raise ProtocolError(f"request from rank {source}: unknown op code {op}")
+    if req_id < 1:
+        raise ProtocolError(f"request from rank {source}: request id {req_id}; ids count from 1")
     if not 0 <= table < n_tables:
         raise ProtocolError(f"request from rank {source}: unknown table {table}")
     if n < 0 or dim < 0 or d < 0 or n > nbytes or dim > 1 << 16 or d > nbytes:

@@ -7,6 +7,9 @@ loads that one.  ``resume_point`` gives it with the last pass it holds; ``start_
 turns a batch run's checkpoint into the epoch and the batches of it already trained.  The
 position (``meta``) is checked against the run before it is used: a value out of range
 is an error naming it, never a run that silently trains nothing or skips forever.
+``check_kind`` refuses a checkpoint of the other kind (a batch run's for a stream, a
+stream's for a batch run) unless ``--resume`` names that checkpoint itself; ``resume_line``
+is the RESUME line.
 """
 import dataclasses
 import os
@@ -136,3 +139,44 @@ def _wait(req):
     backoff = Backoff(*COLLECTIVE)       # rank 0 may read a large checkpoint meanwhile
     while not req.Test():
         backoff.sleep()
+
+
+def is_stream_checkpoint(manifest):
+    """Was this checkpoint saved by a stream run (it records the pass it ends with)?"""
+    return "pass" in (manifest.get("meta") or {})
+
+
+def where(manifest):
+    """Where a checkpoint's run stood: 'after pass P', 'after epoch E' or 'epoch E, N
+    batches done'."""
+    meta = manifest.get("meta") or {}
+    if is_stream_checkpoint(manifest):
+        return f"after pass {meta['pass']}"
+    if meta.get("complete", True):
+        return f"after epoch {meta.get('epoch', '?')}"
+    return f"epoch {meta.get('epoch', '?')}, {meta.get('steps', '?')} batches done"
+
+
+def check_kind(cfg, path, manifest):
+    """Raise CheckpointError if `path` is of the other kind than this run (stream / batch)
+    and was picked implicitly (a stream's own --save-dir, or the newest in a --resume root):
+    its tables would be trained on silently.  Naming the checkpoint in --resume allows it
+    (a warm start: a stream from its first ready pass, a batch run from epoch 0 on)."""
+    stream_ckpt = is_stream_checkpoint(manifest)
+    if stream_ckpt == bool(cfg.stream):
+        return
+    if cfg.resume and os.path.normpath(cfg.resume) == os.path.normpath(path):
+        return
+    kind = "a stream run's" if stream_ckpt else "a batch (non-stream) run's"
+    run = "stream" if cfg.stream else "batch"
+    found = (f"--save-dir {cfg.save_dir} holds" if not cfg.resume
+             else f"--resume {cfg.resume}: its newest checkpoint is")
+    raise ck.CheckpointError(
+        f"{found} {path} ({where(manifest)}), {kind} checkpoint, and this is a {run} run; "
+        f"give this run {'its own --save-dir' if not cfg.resume else 'a checkpoint of its kind'}"
+        f", or start from that one on purpose with --resume {path}")
+
+
+def resume_line(path, manifest):
+    """The log line saying which checkpoint a run continues from."""
+    return f"RESUME --> {path} ({where(manifest)})"

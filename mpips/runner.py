@@ -10,10 +10,10 @@ once against that interface, ``mpips.interfaces.Backend``.
 import sys
 import time
 
-import numpy as np
 
 from mpips import checkpoint as ck
 from mpips.build import make_reader, make_schema
+from mpips.data import bags
 from mpips.data.files import worker_files
 from mpips.data.reader import Batch, DataError
 from mpips.progress import make_progress
@@ -98,13 +98,24 @@ class LocalBackend:
         return st
 
     def evaluate(self, files):
+        """Evaluate as `--local-workers` workers would: worker i reads files[i::W] in its
+        own batches, and the counts are added in worker order.  A row's prediction depends
+        on the batch it is scored in (BLAS rounds by the batch's shape on some CPUs), so
+        this keeps --local-workers W's test metrics equal to W workers'."""
         if not files:
             return None
-        reader = make_reader(self.cfg, files, self.cfg.batch_size, log_line)
-        try:
-            return self.trainer.evaluate(reader)
-        finally:
-            reader.close()
+        W = self.cfg.local_workers
+        total = None
+        for part in (files[i::W] for i in range(W)):
+            if not part:
+                continue
+            reader = make_reader(self.cfg, part, self.cfg.batch_size, log_line)
+            try:
+                m = self.trainer.evaluate(reader)
+            finally:
+                reader.close()
+            total = m if total is None else total.merge(m)
+        return total
 
     def save(self, mode, meta, step=0):
         if self.trainer.progress is not None:      # a mid-epoch save: clear a redrawn line
@@ -163,21 +174,10 @@ def concat_batches(readers):
     """Zip W readers into batches of W x B (the grouping GEO's local run uses), closing them
     after."""
     for parts in zip_batches(readers):
-        yield parts[0] if len(parts) == 1 else concat(parts)
-
-
-def concat(parts):
-    """One Batch of the rows of ``parts`` in order (CSR bags: ids appended, offsets shifted)."""
-    dense, sparse, label = (np.concatenate([getattr(p, k) for p in parts])
-                            for k in ("dense", "sparse", "label"))
-    if all(p.offsets is None for p in parts):
-        return Batch(dense, sparse, label)
-    if any(p.offsets is None for p in parts):
-        raise ValueError("cannot join one-hot and multi-hot batches")
-    shift = np.cumsum([0] + [len(p.sparse) for p in parts[:-1]])
-    offsets = np.concatenate([parts[0].offsets[:1]] + [p.offsets[1:] + d
-                                                        for p, d in zip(parts, shift)])
-    return Batch(dense, sparse, label, offsets)
+        if len(parts) == 1:
+            yield parts[0]
+        else:
+            yield Batch(*bags.concat([(p.dense, p.sparse, p.label, p.offsets) for p in parts]))
 
 
 def run_epochs(cfg, backend, train_files, test_files):

@@ -44,7 +44,7 @@ import difflib
 import json
 import re
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 if sys.version_info >= (3, 11):
     import tomllib

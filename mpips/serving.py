@@ -2,6 +2,7 @@
 
     p = Predictor("model.h5")                   # a bundle from `python -m mpips.export`
     p.predict_lines([b"0\t1\t...", "..."])    # Criteo TSV or Paddle slot lines -> (n,) float32
+                                                # (a bad line raises LineError; errors="nan")
     p.predict_arrays(dense, ids)                # normalised (B, D) float32, (B, S) int64 ids
     p.predict_arrays(dense, ids, offsets)       # or bags: ids (nnz,), offsets (B*S + 1,)
     p.apply("patch-000005.h5")                  # rows changed / ids evicted since the bundle
@@ -46,53 +47,84 @@ def _parser(data, slot_format, has_label):
         return lambda buf: slot.parse_slot_bytes(buf, hash_bucket=bucket)
     norm = criteo.make_norm(data["cont_min"], data["cont_diff"])
     return lambda buf: criteo.parse_tsv_bytes(buf, has_label=has_label, hash_bucket=bucket,
-                                              norm=norm)
+                                              norm=norm, pad=True)  # as the reader does
 
 
-def _parse_group(raw, parse):
-    """(dense, ids, ok) of lines ``raw`` parsed by ``parse``; ok marks lines with a row."""
+def _parse_group(raw, parse, why, index, has_label):
+    """(dense, ids, ok) of lines ``raw`` parsed by ``parse``; ok marks lines with a row.
+
+    ``why[index[j]]`` gets the reason line j has no row (blank, or the parser's reason)."""
     ok = np.array([bool(b.strip()) for b in raw], np.bool_)
+    for j in np.flatnonzero(~ok):
+        why[int(index[j])] = "blank line"
     step = len(raw) if len(raw) <= criteo.MAX_BAD_RECORDS else criteo.MAX_BAD_RECORDS
     res = parse(b"\n".join(raw))
     if res.n_bad <= len(res.bad):
-        ok[res.bad[:, 0]] = False
+        _mark_bad(res.bad, 0, ok, why, index, has_label)
         return res.dense, res.sparse, ok
     dense, ids = [], []                      # more bad lines than recorded: find them in pieces
     for lo in range(0, len(raw), step):
         res = parse(b"\n".join(raw[lo:lo + step]))
-        ok[lo + res.bad[:, 0]] = False
+        _mark_bad(res.bad, lo, ok, why, index, has_label)
         dense.append(res.dense)
         ids.append(res.sparse)
     return np.concatenate(dense), np.concatenate(ids), ok
 
 
-def parse_lines(lines, data):
+def _mark_bad(bad, lo, ok, why, index, has_label):
+    """Lines of parser records ``bad`` ((line, reason, detail) rows, lines from ``lo``)."""
+    ok[lo + bad[:, 0]] = False
+    for line, reason, detail in bad.tolist():
+        text = criteo.describe_bad(reason, detail, has_label)
+        if reason == criteo.K.BAD_FIELDS and has_label:
+            text += " (39 without the label column)"
+        why[int(index[lo + line])] = text
+
+
+def parse_lines(lines, data, why=None):
     """(dense, ids, ok) for raw lines: the parsed rows and which lines they are (bool (n,)).
 
-    Blank and malformed lines have no row (``ok`` False).  Each TSV line may come with or
-    without its label column (39 or 38 tabs); a slot line without a ``click:`` token
-    gets ``click:0``.  The format is the bundle's, or (``auto``) that of the first
-    non-blank line, as the reader decides for a file.
+    Blank and malformed lines have no row (``ok`` False; with a dict ``why``, ``why[i]``
+    says why line i has none).  Each TSV line may come with or without its label column
+    (39 or 38 tabs); a slot line without a ``click:`` token gets ``click:0``.  The format
+    is the bundle's, or (``auto``) that of the first non-blank line, as the reader decides
+    for a file.
     """
+    why = {} if why is None else why
     raw = [_as_bytes(x) for x in lines]
+    every = np.arange(len(raw))
     first = next((b for b in raw if b.strip()), b"")
     fmt = data["data_format"]
     slot_format = fmt == "slot" or (fmt == "auto" and first.lstrip().startswith(SLOT_PREFIX))
     if slot_format:
         raw = [b if b.lstrip().startswith(b"click:") else b"click:0 " + b for b in raw]
-        return _parse_group(raw, _parser(data, True, True))
+        return _parse_group(raw, _parser(data, True, True), why, every, True)
     no_label = np.array([b.count(b"\t") == criteo.N_DENSE + criteo.N_SPARSE - 1 for b in raw],
                         np.bool_)
     if not no_label.any() or no_label.all():
-        return _parse_group(raw, _parser(data, False, not no_label.any()))
+        has_label = not no_label.any()
+        return _parse_group(raw, _parser(data, False, has_label), why, every, has_label)
     dense = np.zeros((len(raw), criteo.N_DENSE), np.float32)
     ids = np.zeros((len(raw), criteo.N_SPARSE), np.int64)
     ok = np.zeros(len(raw), np.bool_)
     for has_label in (False, True):
         idx = np.flatnonzero(no_label != has_label)
-        d, i, k = _parse_group([raw[j] for j in idx], _parser(data, False, has_label))
+        d, i, k = _parse_group([raw[j] for j in idx], _parser(data, False, has_label), why,
+                               idx, has_label)
         dense[idx[k]], ids[idx[k]], ok[idx] = d, i, k
     return dense[ok], ids[ok], ok
+
+
+class LineError(ValueError):
+    """Lines ``predict_lines`` cannot score; ``bad``: [(index, reason)] of all of them."""
+
+    def __init__(self, bad, n):
+        self.bad = bad
+        i, why = bad[0]
+        more = f" (and {len(bad) - 1} more: lines {', '.join(str(j) for j, _ in bad[1:6])}" \
+               f"{' ...' if len(bad) > 6 else ''})" if len(bad) > 1 else ""
+        super().__init__(f"line {i} of {n} cannot be scored: {why}{more}; fix the line(s), "
+                         f"or call predict_lines(lines, errors='nan') for NaN there")
 
 
 # ---------------------------------------------------------------------- predictor
@@ -111,7 +143,8 @@ class Predictor:
             model = ServingModel.from_arrays(m, arrays)
         self._model = model
         self.folder = None
-        self.bad_lines = 0          # malformed lines seen by predict_lines (NaN outputs)
+        self.bad_lines = 0          # bad lines given NaN by predict_lines(errors="nan")
+        self.last_bad = []          # [(index, reason)] of the last such call
 
     @property
     def model(self):
@@ -127,22 +160,31 @@ class Predictor:
         bags of ids (nnz,) with ``offsets`` (B*S + 1,) (the layout of ``Batch``)."""
         return self._model.predict(dense, ids, offsets=offsets)
 
-    def predict_lines(self, lines):
+    def predict_lines(self, lines, errors="raise"):
         """Probabilities (n,) float32 for n raw lines (TSV or slot, str or bytes).
 
-        Blank or malformed lines give NaN (counted in ``bad_lines``).
+        A blank or malformed line raises LineError naming its index (0-based) and what is
+        wrong with it (``errors="raise"``); with ``errors="nan"`` it gets NaN instead, is
+        counted in ``bad_lines``, and ``last_bad`` lists (index, reason) of this call's.
         """
+        if errors not in ("raise", "nan"):
+            raise ValueError(f"errors must be 'raise' or 'nan'; got {errors!r}")
         model = self._model
         if not model.schema.is_criteo:
             raise ValueError(f"predict_lines reads Criteo TSV or slot lines; this model's "
                              f"schema is format {model.schema.format} with "
                              f"{model.schema.n_sparse} slots: parse its lines with the "
                              f"{model.schema.format} reader and call predict_arrays")
-        dense, ids, ok = parse_lines(lines, model.data)
+        why = {}
+        dense, ids, ok = parse_lines(lines, model.data, why)
+        bad = sorted(why.items())
+        if bad and errors == "raise":
+            raise LineError(bad, len(ok))
         out = np.full(len(ok), np.nan, np.float32)
         if len(ids):
             out[ok] = model.predict(dense, ids)
-        self.bad_lines += int(len(ok) - ok.sum())
+        self.last_bad = bad
+        self.bad_lines += len(bad)
         return out
 
     def apply(self, patch):

@@ -15,7 +15,9 @@ ready when its ``_SUCCESS`` file exists; passes are taken in name order.  For ea
    also export it for serving (a full bundle after a base, a patch after a delta;
    ``mpips.exports``), so a following predictor is at most one pass behind;
 5. log and write the audit record (ids admitted / waiting / evicted, table rows and bytes).
-When no pass is ready it polls with back-off for ``--stream-timeout`` seconds, then ends.
+When no pass is ready it polls with back-off for ``--stream-timeout`` seconds, then ends;
+while it waits it says so (a ``STREAM --> waiting ...`` line naming the pass it waits for
+and until when, repeated every ``WAIT_REPORT_EVERY`` seconds).
 A pass that becomes ready after a later one was taken is never trained: it is logged as a
 warning and counted (``passes_late``), or stops the run with ``--late-pass fail``.
 SIGTERM (e.g. from Slurm before a requeue) ends the loop after the current pass.
@@ -36,6 +38,7 @@ from mpips.resume import resume_point
 KILL_AT = "MPIPS_DEBUG_KILL_AT"     # test aid: "PASS:N" SIGKILLs the logging worker (or the
                                     # local process) after its N-th batch of that pass
 STOP = {"flag": False}
+WAIT_REPORT_EVERY = 300.0   # seconds between the lines of a stream waiting for its next pass
 
 
 def install_sigterm():
@@ -90,8 +93,8 @@ class PassFeed:
     as handled by that run); ``late``: the late passes that run listed.
     """
 
-    def __init__(self, root, done=None, policy="warn", warn=None, late=()):
-        self.root, self.policy, self.warn = root, policy, warn or print
+    def __init__(self, root, done=None, policy="warn", warn=None, late=(), say=None):
+        self.root, self.policy, self.warn, self.say = root, policy, warn or print, say or print
         self.late = list(late)
         self.known = {p.name for p in ready_passes(root)
                       if done is not None and p.name <= done}
@@ -99,6 +102,7 @@ class PassFeed:
     def next(self, done, timeout):
         """The first ready pass after `done` (name or None), waiting up to `timeout` s; or None."""
         backoff, t0 = Backoff(*PASS), time.monotonic()
+        said = None                 # when the last waiting line was printed
         while True:
             ready = ready_passes(self.root)
             self._spot_late(ready, done)
@@ -106,9 +110,24 @@ class PassFeed:
                 if done is None or p.name > done:
                     self.known.add(p.name)
                     return p
-            if STOP["flag"] or time.monotonic() - t0 >= timeout:
+            now = time.monotonic()
+            if STOP["flag"] or now - t0 >= timeout:
+                if said is not None:
+                    self.say("STREAM --> stopped waiting (SIGTERM)" if STOP["flag"] else
+                             f"STREAM --> no new pass in {self.root} within --stream-timeout "
+                             f"{timeout:g} s; finishing")
                 return None
+            if said is None or now - said >= WAIT_REPORT_EVERY:
+                said = now
+                self.say(self._waiting_line(done, timeout - (now - t0)))
             backoff.sleep(at_most=timeout - (time.monotonic() - t0))
+
+    def _waiting_line(self, done, left):
+        until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(time.time() + left))
+        after = f"the pass after {done}" if done else "a first pass"
+        return (f"STREAM --> waiting for {after} (a folder YYYYMMDD/ or YYYYMMDD/HH/ in "
+                f"{self.root} with a _SUCCESS file) until {until} (--stream-timeout; "
+                f"{left:.0f} s left), then finishing")
 
     def _spot_late(self, ready, done):
         for p in ready:
@@ -143,7 +162,7 @@ def run_stream(cfg, backend, log):
     feed = None
     if backend.is_logger:
         late = ck.read_manifest(path)["meta"].get("passes_late", []) if path else []
-        feed = PassFeed(cfg.stream, done, cfg.late_pass, _warn, late)
+        feed = PassFeed(cfg.stream, done, cfg.late_pass, _warn, late, say=log)
     records = []
     admitted_before = backend.stats().get("admitted_total", 0)
     while True:

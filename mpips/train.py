@@ -4,25 +4,31 @@
     python -m mpips.train --local                # one process, same tables and kernels
 
 Only this module touches COMM_WORLD.  A failure on any rank prints one line
-`mpips: rank R: Error: message` and aborts the whole job with a non-zero exit.
+`mpips: rank R: Error: message` and aborts the whole job with a non-zero exit.  Ctrl-C
+(SIGINT, which mpiexec forwards to every rank) prints one line for the job and exits with
+code 130 on every rank, without tracebacks.
 """
 import os
+import signal
 import sys
 import time
 import traceback
 
 from mpips import checkpoint as ck
+from mpips.backoff import COLLECTIVE, Backoff
 from mpips.build import make_model, make_schema, make_tables, resolve_data
 from mpips.cluster import check_servers, default_servers
 from mpips.checkpoint.manifest import chain_manifests
 from mpips.config import check_chain, check_compatible, parse_args
 from mpips.report import log_line, model_note, peak_rss_mb
 from mpips.data.files import resolve_paths
-from mpips.resume import choose, first_rank_decides, pin, resume_point, start_point
+from mpips.resume import (check_kind, choose, first_rank_decides, pin, resume_line, resume_point,
+                          start_point)
 from mpips.ownership import plan_keys
 from mpips.runner import LocalBackend, admission_of, inner_table, run_epochs
 from mpips.schema import check_same, stored_schema
 from mpips.stream import install_sigterm, run_stream
+from mpips.warmup import report_new, signatures, warm
 from mpips.worker.local import LocalPS
 from mpips.worker.trainer import GeoTrainer, Trainer
 
@@ -30,6 +36,9 @@ from mpips.worker.trainer import GeoTrainer, Trainer
 def run_local(cfg):
     """Train in one process (the yardstick); returns the list of epoch/pass records."""
     train_files, test_files = ([], []) if cfg.stream else resolve_data(cfg)
+    log_line(f"mpips: kernels compiled or loaded from numba's cache in "
+             f"{warm(cfg, train_files[:1] or None):.1f} s (before training; in no rate)")
+    jit0 = signatures()
     schema = make_schema(cfg)
     model = make_model(cfg, schema)
     ps = LocalPS(*make_tables(cfg, model, dense_batches=cfg.local_workers))
@@ -44,7 +53,7 @@ def run_local(cfg):
     path = resume_point(cfg)[0]
     if path:
         ck.load_local(path, inner_table(ps.sparse), ps.dense, admission_of(ps.sparse))
-        log_line(f"RESUME --> {path}")
+        log_line(resume_line(path, ck.read_manifest(path)))
     backend = LocalBackend(cfg, trainer, ps, path)
     if cfg.stream:
         records = run_stream(cfg, backend, log_line)
@@ -53,6 +62,7 @@ def run_local(cfg):
     log_line(trainer.times_line("local"))
     log_line(f"PROFILE --> local compute_s={trainer.compute_s:.2f} rows={len(ps.sparse)} "
              f"peak_rss_mb={peak_rss_mb():.0f}")
+    report_new(jit0, "local")
     return records
 
 
@@ -68,7 +78,10 @@ def precheck(cfg, comm=None):
     if cfg.stream:
         install_sigterm()
     schema = make_schema(cfg)                 # a bad --schema file fails here, before any work
-    cfg = pin(cfg, first_rank_decides(comm, lambda: choose(cfg)))
+    path = first_rank_decides(comm, lambda: choose(cfg))
+    if path:                                   # before pinning: --resume naming it allows it
+        check_kind(cfg, path, ck.read_manifest(path))
+    cfg = pin(cfg, path)
     if cfg.resume:
         elements = chain_manifests(cfg.resume)
         check_chain(elements)
@@ -99,6 +112,7 @@ def main(argv=None):
         return _guarded(None, lambda: run_local(cfg))
     from mpi4py import MPI      # here, not at the top: --local runs without MPI
     comm = MPI.COMM_WORLD
+    icomm = comm.Dup()          # for the interrupt barrier only: never out of order
     if comm.rank != 0:       # usage errors and --help print once
         sys.stdout = sys.stderr = open(os.devnull, "w")
     try:
@@ -115,16 +129,49 @@ def main(argv=None):
     if comm.size == 1:
         return _guarded(None, lambda: run_local(cfg))
     from mpips.distributed import run_distributed     # imports mpi4py.MPI (see above)
-    return _guarded(comm, lambda: run_distributed(cfg, comm))
+    return _guarded(comm, lambda: run_distributed(cfg, comm), icomm)
 
 
-def _guarded(comm, fn):
+INTERRUPT_GRACE = 3.0   # seconds an interrupted rank waits for every rank to be interrupted
+
+
+def _interrupted(comm, icomm):
+    """After SIGINT: the exit code 130, with one line on stderr for the job.
+
+    mpiexec (and srun) forward Ctrl-C to every rank: all meet in a barrier on `icomm`
+    and rank 0 says so, and every rank leaves normally (MPI_Finalize, whose notes about
+    requests left pending are not shown; the launcher prints no failure banner).  A rank
+    interrupted alone (the others not in the barrier within INTERRUPT_GRACE s) names
+    itself and aborts the job."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # a second Ctrl-C is for the launcher
+    if comm is None or comm.size == 1:
+        print("mpips: interrupted (SIGINT); stopping", file=sys.stderr, flush=True)
+        return 130
+    req, deadline, backoff = icomm.Ibarrier(), time.monotonic() + INTERRUPT_GRACE, \
+        Backoff(*COLLECTIVE)
+    while not req.Test():
+        if time.monotonic() > deadline:
+            print(f"mpips: interrupted (SIGINT) on rank {comm.rank}; stopping the job",
+                  file=sys.stderr, flush=True)
+            time.sleep(0.2)   # let the line reach the launcher before the job is torn down
+            comm.Abort(130)
+        backoff.sleep()
+    if comm.rank == 0:
+        print(f"mpips: interrupted (SIGINT) on all {comm.size} ranks; stopping",
+              file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)     # MPI_Finalize's notes on the requests
+    os.dup2(devnull, 2)                            # the interruption left pending: noise here
+    return 130
+
+
+def _guarded(comm, fn, icomm=None):
     """Run fn; on any exception print one line naming the rank and abort every rank."""
     try:
         fn()
         return 0
     except KeyboardInterrupt:
-        raise
+        return _interrupted(comm, icomm)
     except Exception as e:  # noqa: BLE001 - the boundary of the program
         rank = "local" if comm is None else f"rank {comm.rank}"
         print(f"mpips: {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -137,4 +184,8 @@ def _guarded(comm, fn):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:      # before training started (parsing, MPI start-up)
+        print("mpips: interrupted (SIGINT) while starting; stopping", file=sys.stderr)
+        sys.exit(130)

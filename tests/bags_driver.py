@@ -4,7 +4,8 @@
     mpiexec -n 4 python tests/bags_driver.py ...
     mpiexec -n 2 python tests/bags_driver.py infer --model CKPT --data DIR ... (mpips.infer)
 
-Every ``make_reader`` of the run (local and distributed, training and evaluation) is
+Every ``make_reader`` of the run (local and distributed, training, evaluation and the
+kernel warm-up) is
 replaced by ``NpzBags``: the files' rows in order, cut into batches of exactly
 ``batch_size`` rows (the last one shorter) that span files, as ``DataReader`` cuts them,
 each a CSR ``Batch`` (ids + offsets).  So the real trainer, servers and MPI paths run on
@@ -17,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mpips import runner  # noqa: E402
+from mpips import runner, warmup  # noqa: E402
 from mpips.data.reader import Batch  # noqa: E402
 
 
@@ -83,7 +84,7 @@ def main(argv):
         from mpips import infer
         infer.make_reader = NpzBags
         return infer.main(argv[1:])
-    runner.make_reader = NpzBags
+    runner.make_reader = warmup.make_reader = NpzBags
     if "--local" not in argv:
         from mpips import distributed      # under mpiexec: imports mpi4py.MPI
         distributed.make_reader = NpzBags

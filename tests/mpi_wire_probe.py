@@ -8,14 +8,18 @@ each server one well-formed PULL.
 
 Each server reports to the worker, after every request of the worker, what became of it
 (``TAG_OUTCOME``: rejected or not, whether the tables or the phase state changed, the
-replies it has sent so far, the requests it still holds).  The worker checks:
+replies it has sent so far, the requests it still holds, whether it was a duplicate).
+The worker numbers its requests 1, 2, 3, ... per server (``Link.send``).  It checks:
 1. crafted malformed requests (``bad_messages``, ``hostile_messages``): each is rejected,
-   the server's tables and phase state are bit for bit unchanged (a digest of every row
-   field, the admission counts and the dense state), nothing is held;
+   answered with exactly one refusal line (``TAG_ERROR``) naming the worker, the server's
+   tables and phase state are bit for bit unchanged (a digest of every row field, the
+   admission counts and the dense state), nothing is held; a request sent again with its
+   id is dropped as a duplicate, without a reply;
 2. a property-based fuzz (hypothesis, derandomized): N_FUZZ random requests (op codes,
    header fields, lengths, flags, steps, payloads with NaN and inf) to random servers.
    Every one is either served (every reply it asks for arrives, nothing stays held, the
-   tables stay finite) or rejected with the tables unchanged;
+   tables stay finite), or rejected with one refusal line and the tables unchanged, or
+   (a request id not above the last) dropped as a duplicate with the tables unchanged;
 3. the rows read before and after the crafted requests are identical, and the servers
    keep serving (a well-formed pull is answered and a valid push changes the rows).
 Each rank prints its failed checks to stderr; the verdicts are gathered to rank 0 and the
@@ -34,7 +38,7 @@ from mpi4py import MPI
 
 from mpips import checkpoint as ck
 from mpips.protocol import (F_CREATE, F_DENSE, HEADER_BYTES, STATS_DTYPE, STATS_LEN, TAG_CONTROL,
-                            TAG_REPLY_DENSE, TAG_REPLY_SPARSE, TAG_REQUEST, Op, encode,
+                            TAG_ERROR, TAG_REPLY_DENSE, TAG_REPLY_SPARSE, TAG_REQUEST, Op, encode,
                             message_nbytes)
 from mpips.server.admission import AdmittedTable
 from mpips.server.dense_table import DenseTable
@@ -48,17 +52,19 @@ NEW = np.array([1001, 1002, 1003], np.int64)      # ids only the bad requests me
 SERVERS, WORKER, OUTSIDER = (0, 1, 2), 3, 4
 ASYNC, SYNC, SSP = SERVERS
 DEADLINE = 20.0                                   # seconds for any wait in this probe
-TAG_OUTCOME = 90                                  # probe only: server -> worker, int64[6]
+TAG_OUTCOME = 90                                  # probe only: server -> worker, int64[7]
 SAVE_MODES = ("full", "base", "delta")
 SPECIALS = (np.nan, np.inf, -np.inf, 1e30, -1e16, 1e15, -1e15, 3e38, 1e-45)
+UNSET = -(2 ** 62)     # request id of a built message: Link.send gives it the next one
 USUAL_OPS = (Op.PULL, Op.PULL, Op.PUSH, Op.PUSH, Op.ADD, Op.STATS, Op.BARRIER, Op.SAVE, Op.SHRINK)
 
 
 def message(op, keys, values=None, dense=None, step=0, flags=0):
-    """A valid request as a uint8 buffer (header fields can be edited afterwards)."""
+    """A valid request as a uint8 buffer (header fields can be edited afterwards; the
+    request id is set when it is sent)."""
     dim = 0 if values is None else values.shape[1]
     buf = np.zeros(message_nbytes(len(keys), dim, 0 if dense is None else len(dense)), np.uint8)
-    encode(buf, op, 1, 0, keys, values, step, flags, dense)
+    encode(buf, op, UNSET, 0, keys, values, step, flags, dense)
     return buf
 
 
@@ -121,6 +127,8 @@ def hostile_messages(server):
         ("shrink with a negative threshold", message(Op.SHRINK, NEW[:0], step=-1)),
         ("shrink with an absurd threshold", message(Op.SHRINK, NEW[:0], step=1 << 62)),
         ("pull for a negative step", message(Op.PULL, KEYS, step=-4)),
+        ("request id 0", edit(message(Op.STATS, NEW[:0]), req_id=0)),
+        ("negative request id", edit(message(Op.PULL, KEYS), req_id=-7)),
     ]
     if server == SSP:
         return common + [("ssp pull that would wait for itself", message(Op.PULL, KEYS, step=3))]
@@ -158,11 +166,13 @@ def make_server(comm, save_dir):
 
         def _receive(self, msg, status):
             source, rejected, before = status.Get_source(), self.rejected, digest(self)
+            dups = self.duplicates
             super()._receive(msg, status)
             if source == WORKER and len(self.finished) < len(self.workers):
                 held = len(self.deferred) + len(self.deferred_saves) + len(self.pending)
                 out = np.array([self.rejected - rejected, digest(self) != before, self.replies,
-                                held, self.version, finite(self)], np.int64)
+                                held, self.version, finite(self), self.duplicates - dups],
+                               np.int64)
                 self.comm.Send(out, WORKER, TAG_OUTCOME)
 
     server = ProbeServer(comm, [WORKER], sparse, dense, mode, staleness, timeout=DEADLINE,
@@ -214,9 +224,17 @@ class Link:
         self.replies = dict.fromkeys(SERVERS, 0)       # replies received per server
         self.version = dict.fromkeys(SERVERS, 0)       # sync phase step, from outcomes
         self.rejected = dict.fromkeys(SERVERS, 0)
+        self.duplicates = dict.fromkeys(SERVERS, 0)
+        self.last_id = dict.fromkeys(SERVERS, 0)       # request ids sent, per server
 
     def send(self, server, buf):
-        """Send one request; return (outcome int64[6], [(tag, bytes)] replies before it)."""
+        """Send one request (one built by `message` gets the next request id); return
+        (outcome int64[7], [(tag, bytes)] replies before it)."""
+        if len(buf) >= HEADER_BYTES:
+            hdr = buf[:HEADER_BYTES].view(np.int64)
+            if hdr[1] == UNSET:
+                hdr[1] = self.last_id[server] + 1
+            self.last_id[server] = max(self.last_id[server], int(hdr[1]))
         self.comm.Send([buf, len(buf), MPI.BYTE], server, TAG_REQUEST)
         got, status, t0 = [], MPI.Status(), time.monotonic()
         while True:
@@ -232,17 +250,26 @@ class Link:
                 self.replies[server] += len(got)
                 self.version[server] = int(out[4])
                 self.rejected[server] += int(out[0])
+                self.duplicates[server] += int(out[6])
                 return out, got
             got.append((tag, data))
 
-    def check_outcome(self, server, name, out, rejected=None):
+    def check_outcome(self, server, name, out, got, rejected=None):
         ok = check(self.failures, out[5] == 1, f"{name}: server {server} tables not finite")
         ok &= check(self.failures, out[2] == self.replies[server],
                     f"{name}: server {server} sent {out[2]} replies, {self.replies[server]} arrived")
         ok &= check(self.failures, out[3] == 0, f"{name}: server {server} holds {out[3]} requests")
-        if out[0]:
+        tags = [t for t, _ in got]
+        if out[0] or out[6]:
             ok &= check(self.failures, out[1] == 0,
                         f"{name}: rejected by server {server} but the tables changed")
+        if out[0]:              # one refusal line, naming the worker
+            ok &= check(self.failures, tags == [TAG_ERROR] and b"request from rank %d" % WORKER
+                        in bytes(got[0][1]), f"{name}: server {server} rejected it, replies {tags}")
+        elif out[6]:
+            ok &= check(self.failures, not got, f"{name}: a duplicate answered with {tags}")
+        else:
+            ok &= check(self.failures, TAG_ERROR not in tags, f"{name}: served and refused")
         if rejected is not None:
             ok &= check(self.failures, bool(out[0]) == rejected,
                         f"{name}: server {server} {'accepted' if out[0] == 0 else 'rejected'} it")
@@ -250,7 +277,7 @@ class Link:
 
     def request(self, server, buf, name, rejected=False):
         out, got = self.send(server, buf)
-        self.check_outcome(server, name, out, rejected)
+        self.check_outcome(server, name, out, got, rejected)
         return got
 
     def pull(self, server, keys, create, step=0, counts=None):
@@ -293,24 +320,43 @@ def run_worker(comm, failures, save_dir, n_fuzz):
         check(failures, link.stats(s)["waiting"] == waiting[s],
               f"server {s}: ids waiting for admission changed by bad requests")
     crafted = {s: link.rejected[s] for s in SERVERS}
+    duplicate_requests(link)
     t1 = time.monotonic()
     n_done = fuzz(link, n_fuzz, save_dir) if n_fuzz else 0
     t2 = time.monotonic()
     for s in SERVERS:                            # still serving: a valid push moves the rows
-        v = link.version[s]
+        v = link.version[s]                      # (async, SGD lr 0.1: exactly rows - 0.1)
         for _ in range(4):                       # (re)admit the ids (the fuzz may evict)
             cur = link.pull(s, KEYS, create=True, step=v, counts=None if s == ASYNC else ones * 2)
         link.request(s, message(Op.PUSH, KEYS, np.ones((len(KEYS), DIM), np.float32), step=v),
                      "final push")
         moved = link.pull(s, KEYS, create=False, step=link.version[s])
         have = cur.any(axis=1)
-        check(failures, have.sum() >= len(KEYS) // 2 and bool((moved[have] != cur[have]).all()),
+        ok = (np.array_equal(moved, (cur.astype(np.float64) - 0.1).astype(np.float32))
+              if s == ASYNC else bool((moved[have] != cur[have]).any()))
+        check(failures, have.sum() >= len(KEYS) // 2 and ok and np.isfinite(moved).all(),
               f"server {s}: a valid push was lost ({have.sum()} rows admitted)")
-        comm.Send(message(Op.FINISH, KEYS[:0]), s, TAG_REQUEST)
+        comm.Send(edit(message(Op.FINISH, KEYS[:0]), req_id=link.last_id[s] + 1), s, TAG_REQUEST)
     print(f"wire probe: {len(cases)} crafted bad messages, rejected per server "
           f"{[crafted[s] for s in SERVERS]}; fuzz: {n_done} cases, rejected "
           f"{sum(link.rejected.values()) - sum(crafted.values())} ({t1 - t0:.1f} s crafted, "
           f"{t2 - t1:.1f} s fuzz)", flush=True)
+
+
+def duplicate_requests(link):
+    """A request sent again with its id is dropped as a duplicate: the async server applies
+    a push once (SGD, lr 0.1: rows - 0.1 x grads exactly), and answers a pull once."""
+    keys, grads = KEYS[:3], np.full((3, DIM), 0.5, np.float32)
+    rows = link.pull(ASYNC, keys, create=False)
+    for buf in (message(Op.PUSH, keys, grads), message(Op.PULL, keys)):
+        got = link.request(ASYNC, buf, f"valid {Op(int(buf[:8].view(np.int64)[0])).name}")
+        out, again = link.send(ASYNC, buf)              # its id is kept: a duplicate
+        link.check_outcome(ASYNC, "the same request again", out, again)
+        check(link.failures, out[6] == 1 and not again, f"a duplicate was not dropped: {out}")
+    want = (rows.astype(np.float64) - 0.1 * grads.astype(np.float64)).astype(np.float32)
+    check(link.failures, np.array_equal(got[0][1].view(np.float32).reshape(3, DIM), want),
+          "a duplicated push was not applied exactly once")
+    link.request(ASYNC, message(Op.PUSH, keys, -grads), "undo the push")
 
 
 # ------------------------------------------------------------------------- fuzz
@@ -331,7 +377,11 @@ def fuzz(link, n_cases, save_dir):
         buf = random_request(rng, link.version[server], pick, shape < 3)
         if corrupt >= 14:                        # corrupt a header field
             field = ("op", "table", "count", "dim", "dense_len", "req_id")[rng.integers(6)]
-            edit(buf, **{field: rng.integers(-2, 20) if corrupt == 14 else big_int(rng)})
+            value = rng.integers(-2, 20) if corrupt == 14 else big_int(rng)
+            if field == "req_id":                # a duplicate, an id < 1, or one skipping ahead
+                last = link.last_id[server]
+                value = int(rng.choice([last, last - 3, 0, -1, last + 1 + rng.integers(100)]))
+            edit(buf, **{field: value})
         if cut == 14:
             buf = buf[:rng.integers(0, len(buf) + 1)]
         elif cut == 15:
@@ -339,7 +389,7 @@ def fuzz(link, n_cases, save_dir):
         if is_finish(buf):                       # a well-formed FINISH would end the server
             return
         out, got = link.send(server, buf)
-        link.check_outcome(server, f"fuzz case {done[0]}", out)
+        link.check_outcome(server, f"fuzz case {done[0]}", out, got)
         expect_replies(link, server, buf, out, got)
         done[0] += 1
 
@@ -376,7 +426,7 @@ def random_request(rng, version, pick, shaped):
     if op == Op.SAVE:
         flags = int(rng.integers(-1, 4))                        # mode index, 3 and -1 bad
     buf = np.zeros(message_nbytes(len(keys), dim, d), np.uint8)
-    encode(buf, Op.PULL, big_int(rng), 0, keys, values, 0, 0, payload(rng, d) if d else None)
+    encode(buf, Op.PULL, UNSET, 0, keys, values, 0, 0, payload(rng, d) if d else None)
     return edit(buf, op=int(op), step=step if rng.random() < 0.9 else big_int(rng),
                 flags=flags if rng.random() < 0.9 else big_int(rng))
 
@@ -401,9 +451,7 @@ def is_finish(buf):
 
 def expect_replies(link, server, buf, out, got):
     """A served request got the replies its op asks for, of the right sizes."""
-    tags = [t for t, _ in got]
-    if out[0]:
-        check(link.failures, not got, f"server {server} rejected a request and answered it {tags}")
+    if out[0] or out[6]:        # refused (one TAG_ERROR line) or a duplicate: Link checked
         return
     hdr = buf[:HEADER_BYTES].view(np.int64)
     op, n, flags = int(hdr[0]), int(hdr[3]), int(hdr[6])
@@ -416,6 +464,8 @@ def expect_replies(link, server, buf, out, got):
         want = [(TAG_CONTROL, 8)]
     elif op == Op.SAVE:
         want = [(TAG_CONTROL, len(got[0][1]) if got else -1)]
+    elif op == Op.DENSE_GET:    # the server's dense slice with its optimizer state (packed)
+        want = [(TAG_REPLY_DENSE, len(got[0][1]) if got and len(got[0][1]) >= 4 * DENSE else -1)]
     else:
         want = []
     check(link.failures, [(t, len(b)) for t, b in got] == want,
@@ -441,7 +491,7 @@ def main():
             run_worker(comm, failures, save_dir, n_fuzz)
         else:               # not a worker: a well-formed request from a stranger
             for s in SERVERS:
-                comm.Send(message(Op.PULL, KEYS, flags=F_CREATE), s, TAG_REQUEST)
+                comm.Send(edit(message(Op.PULL, KEYS, flags=F_CREATE), req_id=1), s, TAG_REQUEST)
     except Exception as e:  # noqa: BLE001 - reported through the exit code
         check(failures, False, f"{type(e).__name__}: {e} at "
               f"{traceback.extract_tb(e.__traceback__)[-1]}")

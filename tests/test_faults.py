@@ -129,12 +129,16 @@ def test_stopped_worker_is_named_by_the_servers(tiny_data, tmp_path):
     rc, seconds, out, err = inject(tiny_data, tmp_path, 2, signal.SIGSTOP, "--mode", "sync")
     assert rc != 0
     assert seconds >= PEER_TIMEOUT
-    # the failing line names the stopped rank, and what the others saw
+    # the failing line names the stopped rank (the only one not answering a status request),
+    # and what the servers saw: rank 2 silent alone (worker 1 waits in a sync PULL the
+    # servers hold), or both workers silent (worker 1 waits in the workers' dense exchange;
+    # which one depends on timing)
     assert re.search(r"mpips: rank \d: PeerTimeout: rank\(s\) \[2\] stopped answering", err), err
-    assert "worker rank(s) [2] sent nothing for 4 s" in err, err
+    assert re.search(r"server rank \d: worker rank\(s\) \[2(, 3)?\] sent nothing for 4 s", err), err
     # the dump: every live rank says what it waits for
     assert "peer status dump" in err
-    assert re.search(r"rank 3 \(worker 1\): (PULL|PUSH|BARRIER)", err), err
+    assert re.search(r"rank 3 \(worker 1\): (PULL|PUSH|BARRIER|dense \w+ of the [\w ]+ of step)",
+                     err), err
     assert re.search(r"rank 0 \(server 0\): serving, mode sync", err), err
     assert "rank 2: NO ANSWER" in err
     assert "Traceback" not in err

@@ -5,7 +5,6 @@ field mutations).  Out-of-bounds reads in the numba kernel are checked separatel
 re-running a fixed fuzz corpus in a subprocess compiled with NUMBA_BOUNDSCHECK=1.
 """
 import os
-import re
 import subprocess
 import sys
 
@@ -19,7 +18,6 @@ from mpips.data.slot import parse_slot_bytes, slot_feature_id
 MAX_EXAMPLES = 200
 FUZZ = settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])
-_INT = re.compile(rb"[+-]?[0-9]+\Z")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 field_bytes = st.binary(max_size=12) | st.sampled_from(
@@ -58,8 +56,17 @@ def tsv_lines(draw):
     return b"".join(out)
 
 
-def ref_good_rows(data: bytes, has_label=True):
-    """Sparse ids of the lines a correct parser accepts (plain Python)."""
+def is_number(raw: bytes) -> bool:
+    """Python's float() reads ``raw`` as a finite value."""
+    try:
+        return bool(np.isfinite(float(raw)))
+    except ValueError:
+        return False
+
+
+def ref_good_rows(data: bytes, has_label=True, pad=False):
+    """Sparse ids of the lines a correct parser accepts (plain Python); with ``pad`` a
+    line with a good label and all 13 dense fields is read with empty trailing fields."""
     rows, blank = [], 0
     for line in split_lines(data):
         line = line[:-1] if line.endswith(b"\r") else line
@@ -69,16 +76,18 @@ def ref_good_rows(data: bytes, has_label=True):
         f = line.split(b"\t")
         if not has_label:
             f = [b"0"] + f
+        if pad and 14 <= len(f) < 40 and f[0] in (b"0", b"1"):
+            f += [b""] * (40 - len(f))
         if (len(f) != 40 or f[0] not in (b"0", b"1")
-                or any(x and not _INT.match(x) for x in f[1:14])):
+                or any(x and not is_number(x) for x in f[1:14])):
             continue
         rows.append([hash_feature(k, f[14 + k]) for k in range(26)])
     return np.array(rows, np.int64).reshape(-1, 26), blank
 
 
-def check_tsv(data: bytes, has_label=True):
-    r = parse_tsv_bytes(data, has_label=has_label)
-    want, blank = ref_good_rows(data, has_label)
+def check_tsv(data: bytes, has_label=True, pad=False):
+    r = parse_tsv_bytes(data, has_label=has_label, pad=pad)
+    want, blank = ref_good_rows(data, has_label, pad)
     assert r.n_lines == len(split_lines(data))
     assert r.n_rows + r.n_bad + blank == r.n_lines
     np.testing.assert_array_equal(r.sparse, want)
@@ -98,6 +107,8 @@ def test_tsv_random_bytes(data):
 @given(tsv_lines())
 def test_tsv_mutated_lines(data):
     check_tsv(data)
+    check_tsv(data, pad=True)
+    check_tsv(data, has_label=False, pad=True)
 
 
 @st.composite

@@ -8,6 +8,8 @@ from sklearn.metrics import log_loss, roc_auc_score
 from mpips.kernels import mlp
 from mpips.metrics import BinaryMetrics
 
+pytestmark = pytest.mark.exact      # float results against references, bit-equal paths
+
 
 def random_scores(n, seed, signal=1.0):
     rng = np.random.default_rng(seed)

@@ -6,6 +6,8 @@ from mpips.kernels import mlp
 from mpips.models import ctr_dnn
 from mpips.models.ctr_dnn import CTRDNN
 
+pytestmark = pytest.mark.exact      # float results against references, bit-equal paths
+
 TINY = dict(n_sparse=4, dim=3, n_dense=2, hidden=(5, 4))
 
 

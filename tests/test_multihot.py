@@ -27,6 +27,7 @@ label = "click"
 [[dense]]
 names = ["d"]
 dim = 3
+norm = "none"
 [[sparse]]
 names = ["1", "2", "3"]
 pooling = "sum"

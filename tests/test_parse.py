@@ -10,12 +10,24 @@ from mpips.data.criteo import (CONT_DIFF, CONT_MIN, hash_feature, make_norm, par
 from mpips.kernels import tsv_parse as K
 
 SAMPLE = str(Path(__file__).parent / "data" / "paddle_slot_sample.txt")
-_INT = re.compile(rb"[+-]?[0-9]+\Z")
 
 
 # ---------------------------------------------------------------- references
-def ref_tsv(data: bytes, has_label=True, hash_bucket=0, lo=CONT_MIN, diff=CONT_DIFF):
-    """Plain-Python Criteo parser: (dense, sparse, label, bad [(line, reason, detail)])."""
+def py_number(raw: bytes):
+    """What Python's float() takes for a finite value, else None."""
+    try:
+        v = float(raw)
+    except ValueError:
+        return None
+    return v if np.isfinite(v) else None
+
+
+def ref_tsv(data: bytes, has_label=True, hash_bucket=0, lo=CONT_MIN, diff=CONT_DIFF, pad=False,
+            padded=None):
+    """Plain-Python Criteo parser: (dense, sparse, label, bad [(line, reason, detail)]).
+
+    Dense fields are what float() reads finitely; with ``pad`` a short line gets empty
+    trailing fields (its line number appended to ``padded``)."""
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
@@ -27,6 +39,11 @@ def ref_tsv(data: bytes, has_label=True, hash_bucket=0, lo=CONT_MIN, diff=CONT_D
         if not line:
             continue
         f = line.split(b"\t")
+        if pad and 14 - (0 if has_label else 1) <= len(f) < want and \
+                f[0] in ((b"0", b"1") if has_label else (f[0],)):
+            f += [b""] * (want - len(f))
+            if padded is not None:
+                padded.append(i)
         if len(f) != want:
             bad.append((i, K.BAD_FIELDS, len(f)))
             continue
@@ -35,11 +52,11 @@ def ref_tsv(data: bytes, has_label=True, hash_bucket=0, lo=CONT_MIN, diff=CONT_D
         if f[0] not in (b"0", b"1"):
             bad.append((i, K.BAD_LABEL, 0))
             continue
-        bad_int = [j for j in range(1, 14) if f[j] and not _INT.match(f[j])]
+        bad_int = [j for j in range(1, 14) if f[j] and py_number(f[j]) is None]
         if bad_int:
             bad.append((i, K.BAD_INT, bad_int[0]))
             continue
-        dense.append([0.0 if not f[j] else (int(f[j]) - lo[j - 1]) / diff[j - 1]
+        dense.append([0.0 if not f[j] else (py_number(f[j]) - lo[j - 1]) / diff[j - 1]
                       for j in range(1, 14)])
         sparse.append([hash_feature(k, f[14 + k], hash_bucket) for k in range(26)])
         label.append(float(f[0]) if has_label else 0.0)
@@ -49,7 +66,10 @@ def ref_tsv(data: bytes, has_label=True, hash_bucket=0, lo=CONT_MIN, diff=CONT_D
 
 def check_tsv(data: bytes, **kw):
     r = parse_tsv_bytes(data, **kw)
-    d, s, l, bad = ref_tsv(data, kw.get("has_label", True), kw.get("hash_bucket", 0))
+    padded = []
+    d, s, l, bad = ref_tsv(data, kw.get("has_label", True), kw.get("hash_bucket", 0),
+                           pad=kw.get("pad", False), padded=padded)
+    assert r.padded == len(padded)
     np.testing.assert_array_equal(r.dense, d)
     np.testing.assert_array_equal(r.sparse, s)
     np.testing.assert_array_equal(r.label, l)
@@ -105,14 +125,19 @@ def test_tricky_lines_match_reference():
         line(label=b""),  # bad label
         line(ints=[b"1"] * 12 + [b"1x"]),  # non-numeric int
         line(ints=[b"-"] + [b""] * 12),  # sign only
-        line(ints=[b"1.5"] + [b""] * 12),  # not an integer
+        line(ints=[b"1.5", b"260.0", b" 2e1 ", b"1_0"] + [b""] * 9),  # float() reads these
+        line(ints=[b"nan"] + [b""] * 12),  # not finite
+        line(ints=[b"1e999"] + [b""] * 12),  # not finite
         line(cats=[b"a"] * 25),  # too few fields
         line(cats=[b"a"] * 27),  # too many fields
         b"garbage\n",
         line(end=b""),  # no trailing newline
     ])
     r = check_tsv(data)
-    assert r.n_rows == 6 and r.n_bad == 8 and r.n_lines == 16
+    assert r.n_rows == 7 and r.n_bad == 9 and r.n_lines == 18
+    assert r.dense[5, 1] == np.float32((260.0 + 3) / 603)
+    r = check_tsv(data, pad=True)  # the line short of categoricals; not 'garbage' (no label)
+    assert r.n_rows == 8 and r.padded == 1
     assert r.dense[0, 0] == pytest.approx(0.05) and r.dense[0, 1] == 0.0  # (1-0)/20, (-3+3)/603
 
 

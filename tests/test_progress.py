@@ -40,7 +40,8 @@ def test_estimate_from_bytes_says_so_and_never_goes_down():
     clock.t += 1
     p.tick(500, 500 * 0.7)           # estimate 10,000 rows: 5%
     assert out[-1].startswith("PROGRESS --> epoch 0 ~5% (500 / ~10,000 rows est. from bytes, "
-                              "worker 0 of 2) 500 ex/s per worker")
+                              "worker 0 of 2) rate after step 2  loss 0.7000")   # one step: no
+    assert "ETA" not in out[-1]                                         # rate, no ETA yet
     parsed[0] = (1600, 200_000)      # 125 bytes per row: 8,000 rows
     clock.t += 1
     p.tick(520, 520 * 0.7)           # 6.5% by the new estimate
@@ -60,7 +61,9 @@ def test_limit_offset_and_stream_lag():
     # resumed after 200 rows, --max-steps worth 300 rows: the phase ends at row 500
     p = Progress("pass 20260101/02", 10_000, 0, None, 0.0, write=out.append, clock=clock,
                  limit=300, offset=200, lag=lambda: "2 passes behind the newest ready one")
-    clock.t += 2
+    clock.t += 1
+    p.tick(50, 25.0)                 # the first step: the rate counts from here
+    clock.t += 1
     p.tick(100, 50.0)
     assert out[-1].startswith("PROGRESS --> pass 20260101/02 60% (300 / 500 rows) 50 ex/s")
     assert out[-1].endswith("ETA 0:00:04  | 2 passes behind the newest ready one")

@@ -309,7 +309,7 @@ def test_d10_meta_out_of_range_is_refused(data, trained, tmp_path, capsys):
     assert line.endswith("resume with the --train data and --batch-size it was saved with")
     assert max_batches(resolve_paths(str(data / "train")), 200)[1] >= 3000   # a true bound
     for bad in ({"epoch": 1.5}, {"steps": -1}, {"complete": "no"}, {"pass": 3}):
-        edit(path, lambda m: m.update(meta=dict({"epoch": 0}, **bad)), reseal=True)
+        edit(path, lambda m, bad=bad: m.update(meta=dict({"epoch": 0}, **bad)), reseal=True)
         assert train(data, tmp_path / "new", *args, "--epochs", "2") == 2
         assert "its meta " in one_line(capsys.readouterr().err)
     legacy = tmp_path / "old"                                  # version 1: no checksum

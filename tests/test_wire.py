@@ -38,3 +38,27 @@ def test_servers_reject_bad_requests_name_sender_and_keep_serving(tmp_path):
                    "would wait for good", "wait for itself", "steps are >= 0"):
         assert any(reason in x for x in lines), reason
     assert "Traceback" not in proc.stderr
+
+
+def test_audit_requests_are_refused_with_one_line_and_valid_ones_still_served(tmp_path):
+    """Issue 23 D1-D7 (tests/mpi_wire_audit.py has the scenarios and their numpy references)."""
+    proc = run_cmd(["-m", "tests.mpi_wire_audit", str(tmp_path)], n=4, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "wire audit: failed checks per rank [0, 0, 0, 0]" in proc.stdout
+    counts = {int(m[1]): tuple(map(int, m.groups()[1:])) for m in re.finditer(
+        r"wire audit server (\d): rejected (\d+) duplicates (\d+) ignored (\d+)", proc.stdout)}
+    assert counts == {0: (12, 2, 2), 1: (7, 0, 1)}, proc.stdout
+    err = proc.stderr.splitlines()
+    refused = [x for x in err if "rejected malformed request" in x]
+    assert len(refused) == 19 and all(re.search(r"request from rank [23]: ", x) for x in refused)
+    for reason in ("over the largest request", "this server does not own", "PULL for step 0 twice",
+                   "(id 3 listed 20000 times), beyond 1e+15", "after this worker's BARRIER",
+                   "FINISH with 1 of its requests still held", "SAVE for checkpoint 1 twice",
+                   "'v' must be >= 0", "'beta1_pow' must be < 1", "'accum' must be >= 0"):
+        assert sum(reason in x for x in refused) >= 1, reason
+    dups = [x for x in err if "dropped a duplicate request from rank 2" in x]
+    assert len(dups) == 2 and "PULL" in dups[0] and "SAVE" in dups[1]
+    ignored = [x for x in err if "ignored a message of" in x]
+    assert len(ignored) == 5 and all("from rank 2 on tag" in x for x in ignored)
+    assert sum("(audit worker B): ignored" in x for x in ignored) == 2
+    assert "Traceback" not in proc.stderr

@@ -24,6 +24,7 @@ from mpips.data.criteo import N_DENSE, N_SPARSE, make_norm
 
 FORMAT = "mpips-shards"   # on-disk name, kept: prepared sets written before still read
 VERSION = 1
+VERSION_BAGS = 2  # any schema, bags of ids (mpips.data.bagparts)
 MANIFEST = "manifest.json"
 STATS = "stats.json"
 DENSE_MISSING = int(np.iinfo(np.int32).min)  # stored for an empty integer field
@@ -165,9 +166,9 @@ def read_manifest(split_dir: str) -> dict:
     man = _read_json(path)
     if not isinstance(man, dict) or man.get("format") != FORMAT:
         raise PartError(f"{path}: not an {FORMAT} manifest")
-    if man.get("version") != VERSION:
+    if man.get("version") not in (VERSION, VERSION_BAGS):
         raise PartError(f"{path}: binary data format version {man.get('version')!r}; this mpips "
-                         f"reads version {VERSION} (re-run data_prep.criteo)")
+                         f"reads versions {VERSION} and {VERSION_BAGS} (re-run data_prep)")
     for key in ("parts", "columns", "hash_bucket", "stats", "has_label"):
         if key not in man:
             raise PartError(f"{path}: manifest lacks {key!r}; re-run data_prep.criteo")
@@ -256,8 +257,8 @@ def iter_part(part: str, norm=None, hash_bucket=None, piece_rows: int = PIECE_RO
 
 
 # ---------------------------------------------------------------- statistics
-def load_stats(path: str):
-    """(cont_min, cont_diff) float64 (13,) from a stats.json, a prep root or a split dir."""
+def load_stats(path: str, n_dense: int = N_DENSE):
+    """(cont_min, cont_diff) float64 (n_dense,) from a stats.json, a prep root or a split dir."""
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, STATS)):
             path = os.path.join(path, STATS)
@@ -269,9 +270,9 @@ def load_stats(path: str):
                                 f"writes OUT/{STATS})")
     st = _read_json(path)
     if not isinstance(st, dict) or "cont_min" not in st or "cont_diff" not in st:
-        raise PartError(f"{path}: needs 'cont_min' and 'cont_diff' lists of {N_DENSE} numbers")
+        raise PartError(f"{path}: needs 'cont_min' and 'cont_diff' lists of {n_dense} numbers")
     try:
-        norm = make_norm(st["cont_min"], st["cont_diff"])
+        norm = make_norm(st["cont_min"], st["cont_diff"], n_dense)
     except (ValueError, TypeError) as exc:
         raise PartError(f"{path}: {exc}") from None
     return norm[0].copy(), norm[1].copy()

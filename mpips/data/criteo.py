@@ -2,7 +2,8 @@
 
 One example a line: ``label \\t I1..I13 \\t C1..C26`` (40 fields; 39 without label).
 
-* Integer field ``Ik``: ``[+-]?[0-9]+`` or empty.  Dense value
+* Integer field ``Ik``: what Python's ``float()`` reads as a finite value (``260``,
+  ``260.0``, ``1e3``; plain integers on a fast path), or empty.  Dense value
   ``(x - cont_min[k]) / cont_diff[k]`` (float64 maths, stored float32); empty -> 0.0,
   as in Paddle's CTR-DNN reader.  Defaults are Paddle's constants.
 * Categorical field ``Ck`` (any bytes but TAB/LF, usually 8 hex digits or empty):
@@ -12,8 +13,10 @@ One example a line: ``label \\t I1..I13 \\t C1..C26`` (40 fields; 39 without lab
 * Lines end in LF, optionally CRLF; this parser reads a last line without LF (a line
   handed over alone, as the predictor does).  A *file* whose last line has no LF is cut
   (``mpips.data.reader`` treats that line as bad: ``BAD_NO_NEWLINE``).  Blank lines are
-  skipped silently.  Bad lines (wrong field count, non-integer I-field, label not 0/1)
-  produce no row and are reported with their line number.
+  skipped silently.  Bad lines (wrong field count, an I-field that is not a number, label
+  not 0/1) produce no row and are reported with their line number.  With ``pad=True`` a
+  line that ends after its label and I-fields is read with the missing categoricals empty
+  (``ParseResult.padded`` counts them; the reader pads unless ``--strict``).
 """
 from dataclasses import dataclass
 
@@ -73,7 +76,7 @@ def describe_bad(reason: int, detail: int, has_label: bool = True) -> str:
         want = N_DENSE + N_SPARSE + (1 if has_label else 0)
         return f"expected {want} tab-separated fields, found {detail}"
     if reason == K.BAD_INT:
-        return f"integer field I{detail} is not an integer"
+        return f"integer field I{detail} is not a number"
     if reason == K.BAD_LABEL:
         return "label is not 0 or 1"
     if reason == K.BAD_CAPACITY:
@@ -102,18 +105,27 @@ class ParseResult:
     bad: np.ndarray  # (min(n_bad, MAX_BAD_RECORDS), 3) int64: line (0-based), reason, detail
     n_lines: int  # lines in the buffer (incl. blank and bad)
     n_bad: int  # all bad lines (may exceed len(bad))
+    offsets: np.ndarray | None = None  # None: sparse is (n, S); else (n*S + 1,) CSR bag offsets
+    padded: int = 0  # lines read with missing trailing fields as empty (Criteo TSV)
+    undeclared: int = 0  # tokens of slots the schema does not declare, skipped
+    truncated: int = 0  # bags cut to their slot's max_len
 
     @property
     def n_rows(self) -> int:
         return int(self.label.shape[0])
 
 
-def make_norm(cont_min=None, cont_diff=None) -> np.ndarray:
-    """(2, 13) float64 [cont_min, cont_diff]; validates user-given statistics."""
+def make_norm(cont_min=None, cont_diff=None, n_dense: int = N_DENSE) -> np.ndarray:
+    """(2, n_dense) float64 [cont_min, cont_diff]; validates user-given statistics.
+
+    Without statistics: Paddle's Criteo constants (only for 13 dense values)."""
+    if (cont_min is None or cont_diff is None) and n_dense != N_DENSE:
+        raise ValueError(f"min-max normalisation of {n_dense} dense values needs statistics "
+                         f"(--stats FILE with cont_min and cont_diff lists of {n_dense} numbers)")
     lo = CONT_MIN if cont_min is None else np.asarray(cont_min, dtype=np.float64)
     diff = CONT_DIFF if cont_diff is None else np.asarray(cont_diff, dtype=np.float64)
-    if lo.shape != (N_DENSE,) or diff.shape != (N_DENSE,):
-        raise ValueError(f"cont_min and cont_diff must have {N_DENSE} values each; "
+    if lo.shape != (n_dense,) or diff.shape != (n_dense,):
+        raise ValueError(f"cont_min and cont_diff must have {n_dense} values each; "
                          f"got shapes {lo.shape} and {diff.shape}")
     if not (np.all(np.isfinite(lo)) and np.all(np.isfinite(diff)) and np.all(diff != 0)):
         raise ValueError("cont_min must be finite and cont_diff finite and non-zero "
@@ -131,31 +143,41 @@ def as_uint8(data) -> np.ndarray:
 
 
 def parse_tsv_bytes(data, *, has_label: bool = True, hash_bucket: int = 0,
-                    norm: np.ndarray | None = None) -> ParseResult:
+                    norm: np.ndarray | None = None, pad: bool = False,
+                    seeds: np.ndarray | None = None) -> ParseResult:
     """Parse whole Criteo TSV lines in ``data`` (bytes-like or uint8 array).
 
-    ``norm`` is ``make_norm(...)`` (default: Paddle's constants).
+    ``norm`` is ``make_norm(...)`` (default: Paddle's constants; its width is the number of
+    dense columns); ``seeds`` the (S,) uint64 hash states of the categorical columns
+    (default: Criteo's C1..C26).  ``pad``: a line missing trailing fields is read with them
+    empty and counted in ``padded`` (else it is a bad line).
     """
     if hash_bucket < 0:
         raise ValueError(f"hash_bucket must be >= 0 (0 = full int64 ids); got {hash_bucket}")
     buf = as_uint8(data)
     norm = make_norm() if norm is None else norm
-    out = kernel_outputs(buf)
-    opts = np.array([1 if has_label else 0, hash_bucket], dtype=np.int64)
-    n = K.parse_criteo_tsv(buf, opts, norm, *out)
+    out = kernel_outputs(buf, norm.shape[1], N_SPARSE if seeds is None else seeds.shape[0],
+                         dense_dtype=norm.dtype
+                         if norm.shape[0] > 2 else np.float32)
+    opts = np.array([1 if has_label else 0, hash_bucket, 1 if pad else 0], dtype=np.int64)
+    n = K.parse_criteo_tsv(buf, opts, norm, seeds, *out)
     return parse_result(n, *out)
 
 
-def kernel_outputs(buf):
+def kernel_outputs(buf, n_dense=N_DENSE, n_sparse=N_SPARSE, dense_dtype=np.float32):
     """(dense, sparse, label, bad, counts): preallocated outputs of a parse kernel for buf."""
     cap = int(np.count_nonzero(buf == 10)) + 1 if buf.size else 0  # (lines,) upper bound
-    return (np.empty((cap, N_DENSE), dtype=np.float32), np.empty((cap, N_SPARSE), dtype=np.int64),
+    return (np.empty((cap, n_dense), dtype=dense_dtype),
+            np.empty((cap, n_sparse), dtype=np.int64),
             np.empty(cap, dtype=np.float32), np.empty((MAX_BAD_RECORDS, 3), dtype=np.int64),
-            np.zeros(3, dtype=np.int64))
+            np.zeros(K.N_COUNTS, dtype=np.int64))
 
 
-def parse_result(n, dense, sparse, label, bad, counts):
+def parse_result(n, dense, sparse, label, bad, counts, offsets=None):
     """ParseResult of a kernel that returned n rows into `kernel_outputs` arrays."""
     n_bad = int(counts[K.CNT_BAD])
-    return ParseResult(dense[:n], sparse[:n], label[:n], bad[:min(n_bad, MAX_BAD_RECORDS)],
-                       int(counts[K.CNT_LINES]), n_bad)
+    extra = [int(counts[k]) if counts.shape[0] > k else 0
+             for k in (K.CNT_PADDED, K.CNT_UNDECLARED, K.CNT_TRUNCATED)]
+    return ParseResult(dense[:n], sparse if offsets is not None else sparse[:n], label[:n],
+                       bad[:min(n_bad, MAX_BAD_RECORDS)], int(counts[K.CNT_LINES]), n_bad,
+                       offsets, *extra)

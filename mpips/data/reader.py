@@ -1,9 +1,13 @@
-"""Stream batches from Criteo TSV, Paddle slot files or binary data parts, with prefetch.
+"""Stream batches from text files of a schema or binary data parts, with prefetch.
 
 Files are read in chunks of ``chunk_bytes`` that end on a newline (never a whole file
-in memory), parsed by ``mpips.data.criteo`` (numba, releases the GIL) or
-``mpips.data.slot``, and cut into batches of exactly ``batch_size`` rows that span file
-boundaries, as if the files were one stream.  Bad lines are skipped, counted in
+in memory; gzip files decompressed as they are read, or a ``pipe_command``'s output, see
+``mpips.data.sources``), parsed by numba kernels that release the GIL, and cut into
+batches of exactly ``batch_size`` rows that span file boundaries, as if the files were
+one stream.  The default Criteo schema keeps its one-hot readers (``mpips.data.criteo``
+TSV, ``mpips.data.slot`` for Criteo-shaped slot files, chosen per file by ``fmt``); any
+other schema is read by ``mpips.data.formats`` (criteo, csv, slot, multislot text), and
+gives CSR batches (``Batch.offsets``) unless its format is one-hot ``criteo``.  Bad lines are skipped, counted in
 ``reader.stats`` and reported through ``warn`` as ``file:line: ...`` (1-based lines; the
 first ``max_warnings`` of each file individually, then one summary line per file);
 ``strict=True`` raises ``ValueError`` with that message instead.
@@ -33,9 +37,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpips.data import binary, criteo, slot
+from mpips.data import bagparts, bags, binary, criteo, formats, slot, sources
 from mpips.data.files import resolve_paths
 from mpips.kernels.tsv_parse import BAD_FIELDS
+from mpips.schema import Schema
 
 CHUNK_BYTES = 4 << 20  # read size; a chunk is cut at its last newline
 MAX_LINE_BYTES = 1 << 20  # a longer "line" is garbage: reported and skipped
@@ -64,6 +69,9 @@ class FileStats:
     rows: int = 0  # rows yielded from this file
     lines: int = 0  # lines read (incl. blank and bad)
     bad: int = 0  # bad lines skipped
+    padded: int = 0  # Criteo lines missing trailing fields, read with them empty
+    undeclared: int = 0  # tokens of slots the schema does not declare, skipped
+    truncated: int = 0  # bags cut to their slot's max_len
     examples: list = field(default_factory=list)  # first few "file:line: reason"
     reasons: dict = field(default_factory=dict)  # (reason, detail) -> bad lines listed with it
 
@@ -74,6 +82,9 @@ class ReaderStats:
 
     rows: int = 0
     bad_lines: int = 0
+    padded: int = 0  # lines read with missing trailing fields empty (Criteo TSV)
+    undeclared: int = 0  # tokens of undeclared slots skipped
+    truncated: int = 0  # bags cut to max_len
     files: dict = field(default_factory=dict)  # path -> FileStats
     text_rows: int = 0  # rows parsed from text files (with text_bytes: rows per byte)
     text_bytes: int = 0  # bytes of text parsed
@@ -84,7 +95,7 @@ class DataError(ValueError):
 
 
 def _looks_binary(path):
-    with open(path, "rb") as f:
+    with sources.open_input(path) as f:
         head = f.read(4096)
     try:
         head.decode("utf-8")
@@ -119,7 +130,7 @@ def _stderr_warn(msg: str) -> None:
 
 def detect_format(path: str) -> str:
     """'slot' if the first non-blank line starts with 'click:', else 'tsv'."""
-    with open(path, "rb") as f:
+    with sources.open_input(path) as f:
         while True:
             block = f.read(1 << 16)
             if not block:
@@ -131,8 +142,21 @@ def detect_format(path: str) -> str:
                 return "slot" if stripped.startswith(b"click:") else "tsv"
 
 
-def iter_chunks(path: str, chunk_bytes: int = CHUNK_BYTES, max_line: int | None = None):
-    """Yield ``(data, first_line, too_long)`` for ``path``.
+def _detect_bytes(head: bytes) -> str:
+    """'slot' if ``head`` (the first chunk) starts with 'click:' after blanks, else 'tsv'."""
+    return "slot" if head.lstrip(b"\r\n\t ").startswith(b"click:") else "tsv"
+
+
+def _split_header(data: bytes):
+    """(first line, the rest) of a chunk of whole lines."""
+    cut = data.find(b"\n") + 1 or len(data)
+    return data[:cut], data[cut:]
+
+
+def iter_chunks(path: str, chunk_bytes: int = CHUNK_BYTES, max_line: int | None = None,
+                stream=None):
+    """Yield ``(data, first_line, too_long)`` for ``path`` (gzip decompressed), or for
+    ``stream`` (a binary file object, e.g. a pipe command's stdout) when given.
 
     ``data`` holds whole lines (ends with LF except possibly at EOF); ``first_line`` is
     the 0-based number of its first line.  ``too_long`` lists 0-based numbers of lines
@@ -142,7 +166,7 @@ def iter_chunks(path: str, chunk_bytes: int = CHUNK_BYTES, max_line: int | None 
     line = 0
     rest = b""
     too_long: list[int] = []
-    with open(path, "rb") as f:
+    with (stream if stream is not None else sources.open_input(path)) as f:
         while True:
             block = f.read(chunk_bytes)
             if not block:
@@ -186,17 +210,17 @@ def _skip_to_newline(f, chunk_bytes: int) -> bytes:
 
 
 class _Batcher:
-    """Cuts parsed pieces into batches of exactly ``size`` rows."""
+    """Cuts parsed pieces (dense, sparse, label, offsets) into batches of exactly ``size`` rows."""
 
     def __init__(self, size: int):
         self.size = size
-        self.pieces: list = []  # [(dense, sparse, label)]
+        self.pieces: list = []  # [(dense, sparse, label, offsets)]
         self.count = 0
 
-    def add(self, dense, sparse, label):
-        if label.shape[0]:
-            self.pieces.append((dense, sparse, label))
-            self.count += label.shape[0]
+    def add(self, piece):
+        if bags.n_rows(piece):
+            self.pieces.append(piece)
+            self.count += bags.n_rows(piece)
         while self.count >= self.size:
             yield self._take(self.size)
 
@@ -205,23 +229,16 @@ class _Batcher:
             yield self._take(self.count)
 
     def _take(self, n: int) -> Batch:
-        d, s, l = self.pieces[0]
-        if d.shape[0] >= n:  # within one piece: views, no copy
-            out = Batch(d[:n], s[:n], l[:n])
-            rest = (d[n:], s[n:], l[n:])
-            self.pieces[0:1] = [rest] if rest[2].shape[0] else []
-        else:
-            taken, k = [], 0
-            while k < n:
-                d, s, l = self.pieces.pop(0)
-                m = min(n - k, d.shape[0])
-                taken.append((d[:m], s[:m], l[:m]))
-                if m < d.shape[0]:
-                    self.pieces.insert(0, (d[m:], s[m:], l[m:]))
-                k += m
-            out = Batch(*(np.concatenate(col) for col in zip(*taken)))
+        taken, k = [], 0
+        while k < n:  # within one piece: views, no copy
+            p = self.pieces.pop(0)
+            m = min(n - k, bags.n_rows(p))
+            taken.append(bags.slice_rows(p, 0, m))
+            if m < bags.n_rows(p):
+                self.pieces.insert(0, bags.slice_rows(p, m, bags.n_rows(p)))
+            k += m
         self.count -= n
-        return out
+        return Batch(*bags.concat(taken))
 
 
 class _Shuffler:
@@ -232,10 +249,10 @@ class _Shuffler:
         self.pieces: list = []
         self.count = 0
 
-    def add(self, dense, sparse, label):
-        if label.shape[0]:
-            self.pieces.append((dense, sparse, label))
-            self.count += label.shape[0]
+    def add(self, piece):
+        if bags.n_rows(piece):
+            self.pieces.append(piece)
+            self.count += bags.n_rows(piece)
         if self.count >= self.window:
             yield self._mix()
 
@@ -244,10 +261,10 @@ class _Shuffler:
             yield self._mix()
 
     def _mix(self):
-        cols = [np.concatenate(c) for c in zip(*self.pieces)]
+        whole = bags.concat(self.pieces)
         perm = self.rng.permutation(self.count)
         self.pieces, self.count = [], 0
-        return tuple(c[perm] for c in cols)
+        return bags.take(whole, perm)
 
 
 class DataReader:
@@ -263,7 +280,8 @@ class DataReader:
                  hash_bucket: int = 0, cont_min=None, cont_diff=None, has_label: bool = True,
                  prefetch: bool = True, drop_last: bool = False, warn=None,
                  chunk_bytes: int = CHUNK_BYTES, max_warnings: int = 10,
-                 shuffle_window: int = 0, shuffle_seed=None, max_bad_fraction=None):
+                 shuffle_window: int = 0, shuffle_seed=None, max_bad_fraction=None,
+                 schema: Schema | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1; got {batch_size}")
         if fmt not in ("auto", "tsv", "slot"):
@@ -275,7 +293,18 @@ class DataReader:
         self.files = resolve_paths(files)
         self.batch_size = int(batch_size)
         self.fmt, self.strict, self.hash_bucket = fmt, strict, int(hash_bucket)
-        self.norm = criteo.make_norm(cont_min, cont_diff)
+        self.schema = Schema.criteo() if schema is None else schema
+        self.text = None  # the reader of a non-default schema (formats.TextFormat)
+        if self.schema.is_criteo:
+            self.norm = criteo.make_norm(cont_min, cont_diff)
+        else:
+            if fmt != "auto":
+                raise ValueError(f"fmt {fmt!r} names a Criteo reader; a {self.schema.format} "
+                                 f"schema reads its own format (use fmt='auto')")
+            self.norm = None
+            self.text = formats.TextFormat(self.schema, has_label=has_label,
+                                           hash_bucket=hash_bucket, cont_min=cont_min,
+                                           cont_diff=cont_diff, pad=not strict)
         self.explicit_norm = cont_min is not None or cont_diff is not None
         self.has_label, self.prefetch, self.drop_last = has_label, prefetch, drop_last
         self.warn = warn or _stderr_warn
@@ -289,16 +318,30 @@ class DataReader:
 
     # ---- parsing (runs in the prefetch thread when prefetch=True) ----
     def _parse(self, fmt: str, data: bytes) -> criteo.ParseResult:
-        if fmt == "slot":
+        if fmt == "slot" and self.text is None:
             return slot.parse_slot_bytes(data, hash_bucket=self.hash_bucket)
-        return criteo.parse_tsv_bytes(data, has_label=self.has_label,
-                                      hash_bucket=self.hash_bucket, norm=self.norm)
+        if fmt == "tsv":
+            return criteo.parse_tsv_bytes(data, has_label=self.has_label, pad=not self.strict,
+                                          hash_bucket=self.hash_bucket, norm=self.norm)
+        return self.text.parse(data)
+
+    def _format(self, path: str, head: bytes) -> str:
+        """'tsv' or 'slot' (the default Criteo schema's readers, by ``head``, the first
+        chunk), else the schema's format."""
+        if self.text is not None:
+            return self.schema.format
+        return _detect_bytes(head) if self.fmt == "auto" else self.fmt
+
+    def _describe(self, reason: int, detail: int) -> str:
+        if self.text is not None:
+            return self.text.describe(reason, detail)
+        return criteo.describe_bad(reason, detail, self.has_label)
 
     def _report(self, path: str, fst: FileStats, records) -> None:
         """Count and report bad lines ``records``: iterable of (line0, reason, detail)."""
         for line0, reason, detail in records:
             msg = (f"{path}:{line0 + 1}: malformed line skipped: "
-                   f"{criteo.describe_bad(reason, detail, self.has_label)}")
+                   f"{self._describe(reason, detail)}")
             if self.strict:
                 raise ValueError(msg + " (strict mode; run without --strict to skip such lines)")
             if len(fst.examples) < EXAMPLES_KEPT:
@@ -308,16 +351,23 @@ class DataReader:
             fst.bad += 1
             fst.reasons[reason, detail] = fst.reasons.get((reason, detail), 0) + 1
 
-    def iter_parsed(self, path: str, parse=None):
+    def iter_parsed(self, path: str, parse=None, stream=None):
         """Yield ``(ParseResult, nbytes)`` per chunk of text file ``path``.
 
         Updates ``stats`` and reports bad lines as the batches do.  ``parse(fmt, data)``
         replaces the default parser (``data_prep.criteo`` uses it for raw values).
+        ``stream``: read this file object (a pipe command's stdout) instead of the file.
         """
         fst = self.stats.files.setdefault(path, FileStats())
-        fmt = detect_format(path) if self.fmt == "auto" else self.fmt
+        fmt = None
         parse = parse or self._parse
-        for data, first, too_long in iter_chunks(path, self.chunk_bytes):
+        for data, first, too_long in iter_chunks(path, self.chunk_bytes, stream=stream):
+            if fmt is None:
+                fmt = self._format(path, data)
+                if self.text is not None and self.text.needs_header:
+                    header, data = _split_header(data)
+                    parse = self.text.with_header(header, path)
+                    first += 1
             self._report(path, fst, ((ln, criteo.BAD_LINE_TOO_LONG, MAX_LINE_BYTES)
                                      for ln in too_long))
             data, cut = split_unterminated(data)      # only the file's end can lack LF
@@ -333,6 +383,7 @@ class DataReader:
                 fst.lines = ln + 1
                 self.stats.bad_lines += 1
             fst.rows += res.n_rows
+            self._count(fst, res)
             self.stats.rows += res.n_rows
             self.stats.bad_lines += len(too_long) + res.n_bad
             self.stats.text_rows += res.n_rows
@@ -341,7 +392,28 @@ class DataReader:
         if fst.bad > self.max_warnings:
             self.warn(f"{path}: {fst.bad - self.max_warnings} more malformed lines not shown "
                       f"({fst.bad} in this file)")
+        self._summarise(path, fst)
         self._check_bad_share(path, fst, fmt)
+
+    def _count(self, fst: FileStats, res) -> None:
+        """Add a chunk's padded lines, undeclared tokens and truncated bags to the stats."""
+        for key in ("padded", "undeclared", "truncated"):
+            k = getattr(res, key)
+            setattr(fst, key, getattr(fst, key) + k)
+            setattr(self.stats, key, getattr(self.stats, key) + k)
+
+    def _summarise(self, path: str, fst: FileStats) -> None:
+        """One line per file for lines padded, tokens skipped and bags truncated."""
+        said = []
+        if fst.padded:
+            said.append(f"{fst.padded} lines missing trailing fields read with them empty "
+                        f"(--strict rejects them)")
+        if fst.undeclared:
+            said.append(f"{fst.undeclared} tokens of slots the schema does not declare skipped")
+        if fst.truncated:
+            said.append(f"{fst.truncated} bags cut to their max_len")
+        if said:
+            self.warn(f"{path}: " + "; ".join(said))
 
     def _check_bad_share(self, path, fst, fmt):
         """Fail on a file with no valid line, or whose malformed share passes the limit."""
@@ -353,20 +425,41 @@ class DataReader:
         raise DataError(
             f"{path}: {fst.bad} of {fst.bad + fst.rows} lines malformed ({100 * share:.0f}%"
             f"{'' if not fst.rows else f', above --max-bad-fraction {limit:g}'}); most common: "
-            f"{criteo.describe_bad(reason, detail, self.has_label)} ({k} of the "
+            f"{self._describe(reason, detail)} ({k} of the "
             f"{sum(fst.reasons.values())} bad lines examined); "
-            f"hint: {_hint(path, fmt, reason, detail, self.has_label)}")
+            f"hint: {self._hint(path, fmt, reason, detail)}")
+
+    def _hint(self, path, fmt, reason, detail):
+        if self.text is None:
+            return _hint(path, fmt, reason, detail, self.has_label)
+        if reason == criteo.BAD_LINE_TOO_LONG or _looks_binary(path):
+            return "binary data? text files (or .gz) in the schema's format are expected"
+        return f"check the file against the schema ({self.schema.describe()}; docs/data.md)"
 
     def _iter_part(self, path: str):
         """Yield (dense, sparse, label) pieces of one binary data part, counting rows."""
         fst = self.stats.files.setdefault(path, FileStats())
-        norm = self.norm if self.explicit_norm else None
-        for dense, sparse, label in binary.iter_part(path, norm, self.hash_bucket):
+        for dense, sparse, label, offsets in self._part_pieces(path):
             n = label.shape[0]
             fst.rows += n
             fst.lines += n
             self.stats.rows += n
-            yield dense, sparse, label
+            yield dense, sparse, label, offsets
+
+    def _part_pieces(self, path: str):
+        """(dense, sparse, label, offsets) pieces of a part: Criteo's raw layout (version 1)
+        or bags of any schema (version 2, checked against the reader's schema)."""
+        man = binary.read_manifest(os.path.dirname(os.path.normpath(path)))
+        if bagparts.is_bag_manifest(man):
+            yield from bagparts.iter_part(path, man, self.schema, self.hash_bucket)
+            return
+        if self.text is not None:
+            raise DataError(f"{path}: binary data parts hold Criteo's 13 dense and 26 one-hot "
+                            f"columns, not this schema's ({self.schema.describe()}); give "
+                            f"its text files instead")
+        norm = self.norm if self.explicit_norm else None
+        for dense, sparse, label in binary.iter_part(path, norm, self.hash_bucket):
+            yield dense, sparse, label, None
 
     def size(self):
         """(rows of the binary parts, bytes of the text files) this reader will read."""
@@ -375,17 +468,26 @@ class DataReader:
             if os.path.isdir(path):
                 rows += binary.part_rows(path)
             else:
-                nbytes += os.path.getsize(path)
+                nbytes += sources.text_size(path)
         return rows, nbytes
 
     def _iter_pieces(self):
-        """(dense, sparse, label) pieces of all files in order."""
-        for path in self.files:
-            if os.path.isdir(path):
-                yield from self._iter_part(path)
-                continue
-            for res, _ in self.iter_parsed(path):
-                yield res.dense, res.sparse, res.label
+        """(dense, sparse, label, offsets) pieces of all files in order."""
+        pipe = None
+        if self.schema.pipe_command:
+            pipe = sources.PipeRunner(self.schema.pipe_command,
+                                      [p for p in self.files if not os.path.isdir(p)])
+        try:
+            for path in self.files:
+                if os.path.isdir(path):
+                    yield from self._iter_part(path)
+                    continue
+                stream = pipe.open(path) if pipe is not None else None
+                for res, _ in self.iter_parsed(path, stream=stream):
+                    yield res.dense, res.sparse, res.label, res.offsets
+        finally:
+            if pipe is not None:
+                pipe.close()
 
     def _iter_batches(self):
         self.stats = ReaderStats()
@@ -393,13 +495,13 @@ class DataReader:
         if self.shuffle_window > 0:
             mixer = _Shuffler(self.shuffle_window, self.shuffle_seed)
             for piece in self._iter_pieces():
-                for mixed in mixer.add(*piece):
-                    yield from batcher.add(*mixed)
+                for mixed in mixer.add(piece):
+                    yield from batcher.add(mixed)
             for mixed in mixer.flush():
-                yield from batcher.add(*mixed)
+                yield from batcher.add(mixed)
         else:
             for piece in self._iter_pieces():
-                yield from batcher.add(*piece)
+                yield from batcher.add(piece)
         if not self.drop_last:
             yield from batcher.flush()
 

@@ -20,6 +20,8 @@ with ``line`` 0-based relative to the start of the buffer and ``reason`` one of 
 import numpy as np
 from numba import njit
 
+from mpips.kernels.number_parse import parse_float
+
 FNV1A_OFFSET = np.uint64(0xCBF29CE484222325)
 FNV1A_PRIME = np.uint64(0x100000001B3)
 SM_MUL1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -27,19 +29,28 @@ SM_MUL2 = np.uint64(0x94D049BB133111EB)
 
 N_DENSE = 13  # integer features I1..I13
 N_SPARSE = 26  # categorical features C1..C26
+CRITEO_SEEDS = np.array([(0xCBF29CE484222325 ^ k) * 0x100000001B3 % 2**64 for k in range(N_SPARSE)],
+                        dtype=np.uint64)  # (26,) FNV-1a state after the slot byte of C1..C26
 
 BAD_FIELDS = 1  # wrong number of tab-separated fields; detail = fields found
-BAD_INT = 2  # integer field not [+-]?[0-9]+; detail = column (1..13 for I1..I13)
+BAD_INT = 2  # dense field not a finite number (float()); detail = column (1..D)
 BAD_LABEL = 3  # label field not exactly "0" or "1"; detail = 0
 BAD_CAPACITY = 4  # output arrays full (caller sized them wrong); detail = 0
 # codes 5.. are used by the Python-side readers (too-long line, slot-format errors)
 
 OPT_HAS_LABEL = 0  # opts[0]: 1 if column 0 is the label
 OPT_BUCKET = 1  # opts[1]: hash_bucket (0 = full int64 range)
+OPT_PAD = 2  # opts[2] (optional): 1 = read a line missing trailing fields with them empty
 
 CNT_ROWS = 0  # counts[0]: rows written
 CNT_LINES = 1  # counts[1]: lines seen (incl. blank and bad ones)
 CNT_BAD = 2  # counts[2]: bad lines (all of them, even beyond bad's capacity)
+CNT_PADDED = 3  # counts[3] (optional): rows read from lines missing trailing fields
+CNT_UNDECLARED = 4  # counts[4] (bag readers): tokens of undeclared slots skipped
+CNT_TRUNCATED = 5  # counts[5] (bag readers): bags cut to their slot's max_len
+N_COUNTS = 6
+
+PADDED = -1  # _parse_line reason: a valid row whose missing trailing fields were empty
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -111,6 +122,32 @@ def parse_int_field(buf, start, end):
     return 0, -v if neg else v
 
 
+@njit(cache=True, nogil=True, inline="always")
+def parse_number_field(buf, start, end):
+    """A dense field as Python's ``float()`` reads a finite value: (status, value).
+
+    Status 0 ok, 1 empty, 2 malformed.  Plain integers take the fast path; anything else
+    (``260.0``, ``1e3``, surrounding spaces) goes through the correctly rounded parser.
+    """
+    st, v = parse_int_field(buf, start, end)
+    if st != 2:
+        return st, v
+    return _parse_decimal(buf, start, end)
+
+
+@njit(cache=True, nogil=True)
+def _parse_decimal(buf, start, end):
+    """The slow path of ``parse_number_field``: strip spaces, then ``float()``."""
+    while start < end and (buf[start] == 32 or buf[start] == 11 or buf[start] == 12
+                           or buf[start] == 13):
+        start += 1
+    while end > start and (buf[end - 1] == 32 or buf[end - 1] == 11 or buf[end - 1] == 12
+                           or buf[end - 1] == 13):
+        end -= 1
+    ok, v = parse_float(buf, start, end)
+    return (0, v) if ok else (2, 0.0)
+
+
 @njit(cache=True, nogil=True)
 def _skip_line(buf, pos):
     """Index just past the LF ending the line that starts at ``pos`` (or len(buf))."""
@@ -138,13 +175,13 @@ def _field_end(buf, s):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _scan_hash(buf, s, slot):
-    """Scan the field at ``s`` and FNV-1a hash it at once: (end, unfinalised hash).
+def _scan_hash(buf, s, seed):
+    """Scan the field at ``s`` and FNV-1a hash it at once from state ``seed``: (end, hash).
 
     A CR just before an LF is excluded from the hash (CRLF line ending).
     """
     n = buf.shape[0]
-    h = (FNV1A_OFFSET ^ np.uint64(slot & 0xFF)) * FNV1A_PRIME
+    h = seed
     e = s
     while e < n:
         c = buf[e]
@@ -153,20 +190,45 @@ def _scan_hash(buf, s, slot):
         h = (h ^ np.uint64(c)) * FNV1A_PRIME
         e += 1
     if e > s and buf[e - 1] == 13 and (e == n or buf[e] == 10):  # rare: redo without CR
-        h = fnv1a_slot(buf, s, e - 1, slot)
+        h = seed
+        for i in range(s, e - 1):
+            h = (h ^ np.uint64(buf[i])) * FNV1A_PRIME
     return e, h
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _parse_field(buf, s, f, opts, norm, dense_row, sparse_row):
-    """Scan and parse logical field ``f`` (0 label, 1..13 ints, 14..39 cats) at ``s``.
+def _seed(seeds, slot):
+    """FNV state column ``slot`` is hashed from: Criteo's slot byte when ``seeds`` is None
+    (compiled as a constant: the Criteo fast path), else ``seeds[slot]``."""
+    if seeds is None:
+        return (FNV1A_OFFSET ^ np.uint64(slot & 0xFF)) * FNV1A_PRIME
+    return seeds[slot]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _n_sparse(seeds):
+    if seeds is None:
+        return N_SPARSE
+    return seeds.shape[0]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _empty_dense(norm, j):
+    """Value of an empty dense field j: 0, or norm[2, j] (e.g. NaN) with a third row."""
+    return norm[2, j] if norm.shape[0] > 2 else 0.0
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _parse_field(buf, s, f, opts, norm, seeds, dense_row, sparse_row):
+    """Scan and parse logical field ``f`` (0 label, 1..D numbers, D+1.. categoricals) at ``s``.
 
     Returns (end, reason, value): end = index of the terminating TAB/LF (or len(buf)),
     reason 0 when fine, value = the label (f == 0) or the bad column (BAD_INT).
     """
-    if f > N_DENSE:
-        slot = f - 1 - N_DENSE
-        e, h = _scan_hash(buf, s, slot)
+    nd = norm.shape[1]
+    if f > nd:
+        slot = f - 1 - nd
+        e, h = _scan_hash(buf, s, _seed(seeds, slot))
         sparse_row[slot] = hash_to_id(splitmix64_finalise(h), opts[OPT_BUCKET])
         return e, 0, 0
     e = _field_end(buf, s)
@@ -175,33 +237,48 @@ def _parse_field(buf, s, f, opts, norm, dense_row, sparse_row):
         if fe - s != 1 or (buf[s] != 48 and buf[s] != 49):
             return e, BAD_LABEL, 0
         return e, 0, buf[s] - 48
-    st, v = parse_int_field(buf, s, fe)
+    st, v = parse_number_field(buf, s, fe)
     if st == 2:
         return e, BAD_INT, f
-    if st == 1:  # empty: 0, or norm[2] (e.g. NaN to mark it) when norm has a third row
-        dense_row[f - 1] = norm[2, f - 1] if norm.shape[0] > 2 else 0.0
+    if st == 1:
+        dense_row[f - 1] = _empty_dense(norm, f - 1)
     else:
         dense_row[f - 1] = (v - norm[0, f - 1]) / norm[1, f - 1]
     return e, 0, 0
 
 
 @njit(cache=True, nogil=True)
-def _parse_line(buf, pos, opts, norm, dense_row, sparse_row, label_cell):
+def _pad_row(f, last, opts, norm, seeds, dense_row, sparse_row):
+    """Fill logical fields f..last of a short line as empty fields."""
+    nd = norm.shape[1]
+    for g in range(max(f, 1), last + 1):
+        if g <= nd:
+            dense_row[g - 1] = _empty_dense(norm, g - 1)
+        else:
+            h = splitmix64_finalise(_seed(seeds, g - 1 - nd))
+            sparse_row[g - 1 - nd] = hash_to_id(h, opts[OPT_BUCKET])
+
+
+@njit(cache=True, nogil=True)
+def _parse_line(buf, pos, opts, norm, seeds, dense_row, sparse_row, label_cell):
     """Parse the non-blank line starting at ``pos`` into one row, in a single scan.
 
-    Returns (next_pos, reason, detail); reason 0 means the row is valid.  A bad row
-    may be partly written; the caller reuses the slot.
+    Returns (next_pos, reason, detail); reason 0 means the row is valid, PADDED that it
+    is valid with its missing trailing categorical fields read as empty (when
+    opts[OPT_PAD] is 1; the label and dense columns must be there).
+    A bad row may be partly written; the caller reuses the slot.
     """
     n = buf.shape[0]
     f = 0 if opts[OPT_HAS_LABEL] != 0 else 1  # logical field index
-    last = N_DENSE + N_SPARSE
+    last = norm.shape[1] + _n_sparse(seeds)
     label_cell[0] = 0.0
     reason = 0
     detail = 0
     s = pos
     while True:
         if reason == 0 and f <= last:
-            e, reason, detail = _parse_field(buf, s, f, opts, norm, dense_row, sparse_row)
+            e, reason, detail = _parse_field(buf, s, f, opts, norm, seeds, dense_row,
+                                             sparse_row)
             if f == 0 and reason == 0:
                 label_cell[0] = detail
                 detail = 0
@@ -212,30 +289,39 @@ def _parse_line(buf, pos, opts, norm, dense_row, sparse_row, label_cell):
             break
         s = e + 1
     if f != last + 1:  # field count wins over any other complaint
+        if (f < last + 1 and f > norm.shape[1] and reason == 0 and opts.shape[0] > OPT_PAD
+                and opts[OPT_PAD] != 0):  # label and dense columns there: cats missing
+            _pad_row(f, last, opts, norm, seeds, dense_row, sparse_row)
+            return e + 1, PADDED, 0
         return e + 1, BAD_FIELDS, f - (0 if opts[OPT_HAS_LABEL] != 0 else 1)
     return e + 1, reason, detail
 
 
 @njit(cache=True, nogil=True)
-def parse_criteo_tsv(buf, opts, norm, dense, sparse, label, bad, counts):
-    """Parse Criteo TSV bytes (``label \\t I1..I13 \\t C1..C26`` per line).
+def parse_criteo_tsv(buf, opts, norm, seeds, dense, sparse, label, bad, counts):
+    """Parse Criteo-layout TSV bytes (``label \t D numbers \t S categoricals`` per line).
 
     Lines end with LF (an optional CR before it is dropped); a final line without LF
     is parsed too.  Blank lines are skipped (counted in lines, not bad).  A line with
-    the wrong field count, a non-integer I-field or a label other than 0/1 is bad:
-    it produces no row and is recorded in ``bad`` (first ``bad.shape[0]`` of them).
+    the wrong field count, a dense field that is not a finite number (Python ``float()``;
+    plain integers on a fast path) or a label other than 0/1 is bad: it produces no row
+    and is recorded in ``bad`` (first ``bad.shape[0]`` of them).  With ``opts[OPT_PAD]``
+    a line that ends early, after its label and dense columns, is read with the missing
+    trailing categoricals empty (counted).
 
     Parameters
     ----------
     buf : (nbytes,) uint8, whole lines
-    opts : (2,) int64, [has_label (0/1), hash_bucket (0 = full int64 ids)]
-    norm : (2, 13) float64, [cont_min, cont_diff]; dense = (x - min) / diff, empty -> 0;
-        or (3, 13) with row 2 the value for an empty field (raw mode: [0, 1, nan])
-    dense : (cap, 13) float32 (or float64 for exact raw integer values), out
-    sparse : (cap, 26) int64, out
+    opts : (2,) or (3,) int64, [has_label (0/1), hash_bucket (0 = full int64 ids), pad]
+    norm : (2, D) float64, [cont_min, cont_diff]; dense = (x - min) / diff, empty -> 0;
+        or (3, D) with row 2 the value for an empty field (raw mode: [0, 1, nan])
+    seeds : (S,) uint64, FNV-1a state each categorical column is hashed from, or None for
+        Criteo's C1..C26 (the state after the slot byte 0..25, ``CRITEO_SEEDS``)
+    dense : (cap, D) float32 (or float64 for exact raw integer values), out
+    sparse : (cap, S) int64, out
     label : (cap,) float32, out (0.0 when there is no label column)
     bad : (bcap, 3) int64, out rows (line 0-based, reason code, detail)
-    counts : (3,) int64, out [rows, lines, bad]
+    counts : (3,) or (N_COUNTS,) int64, out [rows, lines, bad, padded, ...]
 
     Returns
     -------
@@ -247,18 +333,20 @@ def parse_criteo_tsv(buf, opts, norm, dense, sparse, label, bad, counts):
     line = 0
     r = 0
     nb = 0
+    npad = 0
     while pos < n:
         if _is_blank(buf, pos):
             pos = _skip_line(buf, pos)
             line += 1
             continue
         if r < cap:
-            pos, reason, detail = _parse_line(buf, pos, opts, norm, dense[r], sparse[r],
+            pos, reason, detail = _parse_line(buf, pos, opts, norm, seeds, dense[r], sparse[r],
                                               label[r:r + 1])
         else:
             pos, reason, detail = _skip_line(buf, pos), BAD_CAPACITY, 0
-        if reason == 0:
+        if reason <= 0:
             r += 1
+            npad += reason == PADDED
         else:
             if nb < bad.shape[0]:
                 bad[nb, 0] = line
@@ -269,6 +357,8 @@ def parse_criteo_tsv(buf, opts, norm, dense, sparse, label, bad, counts):
     counts[CNT_ROWS] = r
     counts[CNT_LINES] = line
     counts[CNT_BAD] = nb
+    if counts.shape[0] > CNT_PADDED:
+        counts[CNT_PADDED] = npad
     return r
 
 

@@ -6,7 +6,7 @@ Adam's beta powers are per table.
 """
 import numpy as np
 
-from mpips.server.optim import OptimizerConfig, apply_rows, new_state
+from mpips.server.optim import OptimizerConfig, apply_rows, new_state, state_violation
 
 
 class DenseTable:
@@ -94,20 +94,29 @@ class DenseTable:
     def import_state(self, data):
         """Restore exactly from a dict like ``export_state`` returns.
 
-        ``values`` is required; missing optimizer state is reset to fresh state.
+        ``values`` is required; missing optimizer state is reset to fresh state.  Raises
+        ValueError, leaving the table unchanged, when a shape is wrong or the state breaks
+        the optimizer's invariants (``mpips.server.optim.state_violation``: finite values,
+        Adam ``v >= 0`` and beta powers in [0, 1), Adagrad's accumulator >= 0).
         """
         expected = ['values'] + list(self._state)
         if 'values' not in data or set(data) - set(expected):
             raise ValueError(f'import_state needs values and accepts only {expected}; '
                              f'got {sorted(data)}')
-        self._values[0] = self._check(data['values'], 'values')[0]
+        new = {'values': self._check(data['values'], 'values')}
         fresh = new_state(self.opt, 1, self.size)
         for name, arr in self._state.items():
             src = np.asarray(data[name]) if name in data else fresh[name]
             if src.size != arr.size:
                 raise ValueError(f'import_state: {name} must have {arr.size} elements; '
                                  f'got {src.size}')
-            arr[...] = src.reshape(arr.shape)
+            new[name] = src.reshape(arr.shape)
+        why = state_violation(self.opt, new)
+        if why:
+            raise ValueError(f'import_state: {why}')
+        self._values[...] = new['values']
+        for name, arr in self._state.items():
+            arr[...] = new[name]
 
 
 def packed_size(opt, n):

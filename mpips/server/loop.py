@@ -19,9 +19,17 @@ An idle server sleeps with exponential back-off (``mpips.backoff.IDLE``) instead
 spinning, so that on an oversubscribed node the workers get the cores.
 
 Failure handling (see docs/reliability.md):
-- every request is validated (header by ``decode``, then against this server's tables and
-  phase); a malformed one is logged naming the sender, counted, and dropped — the tables
-  are untouched and the server keeps serving;
+- every message is probed (any tag) before it is received: requests (``TAG_REQUEST``)
+  up to ``MAX_REQUEST_BYTES``, status requests (``TAG_DUMP``) of one int64; larger ones,
+  and messages on any other tag, are discarded unread with a line naming the sender;
+- silence is measured while the server listens: time spent on one request (a save, a
+  first kernel load) does not count against the workers;
+- every request is validated (header by ``decode``, then against this server's tables,
+  ids and phase: ``mpips.server.checks``); a malformed one is logged naming the sender, counted, dropped and, when
+  the sender is a worker, answered on ``TAG_ERROR`` with that line (the worker fails with
+  it) — the tables are untouched and the server keeps serving;
+- a request whose id is not above its sender's last one is a duplicate: counted, dropped,
+  not answered again (the original was);
 - a worker that holds others up (missing at a barrier, or a sync step / ssp pull waiting
   for it) and sends nothing for ``timeout`` seconds, or no request at all for
   ``idle_timeout``, fails the job with PeerTimeout;
@@ -37,37 +45,40 @@ import numpy as np
 from mpi4py import MPI
 
 from mpips.backoff import IDLE, Backoff
-from mpips.config import SAVE_MODES
 from mpips.kernels.embedding import sum_duplicates
-from mpips.server.dense_table import pack_state, packed_size, unpack_state
-from mpips.liveness import WATCH, err_line, wait_for
-from mpips.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, STATS_DTYPE, TAG_CONTROL,
+from mpips.liveness import WATCH, discard, err_line, wait_for
+from mpips.ownership import owners
+from mpips.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, MAX_LINE_BYTES,
+                            MAX_REQUEST_BYTES, STATS_DTYPE, TAG_CONTROL, TAG_DUMP, TAG_ERROR,
                             TAG_REPLY_DENSE, TAG_REPLY_SPARSE, TAG_REQUEST, Op, ProtocolError,
                             decode)
+from mpips.server.checks import RequestChecks
+from mpips.server.dense_table import pack_state, unpack_state
 
 CHECK_EVERY = 0.05  # seconds between liveness checks of an idle server
 MAX_REJECT_LINES = 100  # malformed requests logged one line each; later ones only counted
-MAX_SHRINK_THRESHOLD = np.iinfo(np.uint16).max - 1   # rows age in a uint16 counter
-MAX_COUNT = 2.0 ** 24   # largest occurrence count per id in one pull (float32 integers)
-MAX_ABS = 1e15          # largest |gradient| or |delta| accepted: squares stay finite in float32
-CONTROL_OPS = (Op.FINISH, Op.STATS, Op.BARRIER, Op.SAVE, Op.SHRINK, Op.DENSE_GET)
 
 
-class Server:
+class Server(RequestChecks):
     """Serves the ids this server owns (a sparse table) and a slice of the dense parameters.
 
     timeout: seconds a worker that holds others up may stay silent (--peer-timeout);
-    idle_timeout: seconds without any request before failing (default: timeout).
+    idle_timeout: seconds without any request before failing (default: timeout);
+    shard: (this server's index, number of servers): the ids it owns
+    (``mpips.ownership.owners``); requests for other ids are refused.
     """
 
     def __init__(self, comm, worker_ranks, sparse, dense, mode="async", staleness=0,
-                 timeout=120.0, idle_max=IDLE[1], idle_timeout=None, label="server"):
+                 timeout=120.0, idle_max=IDLE[1], idle_timeout=None, label="server",
+                 shard=(0, 1)):
         self.comm, self.sparse, self.dense = comm, sparse, dense
+        self.shard = (int(shard[0]), int(shard[1]))
         self.workers = list(worker_ranks)
         self.mode = "sync" if (mode == "ssp" and staleness == 0) else mode
         self.staleness, self.timeout, self.idle_max = staleness, timeout, idle_max
         self.idle_timeout = timeout if idle_timeout is None else idle_timeout
         self.recv_buf = np.empty(1 << 20, dtype=np.uint8)
+        self.max_request = MAX_REQUEST_BYTES    # larger requests are discarded unread
         self.sends = []                 # (request, buffer) until complete
         self.finished = set()
         self.stats = {"requests": 0, "busy_s": 0.0, "bytes_in": 0, "bytes_out": 0}
@@ -76,12 +87,17 @@ class Server:
         self.evicted = 0        # rows removed by SHRINK since the start
         self.max_lead = 0       # ssp: largest (pull step - slowest worker's pushes) answered
         self.rejected, self.last_reject = 0, ""
+        self.duplicates = 0     # requests dropped because their id was seen before
+        self.last_id = {w: 0 for w in self.workers}     # last request id per worker
+        self.saved = set()      # checkpoint sequence numbers this server wrote or queued
         now = time.monotonic()
         self.last_request = now
         self.last_seen = {w: now for w in self.workers}     # last request per worker
         self.keepalive_at = now         # last BARRIER_KEEPALIVE round
         self.watch = WATCH.bind(comm, label)
         self._new_phase()
+        if self.shard[1] > 1:       # load the ownership kernel now, not in a first request
+            owners(np.zeros(1, np.int64), self.shard[1])
 
     def _new_phase(self):
         self.active = set(self.workers)     # workers that have not reached the barrier
@@ -100,7 +116,7 @@ class Server:
         status = MPI.Status()
         self.watch.waiting(self.describe, timed=False)
         while len(self.finished) < len(self.workers):
-            msg = self.comm.Improbe(MPI.ANY_SOURCE, TAG_REQUEST, status)
+            msg = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
             if msg is None:
                 self._progress_sends()
                 now = time.monotonic()
@@ -110,127 +126,86 @@ class Server:
                 self.watch.poll()
                 backoff.sleep()
                 continue
-            self._receive(msg, status)
+            t0, tag = time.monotonic(), status.Get_tag()
+            if tag == TAG_REQUEST:
+                self._receive(msg, status)
+            elif tag == TAG_DUMP:
+                self.watch.answer(msg, status)
+            else:
+                self.watch.ignore(msg, status, "a server takes requests and status requests "
+                                  "only")
+            if time.monotonic() - t0 > CHECK_EVERY:     # deaf meanwhile (a save, a first
+                self._excuse(time.monotonic() - t0)     # kernel load): listen again first
+                next_check = time.monotonic() + CHECK_EVERY
             backoff.reset()
         self._drain_sends()
+
+    def _excuse(self, seconds):
+        """Silence is measured while this server listens: the `seconds` it just spent on
+        one request (unable to receive) do not count against any worker."""
+        now = time.monotonic()
+        for w in self.last_seen:
+            self.last_seen[w] = min(self.last_seen[w] + seconds, now)
+        self.last_request = min(self.last_request + seconds, now)
 
     def _receive(self, msg, status):
         t0 = time.perf_counter()
         nbytes, source = status.Get_count(MPI.BYTE), status.Get_source()
-        if nbytes > len(self.recv_buf):
-            self.recv_buf = np.empty(max(nbytes, 2 * len(self.recv_buf)), dtype=np.uint8)
-        msg.Recv([self.recv_buf, nbytes, MPI.BYTE])
         self.last_request = time.monotonic()
         if source in self.last_seen:
             self.last_seen[source] = self.last_request
+        if nbytes > self.max_request:               # not even received
+            discard(msg)
+            self._reject(ProtocolError(f"request from rank {source}: {nbytes} bytes, over the "
+                                       f"largest request ({self.max_request} bytes)"), source)
+            return
+        if nbytes > len(self.recv_buf):
+            self.recv_buf = np.empty(min(max(nbytes, 2 * len(self.recv_buf)), self.max_request),
+                                     dtype=np.uint8)
+        msg.Recv([self.recv_buf, nbytes, MPI.BYTE])
         try:
             req = decode(self.recv_buf, nbytes, 1, source)
-            self._validate(req, source)
+            fresh = self._fresh(req, source)
+            if fresh:
+                self._validate(req, source)
         except ProtocolError as e:
-            self._reject(e)
+            self._reject(e, source)
         else:
-            self.handle(req, source)
+            if fresh:
+                self.handle(req, source)
         self.stats["requests"] += 1
         self.stats["bytes_in"] += nbytes
         self.stats["busy_s"] += time.perf_counter() - t0
 
-    # ---- validation: a bad request is dropped before it touches a table
-    def _validate(self, req, source):
-        def bad(why):
-            raise ProtocolError(f"request from rank {source}: {req.op.name} {why}")
-        if source not in self.last_seen:
-            bad(f"from a rank that is not a worker of this job (workers: {self.workers})")
-        if req.op in (Op.PULL, Op.PUSH, Op.ADD, Op.SAVE):
-            self._validate_step(req, source, bad)
-        if req.op == Op.SAVE:
-            if self.on_save is None:
-                bad("but this run has no --save-dir")
-            if req.count != 1 or req.values is not None or req.dense is not None:
-                bad("must carry exactly one key (the checkpoint's sequence number)")
-            if not 0 <= req.flags < len(SAVE_MODES):
-                bad(f"mode flag {req.flags}: must be 0..{len(SAVE_MODES) - 1} ({', '.join(SAVE_MODES)})")
-            why = self.save_check(int(req.keys[0]), req.flags) if self.save_check else None
-            if why:
-                bad(why)
-        elif req.op in CONTROL_OPS:
-            if req.count or req.dense is not None:
-                bad(f"must have no body; got count={req.count} dense="
-                    f"{len(req.dense) if req.dense is not None else 0}")
-            if req.op == Op.BARRIER and source not in self.active:
-                bad("sent twice in one phase")
-            if req.op == Op.SHRINK and not 0 <= req.step <= MAX_SHRINK_THRESHOLD:
-                bad(f"threshold {req.step}: must be 0..{MAX_SHRINK_THRESHOLD} (shrink calls)")
-        elif req.op == Op.DENSE_PUT:
-            if self.mode == "geo":
-                bad("in geo mode (the servers train the dense weights there)")
-            want = packed_size(self.dense.opt, self.dense.size)
-            if req.count or req.dense is None or len(req.dense) != want:
-                bad(f"must carry no keys and {want} dense floats (values + optimizer state "
-                    f"of this server's slice); got count={req.count} dense="
-                    f"{0 if req.dense is None else len(req.dense)}")
-            if not np.isfinite(req.dense.sum()):
-                bad("non-finite dense values")
-        elif req.op == Op.PULL:
-            if req.dense is not None or (req.values is not None and req.dim != 1):
-                bad(f"may carry only occurrence counts (width 1); got dim={req.dim} "
-                    f"dense={0 if req.dense is None else len(req.dense)}")
-            if self.mode == "sync" and req.flags & F_CREATE and req.step < self.version:
-                bad(f"for step {req.step}, already applied (phase at step {self.version}): "
-                    "a training pull would be held for good")
-            if req.values is not None and req.count:
-                c = req.values[:, 0]
-                if not (0 <= c.min() <= c.max() <= MAX_COUNT and (c == np.floor(c)).all()):
-                    bad(f"occurrence counts must be whole numbers in 0..{MAX_COUNT:.0f}; got "
-                        f"min {c.min()} max {c.max()}")
-        else:                                   # PUSH, ADD
-            if req.count and req.dim != self.sparse.dim:
-                bad(f"rows of width {req.dim}; this table has dim {self.sparse.dim}")
-            if req.dense is not None and req.op == Op.PUSH:
-                bad("carrying dense gradients: the workers combine those among themselves")
-            if req.dense is not None and len(req.dense) != self.dense.size:
-                bad(f"a dense slice of {len(req.dense)}; this server holds {self.dense.size}")
-            for arr in (req.values, req.dense):     # (min/max propagate NaN: no pass of abs)
-                if arr is not None and arr.size and not -MAX_ABS <= arr.min() <= arr.max() <= MAX_ABS:
-                    bad(f"non-finite or huge values (NaN, inf or beyond {MAX_ABS:.0e}): they would "
-                        "poison the rows for good")
-            if req.op == Op.PUSH and self.mode == "sync":
-                if source not in self.active:
-                    bad(f"for step {req.step} after this worker's BARRIER (phase step {self.version})")
-                if source in self.pending.get(req.step, ()):
-                    bad(f"for step {req.step} twice")
+    def _fresh(self, req, source):
+        """False for a duplicate: a request id not above the sender's last one (counted,
+        logged, dropped without a reply: the original was answered)."""
+        last = self.last_id.get(source)
+        if last is None or req.req_id > last:
+            if last is not None:
+                self.last_id[source] = req.req_id
+            return True
+        self.duplicates += 1
+        self._line(self.duplicates, f"dropped a duplicate request from rank {source}: "
+                   f"{req.op.name} with request id {req.req_id}, not above its last ({last}); "
+                   "each request is served once")
+        return False
 
-    def _validate_step(self, req, source, bad):
-        """Steps of a phase: never negative, and never so far ahead that the request would
-        wait for a step its own sender has not pushed (it would be parked for good)."""
-        if req.step < 0:
-            bad(f"for step {req.step}: steps are >= 0")
-        if self.mode == "sync":
-            # A push of step t comes after the sender's pull of step t was answered: t is the
-            # step being collected.  A pull/save of step t+1 may come once the sender's push
-            # of step t is in (or the sender is at the barrier); anything later waits for good.
-            v, mine = self.version, source not in self.active or source in self.pending.get(
-                self.version, ())
-            if req.op == Op.PUSH and req.step != v:
-                bad(f"for step {req.step}: the phase collects step {v}"
-                    + (" (already applied)" if req.step < v else ""))
-            if req.op in (Op.PULL, Op.SAVE) and req.step > v + mine:
-                bad(f"for step {req.step}: the phase is at step {v} and this worker has "
-                    f"{'pushed' if mine else 'not pushed'} it; it would wait for good")
-        elif self.mode == "ssp" and req.op == Op.PULL and source in self.active:
-            # waits until the slowest worker has pushed step - staleness; the sender itself
-            # must not be that one for good
-            if req.step - self.staleness > self.clock[source]:
-                bad(f"for step {req.step}: this worker pushed {self.clock[source]} steps "
-                    f"(staleness {self.staleness}); it would wait for itself for good")
-
-    def _reject(self, err):
+    def _reject(self, err, source):
+        """Count and log a refused request; a worker gets the line on TAG_ERROR."""
         self.rejected += 1
         self.last_reject = str(err)
-        if self.rejected <= MAX_REJECT_LINES:
-            err_line(f"mpips: rank {self.comm.rank} ({self.watch.label}): rejected malformed "
-                     f"request, tables unchanged: {err}")
-        if self.rejected == MAX_REJECT_LINES:
-            err_line(f"mpips: rank {self.comm.rank}: further rejections only counted (STATS)")
+        self._line(self.rejected, f"rejected malformed request, tables unchanged: {err}")
+        if source in self.last_seen:
+            line = np.frombuffer(str(err).encode()[:MAX_LINE_BYTES], np.uint8).copy()
+            self._send(line, source, TAG_ERROR)
+
+    def _line(self, n, text):
+        """Log the n-th rejection or duplicate (the first MAX_REJECT_LINES of each kind)."""
+        if n <= MAX_REJECT_LINES:
+            err_line(f"mpips: rank {self.comm.rank} ({self.watch.label}): {text}")
+        if n == MAX_REJECT_LINES:
+            err_line(f"mpips: rank {self.comm.rank}: further ones only counted (STATS)")
 
     # ---- liveness
     def _check(self, now):
@@ -279,13 +254,17 @@ class Server:
                 f"{self._blocked_text()}; silence per worker rank: {quiet or '-'}")
         if self.rejected:
             text += f"; {self.rejected} malformed request(s) rejected, last: {self.last_reject}"
+        if self.duplicates:
+            text += f"; {self.duplicates} duplicate request(s) dropped"
+        if self.watch.ignored:
+            text += f"; {self.watch.ignored} message(s) of a wrong size or tag discarded"
         return text
 
     def _timeout_text(self):
         waiting = sorted(set(self.workers) - self.finished)
-        return (f"server rank {self.comm.rank}: no request from any worker for "
-                f"{self.idle_timeout:.0f} s; still expecting worker rank(s) {waiting} "
-                f"(mode {self.mode}, step {self.version})")
+        return (f"server rank {self.comm.rank}: worker rank(s) {waiting} sent nothing for "
+                f"{self.idle_timeout:.0f} s: no request from any worker (mode {self.mode}, "
+                f"step {self.version})")
 
     # ---- dispatch
     def handle(self, req, source):
@@ -312,6 +291,7 @@ class Server:
             self.finished.add(source)
         elif req.op == Op.SAVE:
             save = (int(req.keys[0]), req.flags, req.step, source)
+            self.saved.add(save[0])
             if self.mode == "sync" and req.step > self.version:
                 self.deferred_saves.append(save)      # after step `req.step` is applied
             else:
@@ -341,6 +321,7 @@ class Server:
         rec["evicted"] = self.evicted
         rec["rejected"] = self.rejected
         rec["replies_in_flight"] = len(self.sends)
+        rec["duplicates"] = self.duplicates
         return rec
 
     @staticmethod
@@ -414,7 +395,10 @@ class Server:
                     still.append((req, source))
             self.deferred = still
         if len(self.at_barrier) == len(self.workers) and not self.pending:
-            for req, source in self.deferred:       # nothing changes any more in this phase
+            for step in sorted(self.held):          # nothing changes any more in this phase:
+                for w in sorted(self.held[step]):   # whatever is held is answered now
+                    self._answer_pull(self.held[step][w], w)
+            for req, source in self.deferred:
                 self._answer_pull(req, source)
             for save in self.deferred_saves:
                 self._save(*save)

@@ -69,6 +69,36 @@ class OptimizerConfig:
         return h
 
 
+# name -> (lowest allowed, highest allowed or None, whether the highest is excluded): what
+# the optimizer's updates keep true of its state (every state value is also finite).
+# Adagrad's accumulator and Adam's v are sums of squares; Adam's beta powers are
+# beta ** t with 0 <= beta < 1, so 1 - pow (a divisor of the bias correction) stays > 0.
+_STATE_BOUNDS = {'accum': (0.0, None), 'm': (None, None), 'v': (0.0, None),
+                 'beta1_pow': (0.0, 1.0), 'beta2_pow': (0.0, 1.0)}
+
+
+def state_violation(opt, state):
+    """Why ``state`` breaks optimizer ``opt``'s invariants, or None (vectorised, O(n)).
+
+    state : dict name -> float array (any shape), the arrays of ``opt.state_arrays()`` and
+    optionally ``values``.  Every value must be finite; Adagrad ``accum >= 0``; Adam
+    ``v >= 0`` and ``0 <= beta1_pow, beta2_pow < 1``.
+    """
+    for name, arr in state.items():
+        arr = np.asarray(arr)
+        if not arr.size:
+            continue
+        lo, hi = float(arr.min()), float(arr.max())     # NaN propagates through min/max
+        if not (np.isfinite(lo) and np.isfinite(hi)):
+            return f"{opt.name} '{name}' has non-finite values (NaN or inf)"
+        low, high = _STATE_BOUNDS.get(name, (None, None))
+        if low is not None and lo < low:
+            return f"{opt.name} state '{name}' must be >= {low:g}; got min {lo:g}"
+        if high is not None and hi >= high:
+            return f"{opt.name} state '{name}' must be < {high:g}; got max {hi:g}"
+    return None
+
+
 def new_state(opt, n_rows, dim):
     """Fresh optimizer state for ``n_rows`` rows: dict name -> float32 array."""
     state = {}

@@ -13,9 +13,10 @@ import numpy as np
 from mpi4py import MPI
 
 from mpips.backoff import REPLY, Backoff
-from mpips.liveness import WATCH, wait_for, wait_requests
-from mpips.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, STATS_DTYPE, STATS_LEN,
-                            TAG_CONTROL, TAG_REPLY_DENSE, TAG_REPLY_SPARSE, TAG_REQUEST, Op,
+from mpips.liveness import WATCH, discard, wait_for, wait_requests
+from mpips.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, MAX_CONFIRM_BYTES,
+                            MAX_REQUEST_BYTES, STATS_DTYPE, STATS_LEN, TAG_CONTROL,
+                            TAG_REPLY_DENSE, TAG_REPLY_SPARSE, TAG_REQUEST, Op, ProtocolError,
                             encode, message_nbytes)
 from mpips.server.dense_table import pack_state, packed_size, unpack_state
 
@@ -26,12 +27,14 @@ WORKER_GRACE = 1.0  # s a worker waits beyond --peer-timeout: a server, which kn
 class Handle:
     """Outstanding requests of one pull/push; wait() completes them.
 
-    peers[i] is the server rank of reqs[i]; op and step describe the wait in a dump.
+    peers[i] is the server rank of reqs[i]; expect[i] the bytes receive i must bring (None
+    for a send; default: all sends); op and step describe the wait in a dump.
     """
 
-    def __init__(self, client, reqs, peers, bufs, op="", step=0):
+    def __init__(self, client, reqs, peers, bufs, op="", step=0, expect=None):
         self.client, self.reqs, self.peers, self.bufs = client, reqs, peers, bufs
         self.op, self.step = op, step
+        self.expect = expect
         self.done = False
 
     def pending(self):
@@ -44,11 +47,26 @@ class Handle:
     def wait(self):
         if not self.done:
             t0 = time.perf_counter()
-            wait_requests(self.reqs, self.client.timeout, self.describe)
+            statuses = [] if self.expect else None
+            try:
+                wait_requests(self.reqs, self.client.timeout, self.describe, statuses=statuses)
+            except MPI.Exception as e:      # a reply longer than its receive
+                raise ProtocolError(f"{self.op} step {self.step}: a reply from server rank(s) "
+                                    f"{sorted(set(self.peers))} does not fit what was asked "
+                                    f"({str(e).splitlines()[0]})") from None
+            if statuses:
+                self._check_sizes(statuses)
             self.client.free.extend(self.bufs)
             self.client.wait_s += time.perf_counter() - t0
             self.done = True
         return self
+
+    def _check_sizes(self, statuses):
+        for want, peer, st in zip(self.expect, self.peers, statuses):
+            if want is not None and st.Get_count(MPI.BYTE) != want:
+                raise ProtocolError(f"{self.op} step {self.step}: server rank {peer} replied "
+                                    f"{st.Get_count(MPI.BYTE)} bytes on tag {st.Get_tag()}; "
+                                    f"the request asked for {want}")
 
 
 class PSClient:
@@ -57,6 +75,7 @@ class PSClient:
     def __init__(self, comm, server_ranks, dim, dense_bounds, timeout=120.0, label="worker"):
         self.comm, self.servers, self.dim = comm, list(server_ranks), dim
         WATCH.bind(comm, label)
+        WATCH.listen(self.servers)          # a refused request raises RequestRefused
         self.bounds, self.timeout = dense_bounds, timeout + WORKER_GRACE
         self.free = []            # reusable send buffers (uint8)
         self.req_id = 0
@@ -79,6 +98,10 @@ class PSClient:
         """Encode and Isend one request to server s; return (request, buffer)."""
         n_dense = 0 if dense is None else len(dense)
         nbytes = message_nbytes(len(keys), 0 if values is None else values.shape[1], n_dense)
+        if nbytes > MAX_REQUEST_BYTES:
+            raise ValueError(f"a {Op(op).name} of {len(keys)} ids is {nbytes} bytes, over the "
+                             f"largest request servers take ({MAX_REQUEST_BYTES}); lower "
+                             "--batch-size or --embedding-dim, or run more --servers")
         buf = self._buffer(nbytes)
         self.req_id += 1
         encode(buf, op, self.req_id, 0, keys, values, step, flags, dense)
@@ -91,22 +114,27 @@ class PSClient:
 
         counts: float32 (u, 1) occurrences of each key in the batch, for admission.
         """
-        reqs, peers, bufs = [], [], []
+        reqs, peers, bufs, expect = [], [], [], []
         flags = (F_CREATE if create else 0) | (F_DENSE if dense_out is not None else 0)
         for s in range(self.n_servers):
             lo, hi = plan.offsets[s], plan.offsets[s + 1]
-            reqs.append(self.comm.Irecv(out[lo:hi], self.servers[s], TAG_REPLY_SPARSE))
-            self.bytes_recv += out[lo:hi].nbytes
+            self._irecv(reqs, expect, out[lo:hi], self.servers[s], TAG_REPLY_SPARSE)
             if dense_out is not None:
                 d = dense_out[self.bounds[s]:self.bounds[s + 1]]
-                reqs.append(self.comm.Irecv(d, self.servers[s], TAG_REPLY_DENSE))
-                self.bytes_recv += d.nbytes
+                self._irecv(reqs, expect, d, self.servers[s], TAG_REPLY_DENSE)
             c = None if counts is None else counts[lo:hi]
             r, b = self._request(s, Op.PULL, plan.keys[lo:hi], c, step, flags, None)
             reqs.append(r)
+            expect.append(None)
             bufs.append(b)
             peers += [self.servers[s]] * (len(reqs) - len(peers))
-        return Handle(self, reqs, peers, bufs, "PULL", step)
+        return Handle(self, reqs, peers, bufs, "PULL", step, expect)
+
+    def _irecv(self, reqs, expect, buf, src, tag):
+        """Post a receive of exactly buf.nbytes from server rank src (checked in wait())."""
+        reqs.append(self.comm.Irecv(buf, src, tag))
+        expect.append(buf.nbytes)
+        self.bytes_recv += buf.nbytes
 
     def push(self, plan, grads, dense_grad=None, step=0, op=Op.PUSH):
         """Send grads (u, dim) for plan.keys (and dense_grad (P,)); op=ADD sends GEO deltas."""
@@ -136,17 +164,22 @@ class PSClient:
         opt, bounds = table.opt, self.bounds
         bufs = [np.empty(packed_size(opt, bounds[s + 1] - bounds[s]), np.float32)
                 for s in range(self.n_servers)]
-        reqs = [self.comm.Irecv(b, srv, TAG_REPLY_DENSE) for b, srv in zip(bufs, self.servers)]
+        reqs, expect = [], []
+        for b, srv in zip(bufs, self.servers):
+            self._irecv(reqs, expect, b, srv, TAG_REPLY_DENSE)
         sent, peers, sbufs = self._send_all(Op.DENSE_GET)
-        Handle(self, reqs + sent, self.servers + peers, sbufs, "DENSE_GET").wait()
-        self.bytes_recv += sum(b.nbytes for b in bufs)
+        Handle(self, reqs + sent, self.servers + peers, sbufs, "DENSE_GET",
+               expect=expect + [None] * len(sent)).wait()
         parts = [unpack_state(opt, b, bounds[s + 1] - bounds[s]) for s, b in enumerate(bufs)]
         state = {k: np.concatenate([p[k] for p in parts]) for k in ("values",) + tuple(
             name for name, per_el in opt.state_arrays() if per_el)}
         for name, per_el in opt.state_arrays():
             if not per_el:          # per-table state (Adam's beta powers): every slice took
                 state[name] = parts[0][name]        # the same number of steps
-        table.import_state(state)
+        try:
+            table.import_state(state)       # checks the optimizer's invariants
+        except ValueError as e:
+            raise ProtocolError(f"DENSE_GET: the servers' dense state {self.servers}: {e}") from None
 
     def _send_all(self, op, step=0, flags=0):
         """Send a bodyless op to every server: (requests, their server ranks, buffers)."""
@@ -174,11 +207,14 @@ class PSClient:
                            f"{[self.servers[s] for s in sorted(recvs)]} to release it")
         WATCH.waiting(waiting)
 
+        status = MPI.Status()
+
         def released():
             now = time.monotonic()
             for s, r in list(recvs.items()):
-                if not r.Test():
+                if not r.Test(status):
                     continue
+                self._check_ack(s, status, acks[s, 0])
                 self.bytes_recv += acks[s].nbytes
                 if acks[s, 0] == BARRIER_KEEPALIVE:     # the other workers still progress
                     recvs[s] = self.comm.Irecv(acks[s], self.servers[s], TAG_CONTROL)
@@ -190,13 +226,22 @@ class PSClient:
                  lambda: f"no word within {self.timeout:.0f} s: {waiting()}",
                  since=lambda: min(heard[s] for s in recvs))
 
+    def _check_ack(self, s, status, value):
+        """A barrier reply is one int64: BARRIER_KEEPALIVE or the phase's step count."""
+        n = status.Get_count(MPI.BYTE)
+        if n != 8 or value < BARRIER_KEEPALIVE:
+            raise ProtocolError(f"BARRIER: server rank {self.servers[s]} replied {n} bytes "
+                                f"(value {value}); a barrier reply is one int64 >= -1")
+
     def _ask(self, op, width, step=0):
         """Send a bodyless op to every server and collect int64[width] replies (S, width)."""
         out = np.zeros((self.n_servers, width), np.int64)
-        reqs = [self.comm.Irecv(out[s], srv, TAG_CONTROL) for s, srv in enumerate(self.servers)]
+        reqs, expect = [], []
+        for s, srv in enumerate(self.servers):
+            self._irecv(reqs, expect, out[s], srv, TAG_CONTROL)
         sent, peers, bufs = self._send_all(op, step)
-        Handle(self, reqs + sent, self.servers + peers, bufs, Op(op).name, step).wait()
-        self.bytes_recv += out.nbytes
+        Handle(self, reqs + sent, self.servers + peers, bufs, Op(op).name, step,
+               expect + [None] * len(sent)).wait()
         return out
 
     def stats(self):
@@ -222,13 +267,23 @@ class PSClient:
         return [self._confirmation(srv, seq) for srv in self.servers]
 
     def _confirmation(self, srv, seq):
-        """The JSON reply of server rank `srv` to SAVE `seq` (a message of unknown size)."""
+        """The JSON reply of server rank `srv` to SAVE `seq` (a message of unknown size,
+        probed before it is received: at most MAX_CONFIRM_BYTES)."""
         status = MPI.Status()
         WATCH.waiting(f"SAVE checkpoint {seq}: waiting for server rank {srv} to confirm")
-        wait_for(lambda: self.comm.Iprobe(srv, TAG_CONTROL, status), Backoff(*REPLY),
-                 self.timeout, lambda: f"server rank {srv} did not confirm its checkpoint "
-                 f"shard within {self.timeout:.0f} s")
-        buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
-        self.comm.Recv(buf, srv, TAG_CONTROL)
+        msg = [None]
+
+        def arrived():
+            msg[0] = self.comm.Improbe(srv, TAG_CONTROL, status)
+            return msg[0] is not None
+        wait_for(arrived, Backoff(*REPLY), self.timeout, lambda: f"server rank {srv} did not "
+                 f"confirm its checkpoint shard within {self.timeout:.0f} s")
+        n = status.Get_count(MPI.BYTE)
+        if n > MAX_CONFIRM_BYTES:
+            discard(msg[0])
+            raise ProtocolError(f"SAVE checkpoint {seq}: server rank {srv} confirmed with {n} "
+                                f"bytes, over {MAX_CONFIRM_BYTES}")
+        buf = np.empty(n, np.uint8)
+        msg[0].Recv([buf, n, MPI.BYTE])
         self.bytes_recv += buf.nbytes
         return bytes(buf)

@@ -1,0 +1,158 @@
+"""Where a text file's bytes come from: the file, its gzip stream, or a pipe command.
+
+``open_input(path)`` opens a file for reading, decompressing it on the fly when it is gzip
+(by its magic bytes, whatever its name): the reader's chunks are the same as the plain
+file's.  ``PipeRunner(cmd, files)`` runs ``cmd`` (a shell command, as Paddle's Dataset
+``pipe_command``) once per file with the file on its stdin, and ``open(path)`` gives its
+stdout as a stream.  Processes are started ``PIPE_AHEAD`` files ahead and drained by a
+thread each into a bounded queue, so the generators of the next files run while this one
+is parsed.  A command that exits non-zero fails the read with one line naming the file,
+the exit code and the last line it wrote to stderr; ``close()`` kills what is left.
+"""
+import gzip
+import os
+import queue
+import signal
+import subprocess
+import tempfile
+import threading
+
+GZIP_MAGIC = b"\x1f\x8b"
+PIPE_AHEAD = 2  # processes started ahead of the file being read
+PIPE_BLOCK = 1 << 20  # bytes per read from a command's stdout
+PIPE_QUEUE = 16  # blocks buffered per command (so at most ~16 MiB ahead each)
+PUT_POLL_SECONDS = 0.1
+
+
+class PipeError(ValueError):
+    """A pipe command that failed (the message names file, exit code, last stderr line)."""
+
+
+def is_gzip(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(2) == GZIP_MAGIC
+
+
+def text_size(path: str) -> int:
+    """Bytes of text ``path`` gives: its size, or a gzip file's uncompressed size (the
+    ISIZE trailer, exact below 4 GiB; a rough 4x the file above)."""
+    size = os.path.getsize(path)
+    if size < 18 or not is_gzip(path):
+        return size
+    with open(path, "rb") as f:
+        f.seek(-4, os.SEEK_END)
+        isize = int.from_bytes(f.read(4), "little")
+    return isize if isize >= size else 4 * size
+
+
+def open_input(path: str):
+    """A binary file object of ``path``'s text (gzip decompressed as it is read)."""
+    if is_gzip(path):
+        return gzip.open(path, "rb")
+    return open(path, "rb")
+
+
+class _PipeStream:
+    """stdout of one command run, read block by block through a draining thread."""
+
+    def __init__(self, cmd: str, path: str):
+        self.cmd, self.path = cmd, path
+        self.err = tempfile.TemporaryFile()
+        with open(path, "rb") as stdin:
+            self.proc = subprocess.Popen(cmd, shell=True, stdin=stdin, stdout=subprocess.PIPE,
+                                         stderr=self.err, start_new_session=True)
+        self.q: queue.Queue = queue.Queue(maxsize=PIPE_QUEUE)
+        self.stop = threading.Event()
+        self.done = False
+        self.error = None  # an OSError reading the command's stdout
+        self.thread = threading.Thread(target=self._drain, daemon=True, name="mpips-pipe")
+        self.thread.start()
+
+    def _drain(self):
+        """Move stdout into the queue; always ends with b"" (EOF, or a read error)."""
+        fd = self.proc.stdout.fileno()
+        try:
+            while True:
+                block = os.read(fd, PIPE_BLOCK)
+                if not block or not self._put(block):
+                    break
+        except OSError as e:  # reported by read() as the command's failure
+            self.error = e
+        self._put(b"")
+
+    def _put(self, block: bytes) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.q.put(block, timeout=PUT_POLL_SECONDS)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def read(self, n: int = -1) -> bytes:
+        """The next block of output (any size), b"" at the end; raises PipeError if the
+        command failed."""
+        if self.done:
+            return b""
+        block = self.q.get()
+        if not block:
+            self.done = True
+            self._check()
+        return block
+
+    def _check(self):
+        rc = self.proc.wait()
+        if self.error is not None:
+            raise PipeError(f"{self.path}: reading the output of --pipe-command {self.cmd!r} "
+                            f"failed: {self.error}")
+        if rc != 0:
+            raise PipeError(f"{self.path}: --pipe-command {self.cmd!r} exited with code {rc}"
+                            f"{self._last_err()}")
+
+    def _last_err(self) -> str:
+        self.err.seek(0)
+        lines = [ln.strip() for ln in self.err.read().decode(errors="replace").splitlines()]
+        lines = [ln for ln in lines if ln]
+        return f": {lines[-1]}" if lines else " (nothing on stderr)"
+
+    def close(self):
+        self.stop.set()
+        try:  # the whole group: a shell's children may hold the pipe open
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        self.thread.join()
+        self.proc.stdout.close()
+        self.err.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class PipeRunner:
+    """Runs ``cmd`` per file of ``files`` in order, ``ahead`` processes ahead."""
+
+    def __init__(self, cmd: str, files, ahead: int = PIPE_AHEAD):
+        self.cmd, self.files, self.ahead = cmd, list(files), int(ahead)
+        self.running: dict = {}  # path -> _PipeStream started, not yet handed out
+        self.next = 0  # index in files of the next process to start
+
+    def open(self, path: str) -> _PipeStream:
+        """The command's stdout for ``path`` (a stream to use in a ``with``)."""
+        stream = self.running.pop(path, None) or _PipeStream(self.cmd, path)
+        if path in self.files:
+            self.next = max(self.next, self.files.index(path) + 1)
+        while self.next < len(self.files) and len(self.running) < self.ahead:
+            p = self.files[self.next]
+            self.running[p] = _PipeStream(self.cmd, p)
+            self.next += 1
+        return stream
+
+    def close(self):
+        for s in self.running.values():
+            s.close()
+        self.running.clear()

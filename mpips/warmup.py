@@ -1,0 +1,157 @@
+"""Compile the numba kernels before training starts, so no clock counts compilation.
+
+numba compiles a kernel at its first call, for the types of that call, and (``cache=True``)
+keeps the machine code in ``mpips/kernels/__pycache__`` (or ``NUMBA_CACHE_DIR``).  On a
+fresh install that is tens of seconds per process; lazily, it landed inside the first
+training step, so the first PROGRESS line showed ~18 ex/s and an ETA of hours.
+
+``warm(cfg, files)`` runs a miniature of the run in this process: a few steps of training
+and an evaluation with the run's model, optimizer, admission and mode, on the first rows of
+the run's own first file (or on a few synthetic Criteo lines when there is none yet, e.g. a
+stream with no ready pass), so every kernel the run calls is compiled, or loaded from the
+cache, for exactly the types the run calls it with (``MPIPS_DEBUG_JIT=1`` makes each rank
+list any kernel compiled after it; the end-to-end tests expect none).  Under mpirun
+``mpips.distributed.staged`` runs it on rank 0 first and, if that found the cache cold, on
+one rank per node next, then on the others: a cold cache directory is compiled once and
+read by the rest, instead of every rank compiling the same code on the same cores at once.
+(numba writes each cache file to a temporary name and renames it into place, so concurrent
+writers never leave a torn file; the stages also keep two processes from giving the same
+file number to different signatures of one kernel, which numba's index does not guard.)
+
+    python -m mpips.warmup [train flags]     # the same, ahead of time (e.g. after install)
+"""
+import dataclasses
+import importlib
+import os
+import pkgutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+from numba.core.registry import CPUDispatcher
+
+import mpips.kernels
+from mpips.build import make_model, make_reader, make_tables, resolve_data
+from mpips.config import parse_args
+from mpips.data.reader import DataError
+from mpips.ownership import plan_keys
+from mpips.stream import ready_passes
+from mpips.worker.local import LocalPS
+from mpips.worker.trainer import GeoTrainer, Trainer
+
+WARM_BATCH = 64     # rows per step of the miniature run (types, not sizes, pick the code)
+WARM_STEPS = 3      # steps: the first, one with a pull in flight, and one more
+DEBUG_ENV = "MPIPS_DEBUG_JIT"   # test aid: each rank prints the kernels compiled after warm-up
+
+
+def dispatchers():
+    """Every numba dispatcher in mpips.kernels: {module.name: dispatcher}."""
+    out = {}
+    for info in pkgutil.iter_modules(mpips.kernels.__path__):
+        mod = importlib.import_module(f"mpips.kernels.{info.name}")
+        for name, obj in vars(mod).items():
+            if isinstance(obj, CPUDispatcher) and obj.__module__ == mod.__name__:
+                out[f"{info.name}.{name}"] = obj
+    return out
+
+
+def signatures():
+    """{(kernel, signature)} compiled (or loaded) in this process so far."""
+    return {(name, str(sig)) for name, d in dispatchers().items() for sig in d.signatures}
+
+
+def _synthetic_file(folder):
+    """A small Criteo TSV file (label, 13 integers, 26 categoricals; some empty)."""
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(2 * WARM_BATCH):
+        ints = ["" if rng.random() < 0.2 else str(int(rng.integers(-2, 500)))
+                for _ in range(13)]
+        cats = ["" if rng.random() < 0.1 else f"{int(rng.integers(0, 1 << 32)):08x}"
+                for _ in range(26)]
+        lines.append("\t".join([str(i % 2)] + ints + cats))
+    path = os.path.join(folder, "warm.txt")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return [path]
+
+
+def _first_files(cfg):
+    """The run's first data file (a stream: its first ready pass's), or [] if none yet."""
+    try:
+        if cfg.stream:
+            ready = ready_passes(cfg.stream)
+            return ready[0].files()[:1] if ready else []
+        return resolve_data(cfg)[0][:1]
+    except (OSError, ValueError):
+        return []           # the run itself reports missing data, with its own message
+
+
+def warm(cfg, files=None):
+    """Run a few steps of training and an evaluation of `cfg`'s job in this process on
+    `files` (default: the run's first file), or on synthetic lines if those yield no batch
+    (the run reports its own data's problems later); returns the seconds it took.
+    Nothing is saved or logged."""
+    t0 = time.perf_counter()
+    mini = dataclasses.replace(cfg, batch_size=WARM_BATCH, shuffle=False, local_workers=1,
+                               save_dir="", metrics_out="", progress_every=0.0,
+                               print_every=1 << 30, geo_steps=2, strict=False)
+    files = _first_files(cfg) if files is None else files
+    try:
+        done = _mini_run(mini, files) if files else 0
+    except (DataError, ValueError, OSError):
+        done = 0
+    if not done:
+        with tempfile.TemporaryDirectory(prefix="mpips-warm-") as tmp:
+            _mini_run(mini, _synthetic_file(tmp))
+    return time.perf_counter() - t0
+
+
+def _mini_run(mini, files):
+    """WARM_STEPS steps of local training and an evaluation on `files`; the steps done."""
+    model = make_model(mini)
+    ps = LocalPS(*make_tables(mini, model))
+    plan = lambda ids: plan_keys(ids, 2)  # noqa: E731 - two owners: the grouping path too
+    if mini.mode == "geo":
+        trainer = GeoTrainer(mini, model, ps, plan)
+    else:
+        trainer = Trainer(mini, model, ps, plan, replica=ps.dense)
+    reader = make_reader(mini, files, WARM_BATCH, lambda text: None)
+    try:
+        steps = trainer.train_epoch(reader, 0, WARM_STEPS).steps
+        trainer.evaluate(reader, 2)
+    finally:
+        reader.close()
+    return steps
+
+
+def cache_misses():
+    """Kernel signatures this process compiled because numba's cache did not hold them."""
+    return sum(sum(d.stats.cache_misses.values()) for d in dispatchers().values())
+
+
+def report_new(before, label):
+    """With MPIPS_DEBUG_JIT set: print kernels compiled since `before` (a test aid)."""
+    if not os.environ.get(DEBUG_ENV):
+        return
+    new = sorted(signatures() - before)
+    print(f"JIT --> {label}: {len(new)} kernel signature(s) compiled after warm-up"
+          + "".join(f"\nJIT -->   {k}{s}" for k, s in new), file=sys.stderr, flush=True)
+
+
+def main(argv=None):
+    """``python -m mpips.warmup [train flags]``: warm the numba cache for that run."""
+    try:
+        cfg = parse_args(sys.argv[1:] if argv is None else argv, prog="python -m mpips.warmup")
+    except ValueError as e:
+        print(f"mpips: error: {e}", file=sys.stderr)
+        return 2
+    seconds = warm(cfg)
+    print(f"mpips: {len(signatures())} kernel signatures ready in {seconds:.1f} s "
+          f"(compiled, or loaded from numba's cache)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
