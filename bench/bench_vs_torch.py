@@ -4,6 +4,7 @@
     python bench/bench_vs_torch.py --rounds 3 --runs torch,local,async,sync
     python bench/bench_vs_torch.py --gen "--interactions 0.45 --signal 1.4" --runs torch,local,async
     python bench/bench_vs_torch.py --data DIR                   # any DIR/train + DIR/test
+    python bench/bench_vs_torch.py --model deepfm               # Wide&Deep / DeepFM, both sides
     python bench/bench_vs_torch.py --run "async-hb=--mode async --hash-bucket 1000001"
     python bench/bench_vs_torch.py --shape wide --runs torch,local,async   # multi-hot, 300 slots
     python bench/bench_vs_torch.py --data DIR --schema DIR/schema.toml     # any data + schema
@@ -213,6 +214,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--extra", default="", help="flags for every mpips run")
     ap.add_argument("--torch-extra", default="", help="flags for every torch run")
+    ap.add_argument("--model", default="dnn", choices=("dnn", "wide_deep", "deepfm"),
+                    help="the network of every run, mpips's and torch's (default dnn)")
     ap.add_argument("--json", default="", help="write records and medians to this file")
     a = ap.parse_args(argv)
     if a.rounds < 1:
@@ -229,6 +232,8 @@ def main(argv=None):
     schema = a.schema or (str(data / "schema.toml") if (data / "schema.toml").exists() else "")
     model = ["--embedding-dim", str(a.dim or SHAPES[a.shape]["dim"]),
              "--fc", a.fc or SHAPES[a.shape]["fc"]] + (["--schema", schema] if schema else [])
+    if a.model != "dnn":
+        model += ["--model", a.model]
     print(f"model and schema flags (both sides): {' '.join(model)}", flush=True)
     meta = json.loads((data / "meta.json").read_text()) if (data / "meta.json").exists() else {}
     if meta:

@@ -1,6 +1,10 @@
-"""PyTorch reference: the same CTR-DNN as mpips, on CPU in one process, to compare against.
+"""PyTorch reference: the same networks as mpips, on CPU in one process, to compare against.
 
     python bench/torch_ref.py --train DIR/train --test DIR/test [--hash-bucket 1000001]
+        [--model dnn|wide_deep|deepfm]
+
+``--model`` picks the network as mpips's ``--model`` does (``WideDeep``, ``DeepFM`` below:
+rows [w | v], w_0 and u from 0, the same MLP and initialisation).
 
 Same inputs as mpips: batches come from mpips's own ``DataReader`` (same feature hashing,
 same dense normalisation, same file order, last partial batch trained), so both see the
@@ -85,6 +89,11 @@ class CTRDNN(nn.Module):
 
     def forward(self, rows, dense, offsets=None):
         n = dense.shape[0]
+        e = self.pooled(rows, n, offsets)
+        return self.mlp(torch.cat([e.reshape(n, self.n_sparse * self.dim), dense], dim=1)).squeeze(1)
+
+    def pooled(self, rows, n, offsets=None):
+        """The pooled rows of each slot (n*S or (n, S) rows of the table's width)."""
         if offsets is None and isinstance(self.emb, nn.EmbeddingBag):   # a one-hot batch
             rows = rows.reshape(-1)
             offsets = torch.arange(rows.numel() + 1)
@@ -97,7 +106,47 @@ class CTRDNN(nn.Module):
                 inv = 1.0 / lens.clamp(min=1).to(self.emb.weight.dtype)
                 w = torch.repeat_interleave(torch.where(self.mean_slots.repeat(n), inv, 1.0), lens)
             e = self.emb(rows, offsets, per_sample_weights=w)
-        return self.mlp(torch.cat([e.reshape(n, self.n_sparse * self.dim), dense], dim=1)).squeeze(1)
+        return e
+
+    def dense_parameters(self):
+        """The weights the dense optimizer updates (all but the embedding table)."""
+        return [p for name, p in self.named_parameters() if not name.startswith("emb.")]
+
+
+class WideDeep(CTRDNN):
+    """mpips.models.wide_deep: table rows [w | v] (dim + 1, uniform like the rest of the
+    row), w_0 and u (dense first-order weights) from 0; logit = wide + MLP(p, dense)."""
+    FM = False
+
+    def __init__(self, n_rows, n_sparse=26, dim=10, n_dense=13, hidden=(400, 400, 400),
+                 init_range=0.05, pooling=None):
+        super().__init__(n_rows, n_sparse, dim + 1, n_dense, hidden, init_range, pooling)
+        self.dim = dim
+        fan_in = n_sparse * dim + n_dense
+        first = self.mlp[0]                       # the MLP sees p (dim per slot), not w
+        self.mlp[0] = nn.Linear(fan_in, first.out_features)
+        nn.init.xavier_uniform_(self.mlp[0].weight)
+        nn.init.zeros_(self.mlp[0].bias)
+        self.w0 = nn.Parameter(torch.zeros(1))
+        self.u = nn.Parameter(torch.zeros(n_dense))
+
+    def forward(self, rows, dense, offsets=None):
+        n = dense.shape[0]
+        e = self.pooled(rows, n, offsets).reshape(n, self.n_sparse, self.dim + 1)
+        w, p = e[:, :, 0], e[:, :, 1:]
+        logit = self.w0 + w.sum(1) + dense @ self.u
+        if self.FM:                                          # sum_{f<g} <p_f, p_g>
+            logit = logit + 0.5 * (p.sum(1) ** 2 - (p ** 2).sum(1)).sum(1)
+        deep = self.mlp(torch.cat([p.reshape(n, -1), dense], dim=1)).squeeze(1)
+        return logit + deep
+
+
+class DeepFM(WideDeep):
+    """mpips.models.deepfm: first order + FM over the slot embeddings + MLP."""
+    FM = True
+
+
+MODELS = {"dnn": CTRDNN, "wide_deep": WideDeep, "deepfm": DeepFM}
 
 
 class RowAdam:
@@ -188,14 +237,14 @@ def run(a):
             raise SystemExit(f"torch_ref: no training rows in {a.train}")
         idmap = IdMap(0, vocab)
         vocab_s = time.perf_counter() - t0
-    model = CTRDNN(idmap.n_rows, n_sparse=schema.n_sparse, dim=a.embedding_dim,
-                   n_dense=schema.n_dense, hidden=tuple(int(x) for x in a.fc.split(",")),
-                   init_range=a.init_range,
-                   pooling=None if schema.is_criteo else schema.pooling_codes())
+    model = MODELS[a.model](idmap.n_rows, n_sparse=schema.n_sparse, dim=a.embedding_dim,
+                            n_dense=schema.n_dense, hidden=tuple(int(x) for x in a.fc.split(",")),
+                            init_range=a.init_range,
+                            pooling=None if schema.is_criteo else schema.pooling_codes())
     if not a.hash_bucket:
         with torch.no_grad():
             model.emb.weight[-1] = 0.0          # the unknown-id row: zeros, never trained
-    dense_opt = torch.optim.Adam(model.mlp.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8)
+    dense_opt = torch.optim.Adam(model.dense_parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8)
     sparse_opt = (RowAdam(model.emb.weight, a.lr) if a.row_adam else
                   torch.optim.SparseAdam([model.emb.weight], lr=a.lr, betas=(0.9, 0.999),
                                          eps=1e-8))
@@ -227,7 +276,7 @@ def run(a):
                "train_loss": loss_sum / max(n_ex, 1), "train_auc": train_m.auc(),
                "id_map": f"hash % {a.hash_bucket}" if a.hash_bucket else "vocabulary",
                "table_rows": idmap.n_rows, "vocab_seconds": round(vocab_s, 3),
-               "sparse_optimizer": "row-adam" if a.row_adam else "SparseAdam",
+               "model": a.model, "sparse_optimizer": "row-adam" if a.row_adam else "SparseAdam",
                "threads": torch.get_num_threads(), "torch": torch.__version__,
                "schema": schema.describe(), "embedding_dim": a.embedding_dim, "fc": a.fc}
         if a.test:
@@ -265,6 +314,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     ap.add_argument("--embedding-dim", type=int, default=10)
     ap.add_argument("--fc", default="400,400,400")
+    ap.add_argument("--model", default="dnn", choices=sorted(MODELS),
+                    help="network, as mpips's --model (default dnn)")
     ap.add_argument("--init-range", type=float, default=0.05)
     ap.add_argument("--row-adam", action="store_true",
                     help="per-row bias-corrected lazy Adam (mpips's maths) instead of SparseAdam")

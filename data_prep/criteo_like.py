@@ -18,7 +18,9 @@ Built to judge mpips on data that is NOT shaped like its own ``data_prep.synth``
   for ~12% of rows.  ``dense_skew`` multiplies every log-sigma.
 * **Hidden click model**: ``logit = bias + A + B + C`` where A = per-value effects (a Gaussian
   drawn from a hash of (seed, slot, id), so no table is stored) weighted per slot, B = hashed
-  pairwise crosses of a few slot pairs, C = non-linear dense terms, missingness and one
+  pairwise crosses of a few slot pairs (or, with ``interaction_rank`` K > 0, factorised
+  crosses ``<z_a(id_a), z_b(id_b)> / sqrt(K)`` of hashed K-dim latent vectors: the pairwise
+  shape an FM term models), C = non-linear dense terms, missingness and one
   dense x slot interaction.  Each part is standardised on a calibration sample and weighted by
   its variance share (``interactions``, ``dense_share``); the total spread is ``signal``
   (logit std), the bias sets the CTR.  The oracle (true-probability) AUC and logloss are
@@ -34,6 +36,7 @@ CLI::
     python -m data_prep.criteo_like --out DIR --rows 1000000 --test-rows 200000 \\
         --card-scale 0.05 [--parts 8] [--seed 0] [--signal 1.7] [--interactions 0.2] \\
         [--dense-share 0.25] [--dense-skew 1] [--ctr 0.25] [--churn 1] [--zipf 1.1]
+        [--interaction-rank 0]
 
 Written in blocks of ``BLOCK_ROWS`` rows: memory is bounded whatever the row count.
 """
@@ -75,6 +78,7 @@ CALIB_ROWS = 200_000
 BLOCK_ROWS = 1 << 16
 AUC_BUCKETS = 1 << 20
 N_PAIRS = 5
+MAX_RANK = 64            # latent dims of factorised crosses (interaction_rank)
 VERSION = 1
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -115,7 +119,7 @@ class CriteoLike:
     """The hidden generative model; depends on its constructor arguments only."""
 
     def __init__(self, seed=0, card_scale=1.0, signal=1.7, interactions=0.2, dense_share=0.25,
-                 dense_skew=1.0, ctr=0.25, churn=1.0, zipf=1.1):
+                 dense_skew=1.0, ctr=0.25, churn=1.0, zipf=1.1, interaction_rank=0):
         if not card_scale > 0 or not 0 < ctr < 1 or signal < 0 or dense_skew <= 0 or churn < 0:
             raise ValueError("need card_scale > 0, 0 < ctr < 1, signal >= 0, dense_skew > 0, "
                              f"churn >= 0; got card_scale={card_scale}, ctr={ctr}, "
@@ -125,9 +129,13 @@ class CriteoLike:
                              f"{interactions} and {dense_share}")
         if not zipf > 0.5:
             raise ValueError(f"need zipf > 0.5; got {zipf}")
+        if not 0 <= interaction_rank <= MAX_RANK:
+            raise ValueError(f"need 0 <= interaction_rank <= {MAX_RANK}; got {interaction_rank}")
+        self.rank = int(interaction_rank)
         self.args = dict(seed=seed, card_scale=card_scale, signal=signal,
                          interactions=interactions, dense_share=dense_share,
-                         dense_skew=dense_skew, ctr=ctr, churn=churn, zipf=zipf)
+                         dense_skew=dense_skew, ctr=ctr, churn=churn, zipf=zipf,
+                         interaction_rank=interaction_rank)
         rng = np.random.default_rng([seed, 0xC217E0])
         self.seed = np.uint64(seed & 0xFFFFFFFF)
         small = KAGGLE_CARD < SMALL_CARD
@@ -229,6 +237,11 @@ class CriteoLike:
         for k in np.flatnonzero(self.slot_w):
             out[:, 0] += self.slot_w[k] * _hash_normal(self._key(1, k, ids[:, k]))
         for a, b in self.pairs:
+            if self.rank:                       # <z_a(id_a), z_b(id_b)>: factorised
+                for j in range(self.rank):
+                    out[:, 1] += _hash_normal(self._key(8 + j, a, ids[:, a])) * \
+                        _hash_normal(self._key(8 + j, b, ids[:, b])) / np.sqrt(self.rank)
+                continue
             with np.errstate(over="ignore"):
                 key = self._key(2, a, ids[:, a]) ^ _mix64(self._key(3, b, ids[:, b]))
             out[:, 1] += _hash_normal(key)
@@ -357,12 +370,15 @@ def main(argv=None) -> int:
                     help="tail turnovers per simulated week (default 1; 0 = no new ids)")
     ap.add_argument("--zipf", type=float, default=1.1,
                     help="power-law exponent of the largest slots (default 1.1)")
+    ap.add_argument("--interaction-rank", type=int, default=0,
+                    help="0: the crosses are hashed per value pair (default); K > 0: "
+                         "factorised, <z_a, z_b> of K-dim latent vectors per id (FM-shaped)")
     a = ap.parse_args(argv)
     try:
         meta = generate(a.out, a.rows, a.test_rows, a.parts, a.seed, card_scale=a.card_scale,
                         signal=a.signal, interactions=a.interactions,
                         dense_share=a.dense_share, dense_skew=a.dense_skew, ctr=a.ctr,
-                        churn=a.churn, zipf=a.zipf)
+                        churn=a.churn, zipf=a.zipf, interaction_rank=a.interaction_rank)
     except ValueError as exc:
         ap.error(str(exc))
     for split in ("train", "test"):

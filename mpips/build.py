@@ -1,7 +1,7 @@
 """Factories: what a run is made of, built from the config.
 
 ``resolve_data`` (the file lists), ``make_reader`` (a DataReader with the config's data
-settings), ``make_schema`` (the feature schema), ``make_model`` (the CTR-DNN over it) and
+settings), ``make_schema`` (the feature schema), ``make_model`` (the ``--model`` network over it) and
 ``make_tables`` (a sparse table, behind an admission filter when ``--entry`` is set, and a
 dense slice).  Local runs, servers, workers and ``mpips.infer`` build their parts here.
 """
@@ -12,7 +12,7 @@ from data_prep.synth import ensure_default_dataset
 from mpips.data.files import resolve_paths
 from mpips.data.reader import DataReader
 from mpips.data.binary import load_stats
-from mpips.models.ctr_dnn import CTRDNN
+from mpips.models.zoo import make_net
 from mpips.schema import Schema, load_schema
 from mpips.server.admission import AdmittedTable
 from mpips.server.dense_table import DenseTable
@@ -74,7 +74,7 @@ def make_tables(cfg, model, lo=0, hi=None, dense_batches=1):
     """The sparse table and the dense slice [lo:hi) of the initial parameters, its optimizer
     at :func:`dense_lr` for a dense step over ``dense_batches`` batches."""
     opt = OptimizerConfig(name=cfg.optimizer, lr=cfg.lr, initial_accumulator=cfg.adagrad_init)
-    sparse = SparseTable(cfg.embedding_dim, opt, seed=cfg.seed, init_range=cfg.init_range)
+    sparse = SparseTable(model.row_dim, opt, seed=cfg.seed, init_range=cfg.init_range)
     if cfg.entry:
         sparse = AdmittedTable(sparse, cfg.entry, cfg.seed)
     dense = DenseTable(model.init_params(cfg.seed)[lo:hi].copy(),
@@ -83,5 +83,6 @@ def make_tables(cfg, model, lo=0, hi=None, dense_batches=1):
 
 
 def make_model(cfg, schema=None):
-    """The CTR-DNN over the schema's inputs (default: the config's schema)."""
-    return CTRDNN.for_schema(schema or make_schema(cfg), cfg.embedding_dim, cfg.hidden)
+    """The ``--model`` network over the schema's inputs (default: the config's schema)."""
+    return make_net(getattr(cfg, "model", "dnn"), schema or make_schema(cfg), cfg.embedding_dim,
+                    cfg.hidden)

@@ -198,9 +198,18 @@ def data_settings(manifest, stats=""):
 
 
 def model_settings(manifest):
+    """The network of a checkpoint manifest: ``model`` (its --model; none saved: dnn),
+    ``embedding_dim`` (the table's row width: dim, or dim + 1 for models with w), fc,
+    n_params."""
     cfg = manifest["config"]
-    return {"embedding_dim": int(manifest["embedding_dim"]), "fc": cfg.get("fc", "400,400,400"),
-            "n_params": int(manifest["n_params"])}
+    return {"model": cfg.get("model", "dnn"), "embedding_dim": int(manifest["embedding_dim"]),
+            "fc": cfg.get("fc", "400,400,400"), "n_params": int(manifest["n_params"])}
+
+
+def same_model(a, b):
+    """Whether two bundles' ``model`` records describe one network (a record written
+    before models had names is a dnn's)."""
+    return dict({"model": "dnn"}, **a) == dict({"model": "dnn"}, **b)
 
 
 # ------------------------------------------------------------------ writing
@@ -279,7 +288,7 @@ def export_patch(ckpt, since, out, dtype="float32", stats=""):
             "checkpoint": {"name": names[-1], "seq": m["seq"], "lineage": lineage,
                            "meta": m["meta"]},
             "since": {"name": want["name"], "seq": want["seq"]}}
-    if info["model"] != prev["model"]:
+    if not same_model(info["model"], prev["model"]):
         raise BundleError(f"{path}: model {info['model']} differs from {prev['model']} of the "
                           "bundle to patch")
     diff = schema_of_manifest(prev).diff(schema_of_manifest(info))

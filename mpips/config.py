@@ -28,6 +28,7 @@ FORMATS = ("auto", "tsv", "slot")
 SAVE_MODES = ("full", "base", "delta")
 SHRINK_EVERY = ("day", "pass", "never")
 LATE_PASS = ("warn", "fail")
+MODELS = ("dnn", "wide_deep", "deepfm")     # mpips.models.zoo.MODELS
 
 
 def _f(default, help_text, **kw):
@@ -67,6 +68,9 @@ class Config:
     geo_steps: int = _f(100, "GEO-SGD: send deltas every K local steps")
     staleness: int = _f(4, "ssp: a worker may run at most this many steps ahead of the slowest")
     # --- model and optimiser
+    model: str = _f("dnn", "network: dnn (CTR-DNN), wide_deep (Wide&Deep) or deepfm (DeepFM); "
+                           "wide_deep and deepfm add a first-order weight to every table row "
+                           "(docs/models.md)", choices=MODELS)
     embedding_dim: int = _f(10, "embedding size per sparse slot")
     fc: str = _f("400,400,400", "hidden layer sizes, comma-separated")
     optimizer: str = _f("adam", "optimizer of the sparse rows (on the servers) and of the dense "
@@ -154,7 +158,7 @@ class Config:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
         for name, choices in (("shrink_every", SHRINK_EVERY), ("late_pass", LATE_PASS),
                               ("save_mode", SAVE_MODES),
-                              ("mode", MODES), ("optimizer", OPTIMIZERS),
+                              ("mode", MODES), ("optimizer", OPTIMIZERS), ("model", MODELS),
                               ("data_format", FORMATS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(choices)}; "
@@ -329,9 +333,10 @@ ORDER_KEYS = ("shuffle", "shuffle_window", "seed", "batch_size", "local_workers"
 # values it was saved with.  (key, flag, what it decides).  A key that is a Config field
 # is compared as stored in the manifest's config (a field missing there is one saved
 # before the field existed, i.e. with its default); the others are derived and stored in
-# the manifest's "settings" (mpips.checkpoint.run_settings).  A future `schema` or
-# `model` field is one more row here.
+# the manifest's "settings" (mpips.checkpoint.run_settings).  `model` (--model) is one:
+# a checkpoint saved before it existed is a dnn's (the default).
 MEANING = (
+    ("model", "--model", "the network the weights belong to"),
     ("hash_bucket", "--hash-bucket", "which row each feature value maps to"),
     ("ids", "feature-id hashing", "which row each feature value maps to"),
     ("norm", "--stats", "the dense inputs the weights were trained on"),
@@ -339,7 +344,7 @@ MEANING = (
     ("fc", "--fc", "the layout of the dense weights"),
     ("optimizer", "--optimizer", "the optimizer state stored with every row"),
 )
-_NORMALISE = {"hash_bucket": int, "embedding_dim": int, "fc": _fc, "optimizer": str}
+_NORMALISE = {"model": str, "hash_bucket": int, "embedding_dim": int, "fc": _fc, "optimizer": str}
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
 
 

@@ -22,7 +22,7 @@ from mpips.metrics import BinaryMetrics
 from mpips.ownership import dense_bounds, plan_keys
 from mpips.progress import make_progress
 from mpips.protocol import Op
-from mpips.report import log_line, peak_rss_mb, write_metrics
+from mpips.report import log_line, model_note, peak_rss_mb, write_metrics
 from mpips.resume import resume_line, resume_point
 from mpips.runner import admission_of, inner_table, run_epochs
 from mpips.server.loop import Server
@@ -68,7 +68,8 @@ def run_distributed(cfg, comm):
     first_worker = cluster.worker_ranks[0]
     if comm.rank == first_worker:
         log_line(f"mpips: {comm.size} ranks, {cluster.n_servers} servers x {cluster.n_workers} "
-                 f"workers, mode {cfg.mode}, {model.n_params} dense parameters")
+                 f"workers, mode {cfg.mode}, {model.n_params} dense parameters"
+                 f"{model_note(model)}")
         log_line(make_schema(cfg).describe())
         for line, pid in zip(cluster.role_map(), pids):
             log_line(f"  {line} pid {pid}")
@@ -114,7 +115,7 @@ def serve(cfg, cluster, model, bounds):
 def work(cfg, cluster, model, bounds):
     wi, W, S = cluster.index, cluster.n_workers, cluster.n_servers
     train_files, test_files = ([], []) if cfg.stream else resolve_data(cfg)
-    client = PSClient(cluster.comm, cluster.server_ranks, cfg.embedding_dim, bounds,
+    client = PSClient(cluster.comm, cluster.server_ranks, model.row_dim, bounds,
                       cfg.peer_timeout, label=f"worker {wi}")
     logger = log_line if wi == 0 else None
     if cfg.mode == "geo":

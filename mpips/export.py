@@ -21,6 +21,8 @@ import time
 
 from mpips import bundle as bd
 from mpips.checkpoint import read_manifest, resolve
+from mpips.config import MODELS
+from mpips.models.zoo import check_model
 from mpips.schema import check_same, load_schema, stored_schema
 
 PROG = "python -m mpips.export"
@@ -37,6 +39,8 @@ def build_parser():
     p.add_argument("--stats", default="", help="normalisation statistics (stats.json); "
                    "default: the values the checkpoint recorded from its run's --stats, "
                    "else Paddle's constants")
+    p.add_argument("--network", default="", choices=("",) + MODELS, help="the network the "
+                   "checkpoint must hold: dnn, wide_deep or deepfm (default: the one stored in it)")
     p.add_argument("--schema", default="", help="feature schema TOML the predictor will read; "
                    "it must be the checkpoint's (default: the schema stored in it)")
     return p
@@ -44,6 +48,9 @@ def build_parser():
 
 def run(args, log=print):
     t0 = time.perf_counter()
+    if getattr(args, "network", ""):
+        path = resolve(args.model)
+        check_model(read_manifest(path), args.network, f"checkpoint {path}")
     if args.schema:
         path = resolve(args.model)
         check_same(stored_schema(read_manifest(path)), load_schema(args.schema),

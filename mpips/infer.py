@@ -49,9 +49,10 @@ from mpips.backoff import COLLECTIVE, Backoff
 from mpips.build import make_reader
 from mpips.bundle import Snapshot, bundle_info, schema_of_manifest
 from mpips.checkpoint import read_manifest, resolve, saved_settings
-from mpips.config import Config
+from mpips.config import MODELS, Config
 from mpips.data.files import resolve_paths, split_files
 from mpips.metrics import BinaryMetrics
+from mpips.models.zoo import check_model
 from mpips.resume import first_rank_decides
 from mpips.schema import check_same, load_schema, stored_schema
 from mpips.scoring import ServingModel, hash_slots
@@ -74,13 +75,18 @@ def build_parser():
                    "batches (0 = the stored print_every)")
     p.add_argument("--table-per-rank", action="store_true", help="every rank loads its own "
                    "copy of the table (default: one copy per node, in MPI shared memory)")
+    p.add_argument("--network", default="", choices=("",) + MODELS, help="the network the "
+                   "checkpoint must hold: dnn, wide_deep or deepfm (default: the one stored in it)")
     p.add_argument("--schema", default="", help="feature schema TOML the data is in; it must "
                    "be the checkpoint's (default: the schema stored in the checkpoint)")
     return p
 
 
 def check_schema(args, path):
-    """With --schema: fail (one line) unless it is the schema stored in checkpoint path."""
+    """With --schema (--network): fail (one line) unless it is the schema (the model)
+    stored in checkpoint path."""
+    if args.network:
+        check_model(read_manifest(path), args.network, f"checkpoint {path}")
     if args.schema:
         check_same(stored_schema(read_manifest(path)), load_schema(args.schema),
                    f"checkpoint {path}")

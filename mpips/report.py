@@ -15,6 +15,13 @@ def log_line(text):
     sys.stdout.flush()
 
 
+def model_note(model):
+    """', model NAME (rows of W floats)' for the start line; empty for the default dnn."""
+    if model.name == "dnn":
+        return ""
+    return f", model {model.name} (rows of {model.row_dim} floats: [w | v])"
+
+
 def peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 

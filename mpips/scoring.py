@@ -1,6 +1,6 @@
 """One immutable scoring model: dense network + read-only embedding table + data settings.
 
-``ServingModel`` scores with the training forward pass (``CTRDNN.predict``) on embeddings
+``ServingModel`` scores with the training forward pass (the network's ``predict``) on embeddings
 looked up in a read-only hash map built with the sparse table's own kernels
 (``rebuild_slots`` / ``lookup_rows`` / ``read_rows``); ids without a row read zeros, as
 in evaluation.  ``mpips.infer`` builds one from a checkpoint (``bundle.Snapshot``), the
@@ -16,7 +16,7 @@ from mpips import bundle as bd
 from mpips.data.criteo import make_norm
 from mpips.kernels.hashmap import lookup_rows, read_rows, rebuild_slots
 from mpips.kernels.pooling import pool_forward
-from mpips.models.ctr_dnn import CTRDNN
+from mpips.models.zoo import emb_dim, make_net
 from mpips.schema import Schema
 from mpips.server.sparse_table import slots_for
 
@@ -34,24 +34,29 @@ class ServingModel:
     """Dense weights + embedding rows + data settings; immutable once built.
 
     keys (n,) int64 unique; values (n, dim) float (stored as float32); dense (n_params,);
-    model {embedding_dim, fc, n_params}; data {data_format, hash_bucket, cont_min, cont_diff};
+    model {model (--model; default dnn), embedding_dim (row width), fc, n_params};
+    data {data_format, hash_bucket, cont_min, cont_diff};
     version: where it came from (a bundle's ``checkpoint`` record); schema: the feature
     schema it was trained on (a ``Schema``; default Criteo's).
     """
 
     def __init__(self, keys, values, dense, model, data, version=None, slots=None, schema=None):
-        self.dim = int(model["embedding_dim"])
+        self.dim = int(model["embedding_dim"])                   # table row width
         hidden = tuple(int(x) for x in str(model["fc"]).split(",") if x.strip())
         self.model_cfg, self.data, self.version = dict(model), dict(data), dict(version or {})
-        self._hidden = hidden
+        self.name = self.model_cfg.get("model", "dnn")
+        try:
+            self._hidden, self._emb_dim = hidden, emb_dim(self.name, self.dim)
+        except ValueError as e:
+            raise bd.BundleError(f"bad model record: {e}") from None
         self.schema = schema or Schema.criteo()
-        probe = CTRDNN.for_schema(self.schema, self.dim, hidden)
+        probe = self._net()
         self.n_sparse, self.n_dense, self.pooling = probe.n_sparse, probe.n_dense, probe.pooling
         self.params = np.ascontiguousarray(dense, np.float32)
         if self.params.shape != (probe.n_params,):
-            raise bd.BundleError(f"dense weights have {self.params.shape[0]} values; a CTR-DNN "
-                                 f"with --fc {model['fc']} --embedding-dim {self.dim} has "
-                                 f"{probe.n_params}")
+            raise bd.BundleError(f"dense weights have {self.params.shape[0]} values; a "
+                                 f"{self.name} with --fc {model['fc']} --embedding-dim "
+                                 f"{self._emb_dim} has {probe.n_params}")
         self.keys = np.ascontiguousarray(keys, np.int64)
         self.values = np.ascontiguousarray(values, np.float32)
         if self.values.shape != (len(self.keys), self.dim):
@@ -77,11 +82,14 @@ class ServingModel:
         return len(self.keys)
 
     def network(self):
-        """This thread's CTRDNN (its workspace is not shareable between threads)."""
+        """This thread's network (its workspace is not shareable between threads)."""
         net = getattr(self._local, "net", None)
         if net is None:
-            net = self._local.net = CTRDNN.for_schema(self.schema, self.dim, self._hidden)
+            net = self._local.net = self._net()
         return net
+
+    def _net(self):
+        return make_net(self.name, self.schema, self._emb_dim, self._hidden)
 
     def embed(self, ids, offsets=None):
         """(B, n_sparse * dim) float32 slot embeddings: of one-hot ids (B, n_sparse), or the
@@ -160,7 +168,7 @@ class ServingModel:
             raise bd.BundleError(f"patch to {manifest['checkpoint']['name']} applies to "
                                  f"{since['name']}; this predictor holds {mine.get('name')} "
                                  f"({mine.get('lineage')})")
-        if manifest["model"] != self.model_cfg:
+        if not bd.same_model(manifest["model"], self.model_cfg):
             raise bd.BundleError(f"patch model {manifest['model']} differs from {self.model_cfg}")
         diff = self.schema.diff(bd.schema_of_manifest(manifest))
         if diff:

@@ -20,7 +20,7 @@ from mpips.build import make_model, make_schema, make_tables, resolve_data
 from mpips.cluster import check_servers, default_servers
 from mpips.checkpoint.manifest import chain_manifests
 from mpips.config import check_chain, check_compatible, parse_args
-from mpips.report import log_line, peak_rss_mb
+from mpips.report import log_line, model_note, peak_rss_mb
 from mpips.data.files import resolve_paths
 from mpips.resume import (check_kind, choose, first_rank_decides, pin, resume_line, resume_point,
                           start_point)
@@ -48,7 +48,7 @@ def run_local(cfg):
     else:
         trainer = Trainer(cfg, model, ps, plan, log=log_line, replica=ps.dense)
     log_line(f"mpips local: batch {cfg.local_workers} x {cfg.batch_size}, "
-             f"{model.n_params} dense parameters")
+             f"{model.n_params} dense parameters{model_note(model)}")
     log_line(make_schema(cfg).describe())
     path = resume_point(cfg)[0]
     if path:

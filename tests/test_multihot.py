@@ -199,3 +199,21 @@ def test_bag_sightings_are_occurrences_and_bad_offsets_fail(bags):
         tr._prepare(Batch(b.dense, ids, b.label, offsets[:-1]))
     with pytest.raises(ValueError, match="non-decreasing"):
         tr._prepare(Batch(b.dense, ids, b.label, offsets[::-1].copy()))
+
+
+def test_deepfm_on_bags_sync_equals_local_and_bundle_scores_as_evaluated(bags, tmp_path):
+    """DeepFM on multi-hot bags (3 sum, 2 mean slots; rows [w | v]): 2x2 sync == --local
+    --local-workers 2 bit for bit, and its bundle scores the test bags as the run evaluated."""
+    local = run(bags, tmp_path, "local", "--local", "--local-workers", "2", "--model", "deepfm")
+    dist = run(bags, tmp_path, "sync", "--mode", "sync", "--model", "deepfm", n=4)
+    assert_same_params(tmp_path / "sync", tmp_path / "local", rtol=0, atol=0)
+    assert dist[0]["train_loss"] == pytest.approx(local[0]["train_loss"], rel=1e-12)
+    assert local[0]["test_auc"] > 0.6
+    bundle = str(tmp_path / "model.h5")
+    bd.export_full(str(tmp_path / "local"), bundle)
+    p = Predictor(bundle)
+    assert p.model.name == "deepfm" and p.model.values.shape[1] == 5
+    mt = BinaryMetrics()
+    for b in NpzBags(None, sorted(os.path.join(bags[1], f) for f in os.listdir(bags[1])), 32):
+        mt.update(p.predict_arrays(b.dense, b.sparse, b.offsets), b.label)
+    assert mt.count == 600 and mt.auc() == pytest.approx(local[0]["test_auc"], abs=1e-6)

@@ -20,7 +20,7 @@ HIDDEN = (32, 16)
 def test_network_loss_and_gradients_equal_mpips():
     rng = np.random.default_rng(0)
     B = 64
-    ours = MpipsDNN(hidden=HIDDEN, dtype=np.float64)
+    ours = MpipsDNN(26, 10, 13, hidden=HIDDEN, dtype=np.float64)
     params = ours.init_params(0)
     emb = rng.normal(0, 0.05, (B, 26 * 10))
     dense = rng.random((B, 13))
@@ -58,7 +58,7 @@ def test_init_scales_match_mpips():
     ref = torch_ref.CTRDNN(50_000, hidden=(400, 400, 400), init_range=0.05)
     w = ref.emb.weight.detach().numpy()
     assert np.abs(w).max() <= 0.05 and w.std() == pytest.approx(0.05 / np.sqrt(3), rel=0.02)
-    ours = MpipsDNN(hidden=(400, 400, 400)).views(MpipsDNN(hidden=(400, 400, 400))
+    ours = MpipsDNN(26, 10, 13, hidden=(400, 400, 400)).views(MpipsDNN(26, 10, 13, hidden=(400, 400, 400))
                                                   .init_params(0))
     lin = [m for m in ref.mlp if isinstance(m, torch.nn.Linear)]
     for i, name in enumerate(["fc0.w", "fc1.w", "fc2.w"]):
@@ -93,3 +93,40 @@ def test_vocabulary_map_sends_unknown_ids_to_the_zero_row():
     m = torch_ref.IdMap(0, np.array([-5, 3, 10**15], np.int64))
     got = m(np.array([[3, -5], [7, 10**15]], np.int64)).numpy()
     assert got.tolist() == [[1, 0], [3, 2]] and m.n_rows == 4
+
+
+@pytest.mark.parametrize("name", ["wide_deep", "deepfm"])
+def test_wide_models_loss_and_gradients_equal_mpips(name):
+    from mpips.models import zoo
+    rng = np.random.default_rng(1)
+    B, S, dim = 16, 26, 4
+    ours = zoo.MODELS[name](26, dim, 13, HIDDEN, dtype=np.float64)
+    params = ours.init_params(0) + 0.05 * rng.standard_normal(ours.n_params)
+    emb = rng.normal(0, 0.3, (B, S * (dim + 1)))
+    dense = rng.random((B, 13))
+    label = (rng.random(B) < 0.3).astype(np.float64)
+    grad, grad_emb = np.empty_like(params), np.empty_like(emb)
+    loss, _ = ours.forward_backward(params, emb, dense, label, grad, grad_emb)
+    ref = torch_ref.MODELS[name](B * S, dim=dim, hidden=HIDDEN).double()
+    v = ours.views(params)
+    linears = [m for m in ref.mlp if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        for i, lin in enumerate(linears[:-1]):
+            lin.weight.copy_(torch.from_numpy(v[f"fc{i}.w"].T))
+            lin.bias.copy_(torch.from_numpy(v[f"fc{i}.b"]))
+        linears[-1].weight.copy_(torch.from_numpy(v["out.w"][None, :]))
+        linears[-1].bias.copy_(torch.from_numpy(v["out.b"]))
+        ref.w0.copy_(torch.from_numpy(v["wide.b"]))
+        ref.u.copy_(torch.from_numpy(v["wide.u"]))
+        ref.emb.weight.copy_(torch.from_numpy(emb.reshape(B * S, dim + 1)))
+    logit = ref(torch.arange(B * S).reshape(B, S), torch.from_numpy(dense))
+    tl = torch.nn.BCEWithLogitsLoss()(logit, torch.from_numpy(label))
+    tl.backward()
+    assert tl.item() == pytest.approx(loss, rel=1e-12)
+    np.testing.assert_allclose(ref.emb.weight.grad.to_dense().numpy().reshape(B, -1), grad_emb,
+                               rtol=1e-9, atol=1e-15)
+    g = ours.views(grad)
+    np.testing.assert_allclose(ref.u.grad.numpy(), g["wide.u"], rtol=1e-9, atol=1e-15)
+    np.testing.assert_allclose(ref.w0.grad.numpy(), g["wide.b"], rtol=1e-9, atol=1e-15)
+    np.testing.assert_allclose(linears[0].weight.grad.numpy(), g["fc0.w"].T, rtol=1e-9,
+                               atol=1e-15)

@@ -71,6 +71,10 @@ VIEWS_CACHE = 8      # flat arrays whose layer views are kept
 class CTRDNN:
     """The CTR-DNN dense network over a flat parameter vector.
 
+    ``name`` is its ``--model``; ``row_dim`` the width of its sparse table rows (``dim``
+    here; models that learn a first-order weight per id add one column, mpips.models.zoo);
+    ``emb_width`` the width of the pooled input ``emb`` (n_sparse x row_dim).
+
     Parameters
     ----------
     n_sparse : number of sparse slots S (``schema.n_sparse``).
@@ -83,6 +87,8 @@ class CTRDNN:
         ``schema.pooling_codes()``); default all sum.  The network itself does not use it:
         the trainer and the scorer pool with it (``mpips.kernels.pooling``).
     """
+    name = "dnn"
+    EXTRA_COLS = 0       # table columns before the embedding (1: the first-order weight w)
 
     def __init__(self, n_sparse, dim, n_dense, hidden=(400, 400, 400),
                  dtype=np.float32, init=DEFAULT_INIT, pooling=None):
@@ -105,6 +111,8 @@ class CTRDNN:
             raise ValueError(f"pooling must give 0 (sum) or 1 (mean) for each of the "
                              f"{self.n_sparse} slots; got {pooling!r}")
         self.n_emb = self.n_sparse * self.dim
+        self.row_dim = self.dim + self.EXTRA_COLS
+        self.emb_width = self.n_sparse * self.row_dim
         self.n_in = self.n_emb + self.n_dense
         self.layout = self._build_layout()
         name, off, shape = self.layout[-1]
@@ -182,8 +190,9 @@ class CTRDNN:
 
     def _check_inputs(self, emb, dense):
         batch = emb.shape[0] if emb.ndim == 2 else -1
-        if emb.shape != (batch, self.n_emb) or batch < 1:
-            raise ValueError(f"emb must have shape (B>=1, {self.n_emb}) = (B, n_sparse*dim); "
+        if emb.shape != (batch, self.emb_width) or batch < 1:
+            raise ValueError(f"emb must have shape (B>=1, {self.emb_width}) = (B, n_sparse*"
+                             f"row_dim); "
                              f"got {emb.shape}")
         if dense.shape != (batch, self.n_dense):
             raise ValueError(f"dense must have shape ({batch}, {self.n_dense}); got {dense.shape}")
@@ -195,11 +204,15 @@ class CTRDNN:
     # ------------------------------------------------------------------ maths
     def _forward(self, params, emb, dense, ws, batch):
         """Forward into the workspace; returns the logit view (B,)."""
-        (hid, (w_out, b_out)) = self._layers(params)
         x = ws.x[:batch]                                   # (B, n_in)
         x[:, :self.n_emb] = emb                           # the concat: one ~B*n_in copy
         x[:, self.n_emb:] = dense
-        inp = x
+        return self._mlp_forward(params, ws, batch)
+
+    def _mlp_forward(self, params, ws, batch):
+        """The MLP on the filled input ``ws.x[:batch]``; returns the logit view (B,)."""
+        (hid, (w_out, b_out)) = self._layers(params)
+        inp = ws.x[:batch]
         for (w, b), act in zip(hid, ws.act):
             a = act[:batch]                                # (B, h)
             np.matmul(inp, w, out=a)
@@ -234,10 +247,10 @@ class CTRDNN:
         batch = self._check_inputs(emb, dense)
         if label.shape != (batch,):
             raise ValueError(f"label must have shape ({batch},); got {label.shape}")
-        if grad_emb_out.shape != (batch, self.n_emb) or grad_emb_out.dtype != self.dtype \
+        if grad_emb_out.shape != (batch, self.emb_width) or grad_emb_out.dtype != self.dtype \
                 or not grad_emb_out.flags.c_contiguous:
             raise ValueError(f"grad_emb_out must be a C-contiguous {self.dtype} array of shape "
-                             f"({batch}, {self.n_emb}); got {grad_emb_out.dtype} "
+                             f"({batch}, {self.emb_width}); got {grad_emb_out.dtype} "
                              f"{grad_emb_out.shape}")
         ws = self._workspace(batch)
         logit = self._forward(params, emb, dense, ws, batch)

@@ -111,7 +111,7 @@ class Trainer:
         self.plan_fn = plan_fn                    # ids -> KeyPlan for ps's servers
         self.log = log                            # callable(str) on the logging worker, else None
         self.overlap, self.sync = overlap, sync
-        self.dim = cfg.embedding_dim
+        self.dim = model.row_dim                  # table row width (dim, or dim + 1 with w)
         P = model.n_params
         self.replica, self.dense_sync = replica, dense_sync
         if replica is not None:
@@ -397,8 +397,8 @@ class GeoTrainer(Trainer):
         self.scale = np.float32(1.0 / n_workers)     # Paddle scales GEO deltas by 1/trainers
         self.opt = OptimizerConfig(name=cfg.optimizer, lr=cfg.lr,
                                    initial_accumulator=cfg.adagrad_init)
-        self.local = SparseTable(cfg.embedding_dim, self.opt, cfg.seed, cfg.init_range)
-        self.base = SparseTable(cfg.embedding_dim, OptimizerConfig(name="sgd"), cfg.seed,
+        self.local = SparseTable(model.row_dim, self.opt, cfg.seed, cfg.init_range)
+        self.base = SparseTable(model.row_dim, OptimizerConfig(name="sgd"), cfg.seed,
                                 cfg.init_range)
         self.dense_local = None     # DenseTable with the local optimizer state
         self.dense_base = None      # (P,) dense values at the last sync

@@ -1,0 +1,155 @@
+"""Wide&Deep and DeepFM maths: each term's forward against a float64 numpy reference, the
+gradients (parameters, and table rows through one-hot and multi-hot pooling) against
+central differences."""
+import numpy as np
+import pytest
+
+from mpips.kernels.fm import wide_fm_backward_, wide_fm_forward_
+from mpips.kernels.pooling import pool_backward, pool_forward
+from mpips.models import zoo
+from mpips.models.ctr_dnn import CTRDNN
+from mpips.models.deepfm import DeepFM
+from mpips.models.wide_deep import WideDeep
+
+S, D, DIM, HID = 4, 2, 3, (5, 4)
+NAMES = ("wide_deep", "deepfm")
+
+
+def net(name, dtype=np.float64, pooling=None):
+    return zoo.MODELS[name](n_sparse=S, dim=DIM, n_dense=D, hidden=HID, dtype=dtype,
+                            pooling=pooling)
+
+
+def bags(n, multi, rng, n_rows):
+    """(ids (nnz,), offsets (n*S+1,)): one id per bag, or 0..3 ids (empty bags too)."""
+    lens = rng.integers(0, 4, n * S) if multi else np.ones(n * S, np.int64)
+    off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    return rng.integers(0, n_rows, off[-1]).astype(np.int64), off
+
+
+def reference_logit(m, params, rows, ids, off, dense):
+    """Plain float64 numpy: pooled bags, the wide sum, FM as a sum over slot pairs f < g,
+    and the CTR-DNN's MLP (its own views)."""
+    n, W = dense.shape[0], m.row_dim
+    pooled = np.zeros((n, S, W))
+    for i in range(n):
+        for f in range(S):
+            bag = rows[ids[off[i * S + f]:off[i * S + f + 1]]]
+            if len(bag):
+                pooled[i, f] = bag.sum(0) / (len(bag) if m.pooling[f] == 1 else 1)
+    v = {k: a.astype(np.float64) for k, a in m.views(params).items()}
+    w, p = pooled[:, :, 0], pooled[:, :, 1:]
+    logit = v["wide.b"][0] + w.sum(1) + dense @ v["wide.u"]
+    if m.USE_FM:
+        logit += sum((p[:, f] * p[:, g]).sum(1) for f in range(S) for g in range(f + 1, S))
+    h = np.concatenate([p.reshape(n, -1), dense], axis=1)
+    for i in range(len(m.hidden)):
+        h = np.maximum(h @ v[f"fc{i}.w"] + v[f"fc{i}.b"], 0.0)
+    return logit + h @ v["out.w"] + v["out.b"][0]
+
+
+def loss_of(m, params, rows, ids, off, dense, label):
+    """The model's mean loss on rows pooled by the kernels, and d(loss)/d(rows)."""
+    n = len(label)
+    inv = ids.copy()                                  # rows indexed directly by id
+    emb = np.zeros((n, m.emb_width))
+    pool_forward(rows, inv, off, m.pooling, emb)
+    grad, gemb = np.empty(m.n_params), np.empty_like(emb)
+    loss, _ = m.forward_backward(params, emb, dense, label, grad, gemb)
+    grows = np.zeros_like(rows)
+    pool_backward(gemb, inv, off, m.pooling, grows)
+    return loss, grad, grows
+
+
+def problem(name, multi, seed=0, pooling=None):
+    rng = np.random.default_rng(seed)
+    m = net(name, pooling=pooling)
+    params = m.init_params(seed) + 0.1 * rng.standard_normal(m.n_params)
+    rows = 0.5 * rng.standard_normal((9, m.row_dim))
+    ids, off = bags(6, multi, rng, len(rows))
+    dense = rng.random((6, D))
+    label = (rng.random(6) < 0.5).astype(np.float64)
+    return m, params, rows, ids, off, dense, label
+
+
+@pytest.mark.parametrize("multi", [False, True])
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_matches_float64_reference(name, multi):
+    pooling = [0, 1, 0, 1] if multi else None
+    m, params, rows, ids, off, dense, label = problem(name, multi, 1, pooling)
+    logit = reference_logit(m, params, rows, ids, off, dense)
+    ref = float(np.mean(np.logaddexp(0.0, logit) - label * logit))
+    loss, _, _ = loss_of(m, params, rows, ids, off, dense, label)
+    assert loss == pytest.approx(ref, rel=1e-12)
+
+
+@pytest.mark.parametrize("multi", [False, True])
+@pytest.mark.parametrize("name", NAMES)
+def test_gradients_match_central_differences(name, multi):
+    pooling = [1, 0, 1, 0] if multi else None
+    m, params, rows, ids, off, dense, label = problem(name, multi, 2, pooling)
+    _, grad, grows = loss_of(m, params, rows, ids, off, dense, label)
+    eps = 1e-6
+
+    def fd(arr, k, f):
+        a, b = arr.copy(), arr.copy()
+        a.flat[k] += eps
+        b.flat[k] -= eps
+        return (f(a) - f(b)) / (2 * eps)
+    gp = [fd(params, k, lambda p: loss_of(m, p, rows, ids, off, dense, label)[0])
+          for k in range(m.n_params)]
+    np.testing.assert_allclose(grad, gp, rtol=1e-5, atol=1e-9)
+    gr = [fd(rows, k, lambda r: loss_of(m, params, r, ids, off, dense, label)[0])
+          for k in range(rows.size)]
+    np.testing.assert_allclose(grows.ravel(), gr, rtol=1e-5, atol=1e-9)
+    assert np.abs(grows[:, 0]).max() > 0 and np.abs(grad[-D - 1:]).max() > 0  # w, w_0, u
+
+
+def test_fm_kernel_is_the_pairwise_sum_and_its_gradient():
+    """The kernel alone: fm = sum_{f<g} <p_f, p_g> and d fm / d p_f = sum_{g != f} p_g."""
+    rng = np.random.default_rng(3)
+    emb = rng.standard_normal((5, S * (DIM + 1)))
+    x, wide = np.zeros((5, S * DIM + D)), np.zeros(5)
+    wide_fm_forward_(emb, S, True, x, wide)
+    e = emb.reshape(5, S, DIM + 1)
+    pairs = sum((e[:, f, 1:] * e[:, g, 1:]).sum(1) for f in range(S) for g in range(f + 1, S))
+    np.testing.assert_allclose(wide, e[:, :, 0].sum(1) + pairs, rtol=1e-12)
+    np.testing.assert_array_equal(x[:, :S * DIM], e[:, :, 1:].reshape(5, -1))
+    dl, gp, out = rng.standard_normal(5), rng.standard_normal((5, S * DIM)), np.empty_like(emb)
+    wide_fm_backward_(emb, S, True, dl, gp, out)
+    o = out.reshape(5, S, DIM + 1)
+    np.testing.assert_array_equal(o[:, :, 0], np.repeat(dl[:, None], S, 1))
+    want = gp.reshape(5, S, DIM) + dl[:, None, None] * (e[:, :, 1:].sum(1, keepdims=True)
+                                                       - e[:, :, 1:])
+    np.testing.assert_allclose(o[:, :, 1:], want, rtol=1e-12)
+
+
+def test_row_widths_layout_and_names():
+    assert zoo.row_dim("dnn", 10) == 10 and zoo.row_dim("deepfm", 10) == 11
+    assert zoo.emb_dim("wide_deep", 11) == 10
+    d, w, f = CTRDNN(S, DIM, D, HID), WideDeep(S, DIM, D, HID), DeepFM(S, DIM, D, HID)
+    assert w.n_params == f.n_params == d.n_params + 1 + D
+    assert [n for n, _, _ in w.layout][-2:] == ["wide.b", "wide.u"]
+    assert w.emb_width == S * (DIM + 1) and d.emb_width == S * DIM
+    p = w.init_params(0)
+    np.testing.assert_array_equal(p[:d.n_params], d.init_params(0))    # same MLP init
+    assert not p[d.n_params:].any()                                     # w_0, u start at 0
+    with pytest.raises(ValueError, match="unknown model 'fm'"):
+        zoo.model_class("fm")
+    from mpips.config import MODELS
+    assert MODELS == tuple(zoo.MODELS)              # the flag's choices are the zoo's names
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_float32_predict_matches_float64_and_train_probs(name):
+    m64, params, rows, ids, off, dense, label = problem(name, True, 4, [0, 0, 1, 1])
+    m32 = net(name, np.float32, [0, 0, 1, 1])
+    emb = np.zeros((6, m64.emb_width))
+    pool_forward(rows, ids, off, m64.pooling, emb)
+    p64, p32 = np.empty(6), np.empty(6, np.float32)
+    m64.predict(params, emb, dense, p64)
+    m32.predict(params.astype(np.float32), emb.astype(np.float32), dense.astype(np.float32),
+                p32)
+    np.testing.assert_allclose(p32, p64, rtol=1e-5, atol=1e-6)
+    logit = reference_logit(m64, params, rows, ids, off, dense)
+    np.testing.assert_allclose(p64, 1 / (1 + np.exp(-logit)), rtol=1e-12)
