@@ -137,8 +137,10 @@ def report_new(before, label):
     if not os.environ.get(DEBUG_ENV):
         return
     new = sorted(signatures() - before)
-    print(f"JIT --> {label}: {len(new)} kernel signature(s) compiled after warm-up"
-          + "".join(f"\nJIT -->   {k}{s}" for k, s in new), file=sys.stderr, flush=True)
+    text = (f"JIT --> {label}: {len(new)} kernel signature(s) compiled after warm-up"
+            + "".join(f"\nJIT -->   {k}{s}" for k, s in new) + "\n")
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), text.encode())   # one write: ranks' lines never run together
 
 
 def main(argv=None):
