@@ -70,7 +70,7 @@ def run_distributed(cfg, comm):
         log_line(f"mpips: {comm.size} ranks, {cluster.n_servers} servers x {cluster.n_workers} "
                  f"workers, mode {cfg.mode}, {model.n_params} dense parameters"
                  f"{model_note(model)}")
-        log_line(make_schema(cfg).describe())
+        log_line(schema.describe())
         for line, pid in zip(cluster.role_map(), pids):
             log_line(f"  {line} pid {pid}")
     t0 = time.perf_counter()

@@ -32,7 +32,6 @@ import json
 import os
 import sys
 import time
-import traceback
 
 import numpy as np
 from mpi4py import MPI
@@ -48,6 +47,7 @@ from mpips.server.loop import Server
 from mpips.server.optim import OptimizerConfig
 from mpips.server.sparse_table import SparseTable
 from mpips.worker.client import PSClient
+from tests.mpi_verdict import check as verdict_check, verdict
 
 DIM, DENSE, SEED, INIT, LR = 4, 8, 11, 0.5, 0.1
 S0, S1, A, B = 0, 1, 2, 3
@@ -69,11 +69,7 @@ def message(op, keys=EMPTY, values=None, dense=None, step=0, flags=0):
 
 
 def check(failures, cond, what):
-    if not cond:
-        failures.append(what)
-        print(f"wire audit rank {MPI.COMM_WORLD.rank}: FAILED: {what}", file=sys.stderr,
-              flush=True)
-    return bool(cond)
+    return verdict_check(failures, cond, what, "wire audit")
 
 
 def receive(comm, src, tag=MPI.ANY_TAG):
@@ -423,21 +419,13 @@ def main():
     save_dir = sys.argv[1]
     failures = []
     wcomm = comm.Split(int(comm.rank in (A, B)))
-    try:
+
+    def body():
         if comm.rank in (S0, S1):
             run_server(comm, save_dir)
         else:
             run_worker(comm, wcomm, save_dir, failures)
-    except Exception as e:  # noqa: BLE001 - reported through the exit code
-        check(failures, False, f"{type(e).__name__}: {e} at "
-              f"{traceback.extract_tb(e.__traceback__)[-1]}")
-        comm.Abort(len(failures))
-    counts = np.zeros(comm.size, np.int64) if comm.rank == 0 else None
-    comm.Gather(np.array([len(failures)], np.int64), counts, root=0)
-    if comm.rank == 0:
-        print(f"wire audit: failed checks per rank {counts.tolist()}", flush=True)
-        return int(counts.sum())
-    return 0
+    return verdict(comm, failures, "wire audit", body)
 
 
 if __name__ == "__main__":

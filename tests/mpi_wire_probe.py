@@ -28,7 +28,6 @@ exit code is the number of failed checks (0 = pass).
 import os
 import sys
 import time
-import traceback
 import zlib
 
 import numpy as np
@@ -45,6 +44,7 @@ from mpips.server.dense_table import DenseTable
 from mpips.server.loop import Server
 from mpips.server.optim import OptimizerConfig
 from mpips.server.sparse_table import SparseTable
+from tests.mpi_verdict import check as verdict_check, verdict
 
 DIM, DENSE = 4, 8
 KEYS = np.arange(1, 11, dtype=np.int64)          # rows created by the first valid pull
@@ -473,18 +473,15 @@ def expect_replies(link, server, buf, out, got):
 
 
 def check(failures, cond, what):
-    if not cond:
-        failures.append(what)
-        print(f"wire probe rank {MPI.COMM_WORLD.rank}: FAILED: {what}", file=sys.stderr,
-              flush=True)
-    return bool(cond)
+    return verdict_check(failures, cond, what, "wire probe")
 
 
 def main():
     comm = MPI.COMM_WORLD
     save_dir, n_fuzz = sys.argv[1], int(sys.argv[2])
     failures = []
-    try:
+
+    def body():
         if comm.rank in SERVERS:
             run_server(comm, failures, save_dir)
         elif comm.rank == WORKER:
@@ -492,16 +489,7 @@ def main():
         else:               # not a worker: a well-formed request from a stranger
             for s in SERVERS:
                 comm.Send(edit(message(Op.PULL, KEYS, flags=F_CREATE), req_id=1), s, TAG_REQUEST)
-    except Exception as e:  # noqa: BLE001 - reported through the exit code
-        check(failures, False, f"{type(e).__name__}: {e} at "
-              f"{traceback.extract_tb(e.__traceback__)[-1]}")
-        comm.Abort(len(failures))
-    counts = np.zeros(comm.size, np.int64) if comm.rank == 0 else None
-    comm.Gather(np.array([len(failures)], np.int64), counts, root=0)
-    if comm.rank == 0:
-        print(f"wire probe: failed checks per rank {counts.tolist()}", flush=True)
-        return int(counts.sum())
-    return 0
+    return verdict(comm, failures, "wire probe", body)
 
 
 if __name__ == "__main__":

@@ -46,8 +46,8 @@ class RequestChecks:
                 bad("sent twice in one phase")
             if req.op == Op.SHRINK and not 0 <= req.step <= MAX_SHRINK_THRESHOLD:
                 bad(f"threshold {req.step}: must be 0..{MAX_SHRINK_THRESHOLD} (shrink calls)")
-            if req.op == Op.FINISH and self._held_for(source):
-                bad(f"with {self._held_for(source)} of its requests still held: they would "
+            if req.op == Op.FINISH and (held := self._held_for(source)):
+                bad(f"with {held} of its requests still held: they would "
                     "never be answered")
         elif req.op == Op.DENSE_PUT:
             self._check_dense_put(req, bad)
