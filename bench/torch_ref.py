@@ -285,7 +285,7 @@ def run(a):
     return recs
 
 
-def main(argv=None):
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--train", required=True)
@@ -311,7 +311,11 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.hash_bucket < 0 or a.batch_size < 1 or a.epochs < 1 or a.threads < 1:
         ap.error("need --hash-bucket >= 0, --batch-size >= 1, --epochs >= 1, --threads >= 1")
-    run(a)
+    return a
+
+
+def main(argv=None):
+    run(parse_args(argv))
     return 0
 
 

@@ -260,11 +260,11 @@ def test_torch_ref_trains_on_the_wide_shape(tmp_path):
     ref = _bench_module("torch_ref")
     meta = M.generate(str(tmp_path), rows=3000, test_rows=1000, parts=2, seed=1, slots=20,
                       max_card=200, signal=3.0)
-    recs = ref.run(ref.main.__globals__["argparse"].Namespace(
-        train=str(tmp_path / "train"), test=str(tmp_path / "test"),
-        schema=str(tmp_path / "schema.toml"), hash_bucket=0, lr=3e-3, batch_size=128, epochs=4,
-        seed=0, threads=1, embedding_dim=4, fc="32,16", init_range=0.05, row_adam=True,
-        metrics_out="", print_every=0))
+    recs = ref.run(ref.parse_args([
+        "--train", str(tmp_path / "train"), "--test", str(tmp_path / "test"),
+        "--schema", str(tmp_path / "schema.toml"), "--hash-bucket", "0", "--lr", "3e-3",
+        "--batch-size", "128", "--epochs", "4", "--threads", "1", "--embedding-dim", "4",
+        "--fc", "32,16", "--row-adam", "--print-every", "0"]))
     last = recs[-1]
     assert last["train_examples"] == 3000 and last["test_examples"] == 1000
     assert last["table_rows"] == meta["train"]["distinct_ids"] + 1
