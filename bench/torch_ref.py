@@ -36,7 +36,7 @@ and D dense values; a batch is the Batch contract (dense (n, D), flat ids with o
 (sum, or mean as the slot's ``pooling`` says: mixed poolings are a sum with per-id weights
 1/len for the mean slots; an empty bag pools to zeros and gets no gradient), the model
 input is concat(pooled (n, S*dim), dense (n, D)), with the same init as mpips.  Batches come
-from mpips's reader when it takes a schema, else from ``bench/slot_text.py`` (slot text).
+from mpips's reader with the schema.
 Without ``--schema`` (or with Criteo's) everything is as before: one-hot ``nn.Embedding``.
 """
 import argparse
@@ -187,23 +187,9 @@ def build_vocab(train, batch_size, schema=None):
 
 
 def batches(files, batch_size, hash_bucket, schema=None):
-    """(label, dense, offsets or None, ids) per batch: mpips's reader, or the slot-text
-    fallback for a schema mpips's reader does not take yet."""
-    if schema is None or schema.is_criteo:
-        for b in DataReader(files, batch_size, hash_bucket=hash_bucket):
-            yield b.label, b.dense, None, b.sparse
-        return
-    import inspect
-    if "schema" in inspect.signature(DataReader).parameters:
-        for b in DataReader(files, batch_size, hash_bucket=hash_bucket, schema=schema):
-            yield b.label, b.dense, getattr(b, "offsets", None), b.sparse
-        return
-    from slot_text import SlotTextReader
-    reader = SlotTextReader(files, batch_size, schema, hash_bucket=hash_bucket)
-    yield from reader
-    if reader.bad_lines or reader.skipped_tokens:
-        print(f"torch_ref: {files}: {reader.bad_lines} bad lines skipped, "
-              f"{reader.skipped_tokens} tokens of undeclared slots skipped", file=sys.stderr)
+    """(label, dense, offsets or None, ids) per batch, from mpips's own reader."""
+    for b in DataReader(files, batch_size, hash_bucket=hash_bucket, schema=schema):
+        yield b.label, b.dense, b.offsets, b.sparse
 
 
 class IdMap:
@@ -299,7 +285,7 @@ def run(a):
     return recs
 
 
-def main(argv=None):
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--train", required=True)
@@ -325,7 +311,11 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.hash_bucket < 0 or a.batch_size < 1 or a.epochs < 1 or a.threads < 1:
         ap.error("need --hash-bucket >= 0, --batch-size >= 1, --epochs >= 1, --threads >= 1")
-    run(a)
+    return a
+
+
+def main(argv=None):
+    run(parse_args(argv))
     return 0
 
 

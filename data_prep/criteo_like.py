@@ -115,6 +115,22 @@ def _power_rank(u, v: int, a: float):
     return np.minimum(np.floor(x - 1.0).astype(np.int64), v - 1)
 
 
+def calibrate(parts, part_w, signal, ctr):
+    """(part_scale, logit_scale, bias) from a calibration sample's unscaled parts (n, k):
+    each part standardised, weighted by ``part_w``, the sum scaled to std ``signal`` and
+    shifted so that the mean of sigmoid(logit) is ``ctr`` (bisection)."""
+    sd = parts.std(axis=0)
+    part_scale = np.where(sd > 0, 1.0 / np.where(sd > 0, sd, 1.0), 0.0)
+    raw = parts @ (part_scale * part_w)
+    logit_scale = signal / raw.std() if raw.std() > 0 else 0.0
+    z = (raw - raw.mean()) * logit_scale
+    lo, hi = -15.0, 15.0
+    for _ in range(60):                                     # mean sigmoid(z + b) = ctr
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _sigmoid(z + mid).mean() < ctr else (lo, mid)
+    return part_scale, logit_scale, (lo + hi) / 2 - raw.mean() * logit_scale
+
+
 class CriteoLike:
     """The hidden generative model; depends on its constructor arguments only."""
 
@@ -173,16 +189,7 @@ class CriteoLike:
         crng = np.random.default_rng([seed, 0xCA11B])
         rows = crng.integers(0, int(week_rows) + 1, CALIB_ROWS)
         parts = self._parts(*self.sample(crng, np.sort(rows)))
-        sd = parts.std(axis=0)
-        self.part_scale = np.where(sd > 0, 1.0 / np.where(sd > 0, sd, 1.0), 0.0)
-        raw = self._combine(parts)
-        self.logit_scale = signal / raw.std() if raw.std() > 0 else 0.0
-        z = (raw - raw.mean()) * self.logit_scale
-        lo, hi = -15.0, 15.0
-        for _ in range(60):                                 # mean sigmoid(z + b) = ctr
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if _sigmoid(z + mid).mean() < ctr else (lo, mid)
-        self.bias = (lo + hi) / 2 - raw.mean() * self.logit_scale
+        self.part_scale, self.logit_scale, self.bias = calibrate(parts, self.part_w, signal, ctr)
 
     # ---------------------------------------------------------------- features
     def sample(self, rng, t):

@@ -57,7 +57,7 @@ import time
 import numpy as np
 from numba import njit
 
-from data_prep.criteo_like import _hash_normal, _mix64, _power_rank
+from data_prep.criteo_like import _hash_normal, _mix64, _power_rank, calibrate
 from data_prep.synth import _sigmoid, _split_rows, auc
 
 VERSION = 1
@@ -143,16 +143,7 @@ class MultiHot:
         crng = np.random.default_rng([seed, 0xCA11B])
         parts = np.concatenate([self._parts(self.sample(crng, min(BLOCK_ROWS, CALIB_ROWS - i)))
                                 for i in range(0, CALIB_ROWS, BLOCK_ROWS)])  # memory bounded
-        sd = parts.std(axis=0)
-        self.part_scale = np.where(sd > 0, 1.0 / np.where(sd > 0, sd, 1.0), 0.0)
-        raw = parts @ (self.part_scale * self.part_w)
-        self.logit_scale = signal / raw.std() if raw.std() > 0 else 0.0
-        z = (raw - raw.mean()) * self.logit_scale
-        lo, hi = -15.0, 15.0
-        for _ in range(60):                                  # mean sigmoid(z + b) = ctr
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if _sigmoid(z + mid).mean() < ctr else (lo, mid)
-        self.bias = (lo + hi) / 2 - raw.mean() * self.logit_scale
+        self.part_scale, self.logit_scale, self.bias = calibrate(parts, self.part_w, signal, ctr)
 
     def _fit_lengths(self, base_mu, target):
         """Geometric q per slot so that the expected ids per line is ``target`` (bisection on

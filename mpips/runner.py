@@ -10,7 +10,6 @@ once against that interface, ``mpips.interfaces.Backend``.
 import sys
 import time
 
-
 from mpips import checkpoint as ck
 from mpips.build import make_reader, make_schema
 from mpips.data import bags

@@ -222,46 +222,6 @@ def _bench_module(name):
     return mod
 
 
-def test_slot_text_reader_equals_plain_reader(tmp_path, monkeypatch):
-    """bench/slot_text.py: bags, labels, dense, ids as mpips's slot ids; batches across chunks."""
-    from mpips.data.slot import slot_feature_id
-    st = _bench_module("slot_text")
-    M.generate(str(tmp_path), rows=300, parts=2, seed=4, slots=25, dense=2)
-    with open(tmp_path / "train" / "part-00001.txt", "ab") as f:    # bad lines, an extra slot
-        f.write(b"1:click 5:3 x:4\n7:click 1:2\n\n1:click 0.5:dense_feature 9:99 12:3 3:3\n")
-    plain = []
-    for i in range(2):
-        text = (tmp_path / "train" / f"part-0000{i}.txt").read_bytes().split(b"\n")
-        for ln in text:
-            if ln.startswith(b"1:click 0.5") or (ln and b"dense_feature" in ln):
-                p = tmp_path / "one.txt"
-                p.write_bytes(ln + b"\n")
-                plain += read_slot_text(p)
-    assert len(plain) == 301                                   # 300 rows + the good extra line
-    sch = load_schema(str(tmp_path / "schema.toml"))
-    monkeypatch.setattr(st, "CHUNK_BYTES", 1000)               # lines span chunk reads
-    raw = st.SlotTextReader(str(tmp_path / "train"), 64, sch, hash_bucket=1 << 62)
-    got = list(raw)
-    assert [len(b[0]) for b in got] == [64] * 4 + [45]
-    assert (raw.rows, raw.bad_lines, raw.skipped_tokens) == (301, 2, 1)
-    lab = np.concatenate([b[0] for b in got])
-    np.testing.assert_array_equal(lab, [r[0] for r in plain])
-    want_dense = [r[1] + [0.0] * (2 - len(r[1])) for r in plain]      # missing value: fill 0
-    np.testing.assert_array_equal(np.concatenate([b[1] for b in got]),
-                                  np.array(want_dense, np.float32))
-    mixed = list(st.SlotTextReader(str(tmp_path / "train"), 64, sch, hash_bucket=0))
-    i0 = 0
-    for (_, _, off, ids), (_, _, off2, ids2) in zip(got, mixed):
-        np.testing.assert_array_equal(off, off2)
-        for i in range((off.size - 1) // 25):
-            for k in range(25):
-                want = plain[i0 + i][2].get(str(k + 1), [])
-                assert ids[off[i * 25 + k]:off[i * 25 + k + 1]].tolist() == want
-                assert ids2[off[i * 25 + k]:off[i * 25 + k + 1]].tolist() == [
-                    slot_feature_id(k, v) for v in want]
-        i0 += (off.size - 1) // 25
-
-
 @pytest.mark.parametrize("pooling", [[0, 0, 0], [1, 1, 1], [0, 1, 0]])
 def test_torch_bag_pooling_forward_and_backward(pooling):
     """torch_ref's EmbeddingBag pooling (sum, mean, mixed; empty bags) against dense maths."""
@@ -300,11 +260,11 @@ def test_torch_ref_trains_on_the_wide_shape(tmp_path):
     ref = _bench_module("torch_ref")
     meta = M.generate(str(tmp_path), rows=3000, test_rows=1000, parts=2, seed=1, slots=20,
                       max_card=200, signal=3.0)
-    recs = ref.run(ref.main.__globals__["argparse"].Namespace(
-        train=str(tmp_path / "train"), test=str(tmp_path / "test"),
-        schema=str(tmp_path / "schema.toml"), hash_bucket=0, lr=3e-3, batch_size=128, epochs=4,
-        seed=0, threads=1, embedding_dim=4, fc="32,16", init_range=0.05, row_adam=True,
-        metrics_out="", print_every=0))
+    recs = ref.run(ref.parse_args([
+        "--train", str(tmp_path / "train"), "--test", str(tmp_path / "test"),
+        "--schema", str(tmp_path / "schema.toml"), "--hash-bucket", "0", "--lr", "3e-3",
+        "--batch-size", "128", "--epochs", "4", "--threads", "1", "--embedding-dim", "4",
+        "--fc", "32,16", "--row-adam", "--print-every", "0"]))
     last = recs[-1]
     assert last["train_examples"] == 3000 and last["test_examples"] == 1000
     assert last["table_rows"] == meta["train"]["distinct_ids"] + 1

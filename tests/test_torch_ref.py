@@ -17,6 +17,18 @@ _spec.loader.exec_module(torch_ref)
 HIDDEN = (32, 16)
 
 
+def _copy_mlp(ref, v):
+    """Copy mpips's MLP parameters (views ``v``) into ``ref.mlp``; returns its Linear layers."""
+    linears = [m for m in ref.mlp if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        for i, lin in enumerate(linears[:-1]):
+            lin.weight.copy_(torch.from_numpy(v[f"fc{i}.w"].T))
+            lin.bias.copy_(torch.from_numpy(v[f"fc{i}.b"]))
+        linears[-1].weight.copy_(torch.from_numpy(v["out.w"][None, :]))
+        linears[-1].bias.copy_(torch.from_numpy(v["out.b"]))
+    return linears
+
+
 def test_network_loss_and_gradients_equal_mpips():
     rng = np.random.default_rng(0)
     B = 64
@@ -31,13 +43,8 @@ def test_network_loss_and_gradients_equal_mpips():
 
     ref = torch_ref.CTRDNN(B * 26, hidden=HIDDEN).double()   # row i*26+k = emb of (i, k)
     v = ours.views(params)
-    linears = [m for m in ref.mlp if isinstance(m, torch.nn.Linear)]
+    linears = _copy_mlp(ref, v)
     with torch.no_grad():
-        for i, lin in enumerate(linears[:-1]):
-            lin.weight.copy_(torch.from_numpy(v[f"fc{i}.w"].T))
-            lin.bias.copy_(torch.from_numpy(v[f"fc{i}.b"]))
-        linears[-1].weight.copy_(torch.from_numpy(v["out.w"][None, :]))
-        linears[-1].bias.copy_(torch.from_numpy(v["out.b"]))
         ref.emb.weight.copy_(torch.from_numpy(emb.reshape(B * 26, 10)))
     rows = torch.arange(B * 26).reshape(B, 26)
     logit = ref(rows, torch.from_numpy(dense))                # the model's own forward
@@ -109,13 +116,8 @@ def test_wide_models_loss_and_gradients_equal_mpips(name):
     loss, _ = ours.forward_backward(params, emb, dense, label, grad, grad_emb)
     ref = torch_ref.MODELS[name](B * S, dim=dim, hidden=HIDDEN).double()
     v = ours.views(params)
-    linears = [m for m in ref.mlp if isinstance(m, torch.nn.Linear)]
+    linears = _copy_mlp(ref, v)
     with torch.no_grad():
-        for i, lin in enumerate(linears[:-1]):
-            lin.weight.copy_(torch.from_numpy(v[f"fc{i}.w"].T))
-            lin.bias.copy_(torch.from_numpy(v[f"fc{i}.b"]))
-        linears[-1].weight.copy_(torch.from_numpy(v["out.w"][None, :]))
-        linears[-1].bias.copy_(torch.from_numpy(v["out.b"]))
         ref.w0.copy_(torch.from_numpy(v["wide.b"]))
         ref.u.copy_(torch.from_numpy(v["wide.u"]))
         ref.emb.weight.copy_(torch.from_numpy(emb.reshape(B * S, dim + 1)))
