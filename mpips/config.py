@@ -396,7 +396,8 @@ def _show(key, flag, value, config, other):
         return f"--stats {where} ({len(value['cont_min'])} dense values)"
     k = next((i for i in range(len(value["cont_min"])) if (value["cont_min"][i],
               value["cont_diff"][i]) != (other["cont_min"][i], other["cont_diff"][i])), 0)
-    name = f"I{k + 1}" if len(value["cont_min"]) == 13 else f"dense value {k + 1}"
+    criteo = not config.get("schema") and len(value["cont_min"]) == 13    # I1..I13
+    name = f"I{k + 1}" if criteo else f"dense value {k + 1}"
     return (f"--stats {where} ({name}: cont_min {value['cont_min'][k]:g}, cont_diff "
             f"{value['cont_diff'][k]:g})")
 

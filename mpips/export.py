@@ -48,17 +48,17 @@ def build_parser():
 
 def run(args, log=print):
     t0 = time.perf_counter()
-    if getattr(args, "network", ""):
-        path = resolve(args.model)
-        check_model(read_manifest(path), args.network, f"checkpoint {path}")
-    if args.schema:
-        path = resolve(args.model)
-        check_same(stored_schema(read_manifest(path)), load_schema(args.schema),
-                   f"checkpoint {path}")
+    path = resolve(args.model)       # a root: its newest checkpoint that verifies, chosen once
+    if getattr(args, "network", "") or args.schema:
+        manifest = read_manifest(path)
+        if getattr(args, "network", ""):
+            check_model(manifest, args.network, f"checkpoint {path}")
+        if args.schema:
+            check_same(stored_schema(manifest), load_schema(args.schema), f"checkpoint {path}")
     if args.since:
-        m = bd.export_patch(args.model, args.since, args.out, args.dtype, args.stats)
+        m = bd.export_patch(path, args.since, args.out, args.dtype, args.stats)
     else:
-        m = bd.export_full(args.model, args.out, args.dtype, args.stats)
+        m = bd.export_full(path, args.out, args.dtype, args.stats)
     what = f"patch {m['since']['name']} -> " if m["kind"] == "patch" else "bundle of "
     log(f"EXPORT --> {args.out}: {what}{m['checkpoint']['name']}, {m['rows']} rows, "
         f"{m['evicted']} evicted, {m['dtype']}, {os.path.getsize(args.out)} bytes, "

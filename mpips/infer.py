@@ -85,11 +85,13 @@ def build_parser():
 def check_schema(args, path):
     """With --schema (--network): fail (one line) unless it is the schema (the model)
     stored in checkpoint path."""
+    if not (args.network or args.schema):
+        return
+    manifest = read_manifest(path)
     if args.network:
-        check_model(read_manifest(path), args.network, f"checkpoint {path}")
+        check_model(manifest, args.network, f"checkpoint {path}")
     if args.schema:
-        check_same(stored_schema(read_manifest(path)), load_schema(args.schema),
-                   f"checkpoint {path}")
+        check_same(stored_schema(manifest), load_schema(args.schema), f"checkpoint {path}")
 
 
 def config_from_manifest(manifest):

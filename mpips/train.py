@@ -49,7 +49,7 @@ def run_local(cfg):
         trainer = Trainer(cfg, model, ps, plan, log=log_line, replica=ps.dense)
     log_line(f"mpips local: batch {cfg.local_workers} x {cfg.batch_size}, "
              f"{model.n_params} dense parameters{model_note(model)}")
-    log_line(make_schema(cfg).describe())
+    log_line(schema.describe())
     path = resume_point(cfg)[0]
     if path:
         ck.load_local(path, inner_table(ps.sparse), ps.dense, admission_of(ps.sparse))
@@ -79,13 +79,13 @@ def precheck(cfg, comm=None):
         install_sigterm()
     schema = make_schema(cfg)                 # a bad --schema file fails here, before any work
     path = first_rank_decides(comm, lambda: choose(cfg))
-    if path:                                   # before pinning: --resume naming it allows it
-        check_kind(cfg, path, ck.read_manifest(path))
+    if path:
+        elements = chain_manifests(path)       # read once: its last is path's manifest
+        check_kind(cfg, path, elements[-1][1])  # before pinning: --resume naming it allows it
     cfg = pin(cfg, path)
     if cfg.resume:
-        elements = chain_manifests(cfg.resume)
         check_chain(elements)
-        check_compatible(elements[-1][1], cfg)
+        check_compatible(elements[-1][1], cfg, schema=schema)   # its --stats width
         check_same(stored_schema(elements[-1][1]), schema, f"checkpoint {cfg.resume}")
         resume_point(cfg)                      # its position, checked against the run
         start_point(cfg, _train_files(cfg))    # (and against the data, when given)
