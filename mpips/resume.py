@@ -19,9 +19,11 @@ import numpy as np
 from mpips import checkpoint as ck
 from mpips.backoff import COLLECTIVE, Backoff
 from mpips.data.binary import part_rows
+from mpips.data.sources import is_gzip
+from mpips.schema import load_schema
 
-MIN_LINE_BYTES = 40            # no valid text line is shorter (a Criteo line of empty
-                               # fields: label, 39 tabs and LF is 41 bytes; slot lines more)
+MIN_LINE_BYTES = 2             # no valid text line is shorter: a label and LF (a Criteo line
+                               # read padded, a CSV or slot line of empty bags can be that short)
 
 
 def choose(cfg, warn=None):
@@ -80,11 +82,16 @@ def resume_point(cfg):
 
 def max_batches(files, batch_size):
     """An upper bound on the batches of ``batch_size`` rows a worker reads from ``files``
-    in an epoch: binary parts by their rows, text by its bytes / MIN_LINE_BYTES."""
+    in an epoch: binary parts by their rows, text by its bytes / MIN_LINE_BYTES; None for
+    gzip files, whose text can be any size."""
     rows = 0
     for path in files:
-        rows += part_rows(path) if os.path.isdir(path) else \
-            os.path.getsize(path) // MIN_LINE_BYTES
+        if os.path.isdir(path):
+            rows += part_rows(path)
+        elif is_gzip(path):
+            return None, None
+        else:
+            rows += os.path.getsize(path) // MIN_LINE_BYTES
     return -(-rows // batch_size), rows
 
 
@@ -99,9 +106,10 @@ def start_point(cfg, files=None):
     if meta.get("complete", True):
         return epoch + 1, 0
     steps = meta.get("steps", 0)             # saved mid-epoch after `steps` batches
-    if files is not None:
+    piped = cfg.pipe_command or (cfg.schema and load_schema(cfg.schema).pipe_command)
+    if files is not None and not piped:               # a command's output can be any size
         most, rows = max_batches(files, cfg.batch_size)
-        if steps > most:
+        if most is not None and steps > most:
             raise ck.CheckpointError(
                 f"checkpoint seq {ck.read_manifest(path)['seq']} ({path}) was saved after "
                 f"{steps} batches of epoch {epoch}, but the training data hold at most "
