@@ -101,13 +101,19 @@ class Ref:
         self.truncated += trunc
 
 
-def ref_slot(data: bytes, schema: Schema, has_label=True, bucket=0):
-    S, dense_at = schema.n_sparse, {}
-    pos = 0
+def dense_positions(schema):
+    """{name: (first column, dim)} of the schema's dense slots, in schema order."""
+    at, pos = {}, 0
     for g in schema.dense:
         for n in g.names:
-            dense_at[n.encode()] = (pos, g.dim)
+            at[n] = (pos, g.dim)
             pos += g.dim
+    return at
+
+
+def ref_slot(data: bytes, schema: Schema, has_label=True, bucket=0):
+    S = schema.n_sparse
+    dense_at = {n.encode(): v for n, v in dense_positions(schema).items()}
     slot_of = {n.encode(): s for s, n in enumerate(schema.sparse_names)}
     salts = schema.feasign_salts()
     label_key = schema.label.encode() if schema.label else None
@@ -281,11 +287,7 @@ def ms_schema(max_len=0):
 
 def ref_multislot(data: bytes, schema: Schema, has_label=True, bucket=0):
     kinds = {schema.label: "label"}
-    pos = 0
-    for g in schema.dense:
-        for n in g.names:
-            kinds[n] = ("dense", pos, g.dim)
-            pos += g.dim
+    kinds.update((n, ("dense", at, dim)) for n, (at, dim) in dense_positions(schema).items())
     for s, n in enumerate(schema.sparse_names):
         kinds[n] = ("sparse", s)
     salts = schema.feasign_salts()

@@ -17,7 +17,8 @@ Bad-line reason codes of the bag readers are the ``BAD_*`` below (the detail in 
 import numpy as np
 from numba import njit
 
-from mpips.kernels.tsv_parse import FNV1A_OFFSET, FNV1A_PRIME, splitmix64_finalise
+from mpips.kernels.tsv_parse import (BAD_CAPACITY, CNT_TRUNCATED, FNV1A_OFFSET, FNV1A_PRIME,
+                                     splitmix64_finalise)
 
 BAD_TOKEN = 10  # a token without ':' [token index, 0-based]
 BAD_VALUE = 11  # a value that does not parse [input key index]
@@ -128,3 +129,19 @@ def record_bad(bad, nb, line, reason, detail):
         bad[nb, 1] = reason
         bad[nb, 2] = detail
     return nb + 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def end_line(reason, detail, trunc, r, line, counts, bad, nb):
+    """Account for one line of a bag kernel: (rows, bad records).
+
+    reason 0: a row whose bags were emitted with ``trunc`` cut (``trunc < 0``: no room, a
+    BAD_CAPACITY line); reason > 0: a bad line, recorded; -1: a blank line."""
+    if reason == 0 and trunc < 0:
+        reason, detail = BAD_CAPACITY, 0
+    if reason == 0:
+        counts[CNT_TRUNCATED] += trunc
+        r += 1
+    if reason > 0:
+        nb = record_bad(bad, nb, line, reason, detail)
+    return r, nb

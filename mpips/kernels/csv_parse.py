@@ -21,10 +21,10 @@ import numpy as np
 from numba import njit
 
 from mpips.kernels.bag_common import (BAD_COLUMNS, BAD_QUOTE, BAD_VALUE, KIND_DENSE,
-                                      KIND_LABEL, KIND_SPARSE, emit_bags, record_bad, text_id)
+                                      KIND_LABEL, KIND_SPARSE, emit_bags, end_line, text_id)
 from mpips.kernels.number_parse import parse_float
 from mpips.kernels.tsv_parse import (BAD_CAPACITY, CNT_BAD, CNT_LINES, CNT_ROWS,
-                                     CNT_TRUNCATED, FNV1A_PRIME)
+                                     FNV1A_PRIME)
 
 OPT_HAS_LABEL = 0  # opts[0]: 1 = read the label column
 OPT_BUCKET = 1  # opts[1]: hash_bucket (0 = full int64 ids)
@@ -170,15 +170,10 @@ def parse_csv(buf, colinfo, slots, opts, out, scratch, bad, counts):
         pos, reason, detail, k = _csv_line(buf, pos, colinfo, slots, opts, out, scratch, rr)
         if reason == 0 and rr != r:
             reason = BAD_CAPACITY  # (never with cap >= lines)
+        trunc = 0
         if reason == 0:
             trunc = emit_bags(k, tmp_slot, tmp_id, slots[1], cur, lim, r, ids, offsets)
-            if trunc < 0:
-                reason, detail = BAD_CAPACITY, 0
-            else:
-                counts[CNT_TRUNCATED] += trunc
-                r += 1
-        if reason > 0:
-            nb = record_bad(bad, nb, line, reason, detail)
+        r, nb = end_line(reason, detail, trunc, r, line, counts, bad, nb)
         line += 1
     counts[CNT_ROWS] = r
     counts[CNT_LINES] = line

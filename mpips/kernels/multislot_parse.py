@@ -17,13 +17,12 @@ import numpy as np
 from numba import njit
 
 from mpips.kernels.bag_common import (BAD_COUNT, BAD_DENSE_DIM, BAD_EXTRA, BAD_VALUE,
-                                      KIND_DENSE, KIND_LABEL, KIND_SPARSE, emit_bags,
-                                      feasign_id, record_bad)
+                                      KIND_DENSE, KIND_LABEL, KIND_SPARSE, emit_bags, end_line,
+                                      feasign_id)
 from mpips.kernels.number_parse import parse_float, parse_uint64
 from mpips.kernels.slot_parse import IS_WS, _skip_line
 from mpips.kernels.slot_bags import OPT_BUCKET, OPT_HAS_LABEL, OPT_RAW_IDS
-from mpips.kernels.tsv_parse import (BAD_CAPACITY, CNT_BAD, CNT_LINES, CNT_ROWS,
-                                     CNT_TRUNCATED)
+from mpips.kernels.tsv_parse import BAD_CAPACITY, CNT_BAD, CNT_LINES, CNT_ROWS
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -132,15 +131,10 @@ def parse_multislot(buf, finfo, slots, opts, out, scratch, bad, counts):
         else:  # (never with cap >= lines)
             pos, any_tok = _skip_line(buf, pos)
             reason, detail, k = (BAD_CAPACITY if any_tok else -1), 0, 0
+        trunc = 0
         if reason == 0:
             trunc = emit_bags(k, tmp_slot, tmp_id, slots[1], cur, lim, r, ids, offsets)
-            if trunc < 0:
-                reason, detail = BAD_CAPACITY, 0
-            else:
-                counts[CNT_TRUNCATED] += trunc
-                r += 1
-        if reason > 0:
-            nb = record_bad(bad, nb, line, reason, detail)
+        r, nb = end_line(reason, detail, trunc, r, line, counts, bad, nb)
         line += 1
     counts[CNT_ROWS] = r
     counts[CNT_LINES] = line

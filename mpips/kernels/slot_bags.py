@@ -18,12 +18,12 @@ import numpy as np
 from numba import njit
 
 from mpips.kernels.bag_common import (BAD_DENSE_DIM, BAD_NO_LABEL, BAD_TOKEN, BAD_VALUE,
-                                      KIND_DENSE, KIND_LABEL, KIND_SPARSE, emit_bags,
-                                      feasign_id, find_key, record_bad)
+                                      KIND_DENSE, KIND_LABEL, KIND_SPARSE, emit_bags, end_line,
+                                      feasign_id, find_key)
 from mpips.kernels.number_parse import parse_float, parse_uint64
 from mpips.kernels.slot_parse import IS_WS, _skip_line
 from mpips.kernels.tsv_parse import (BAD_CAPACITY, CNT_BAD, CNT_LINES, CNT_ROWS,
-                                     CNT_TRUNCATED, CNT_UNDECLARED)
+                                     CNT_UNDECLARED)
 
 OPT_HAS_LABEL = 0  # opts[0]: 1 = the label slot must be on every line
 OPT_BUCKET = 1  # opts[1]: hash_bucket (0 = mixed or raw int64 ids)
@@ -163,16 +163,12 @@ def parse_slot_bags(buf, keys, slots, opts, out, scratch, bad, counts):
         else:  # (never with cap >= lines)
             pos, any_tok = _skip_line(buf, pos)
             reason, detail, k, und = (BAD_CAPACITY if any_tok else -1), 0, 0, 0
+        trunc = 0
         if reason == 0:
             trunc = emit_bags(k, tmp_slot, tmp_id, max_len, cur, lim, r, ids, offsets)
-            if trunc < 0:
-                reason, detail = BAD_CAPACITY, 0
-            else:
-                counts[CNT_TRUNCATED] += trunc
+            if trunc >= 0:
                 counts[CNT_UNDECLARED] += und
-                r += 1
-        if reason > 0:
-            nb = record_bad(bad, nb, line, reason, detail)
+        r, nb = end_line(reason, detail, trunc, r, line, counts, bad, nb)
         line += 1
     counts[CNT_ROWS] = r
     counts[CNT_LINES] = line
