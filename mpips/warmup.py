@@ -37,8 +37,8 @@ from mpips.build import make_model, make_reader, make_schema, make_tables, resol
 from mpips.config import parse_args
 from mpips.data.reader import DataError
 from mpips.ownership import plan_keys
-from mpips.stream import ready_passes
 from mpips.server.staleness import StalenessTracker
+from mpips.stream import ready_passes
 from mpips.worker.local import LocalPS
 from mpips.worker.trainer import GeoTrainer, Trainer
 

@@ -115,7 +115,7 @@ class Server(RequestChecks):
         self.deferred = []                  # pulls waiting for their step
         self.held = {}                      # sync: step -> {worker: training pull}
         self.deferred_saves = []            # sync: (seq, mode, step, source) until step applied
-        if getattr(self, "tracker", None) is not None:
+        if self.tracker is not None:
             self.tracker.reset()            # steps count from 0 again
 
     # ---- main loop
