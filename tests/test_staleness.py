@@ -380,8 +380,12 @@ def test_async_2x2_reports_staleness(tiny_data, tmp_path):
     proc = run_cmd(["-m", "mpips.train", "--train", train_dir, "--test", test_dir,
                     "--fc", "16", "--batch-size", "256", "--max-steps", "20",
                     "--print-every", "100000", "--progress-every", "0", "--servers", "2",
-                    "--stale-lr", "sqrt", "--metrics-out", str(out)], n=4, timeout=300)
+                    "--stale-lr", "sqrt", "--metrics-out", str(out)], n=4, timeout=300,
+                   env={"MPIPS_DEBUG_JIT": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    after = [x for x in proc.stderr.splitlines() if x.startswith("JIT --> ") and "after" in x]
+    assert len(after) == 4 and all(" 0 kernel signature(s) compiled after" in x for x in after), \
+        proc.stderr[-3000:]                 # the warm-up compiled the counting and the rule
     s = json.loads(out.read_text().splitlines()[-1])["push_staleness"]
     assert len(s["hist"]) == HIST_BINS and s["pushed_rows"] == sum(s["hist"]) > 0
     assert s["max"] >= s["p99"] >= s["p90"] >= s["p50"] >= 0
