@@ -41,13 +41,17 @@ def run_local(cfg):
     jit0 = signatures()
     schema = make_schema(cfg)
     model = make_model(cfg, schema)
-    ps = LocalPS(*make_tables(cfg, model, dense_batches=cfg.local_workers))
+    W = cfg.simulate_workers or cfg.local_workers       # one dense step averages W batches
+    ps = LocalPS(*make_tables(cfg, model, dense_batches=W))
     plan = lambda ids: plan_keys(ids, 1)  # noqa: E731
     if cfg.mode == "geo":
         trainer = GeoTrainer(cfg, model, ps, plan, log=log_line)
     else:
         trainer = Trainer(cfg, model, ps, plan, log=log_line, replica=ps.dense)
-    log_line(f"mpips local: batch {cfg.local_workers} x {cfg.batch_size}, "
+    if cfg.simulate_workers:
+        log_line(f"mpips local: simulating {W} workers ({cfg.sim_sparse} sparse pushes, "
+                 f"rows read {cfg.sim_delay} step(s) early), batch {cfg.batch_size} each")
+    log_line(f"mpips local: batch {W} x {cfg.batch_size}, "
              f"{model.n_params} dense parameters{model_note(model)}")
     log_line(schema.describe())
     path = resume_point(cfg)[0]
