@@ -117,6 +117,11 @@ class LocalBackend:
                              f"resume would skip {skip} batches (resume from a checkpoint "
                              f"saved at an epoch's end)")
         cfg = self.cfg
+        if len(readers) < cfg.simulate_workers:
+            log_line(f"mpips: warning: {len(readers)} training file(s) for "
+                     f"{cfg.simulate_workers} simulated workers: a worker reads whole files, "
+                     f"so only {len(readers)} have data (split the data into >= "
+                     f"{cfg.simulate_workers} files)")
         sim = Simulator(self.trainer, cfg.sim_delay, cfg.sim_sparse)
         return sim.train_epoch(zip_batches(readers, tagged=True), epoch, cfg.max_steps)
 
