@@ -21,6 +21,7 @@ else:  # pragma: no cover
 from mpips.checkpoint.manifest import UNKNOWN, CheckpointError, run_settings, saved_settings
 from mpips.schema import load_schema
 from mpips.server.admission import parse_entry
+from mpips.server.staleness import RULES as STALE_RULES
 
 MODES = ("async", "sync", "geo", "ssp")
 OPTIMIZERS = ("adam", "adagrad", "sgd")
@@ -76,6 +77,9 @@ class Config:
                             "see --staleness)", choices=MODES)
     geo_steps: int = _f(100, "GEO-SGD: send deltas every K local steps")
     staleness: int = _f(4, "ssp: a worker may run at most this many steps ahead of the slowest")
+    stale_lr: str = _f("none", "async/ssp: damp each pushed sparse row's lr by its staleness s "
+                               "(updates the row took since the worker pulled it): none, "
+                               "inverse (1/(1+s)) or sqrt (1/sqrt(1+s))", choices=STALE_RULES)
     # --- model and optimiser
     model: str = _f("dnn", "network: dnn (CTR-DNN), wide_deep (Wide&Deep) or deepfm (DeepFM); "
                            "wide_deep and deepfm add a first-order weight to every table row "
@@ -179,6 +183,9 @@ class Config:
         if not hidden or min(hidden) < 1:
             raise ValueError(f"--fc needs at least one positive layer size; got {self.fc!r}")
         parse_entry(self.entry)
+        if self.stale_lr not in STALE_RULES:
+            raise ValueError(f"--stale-lr must be one of {', '.join(STALE_RULES)}; got "
+                             f"{self.stale_lr!r}")
         self.check_schema()
         self.check_simulate()
         if self.stream and self.train:

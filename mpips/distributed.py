@@ -26,6 +26,7 @@ from mpips.report import log_line, model_note, peak_rss_mb, write_metrics
 from mpips.resume import resume_line, resume_point
 from mpips.runner import admission_of, inner_table, run_epochs
 from mpips.server.loop import Server
+from mpips.server.staleness import summarize
 from mpips.stream import Pass, run_stream
 from mpips.warmup import cache_misses, report_new, signatures, warm
 from mpips.worker.client import PSClient
@@ -97,7 +98,7 @@ def serve(cfg, cluster, model, bounds):
     server = Server(cluster.comm, cluster.worker_ranks, sparse, dense, cfg.mode, cfg.staleness,
                     cfg.peer_timeout, cfg.idle_sleep, label=f"server {i}",
                     idle_timeout=cfg.peer_timeout + cfg.stream_timeout,   # workers may poll
-                    shard=(i, S))
+                    shard=(i, S), stale_lr=cfg.stale_lr)
     if cfg.save_dir:
         server.on_save, server.save_check = ck.server_save_hooks(
             cfg.save_dir, i, S, inner_table(sparse), dense, bounds[i], admission_of(sparse))
@@ -301,6 +302,10 @@ class DistBackend:
                "replies_in_flight": int(srv["replies_in_flight"].sum())}
         if self.cfg.mode == "ssp":
             out["ssp_max_lead"] = int(srv["ssp_max_lead"].max())
+        if self.cfg.mode == "async" or (self.cfg.mode == "ssp" and not is_sync(self.cfg)):
+            out["push_staleness"] = summarize(           # all servers, since the start
+                srv["staleness_hist"].sum(axis=0), int(srv["staleness_sum"].sum()),
+                int(srv["staleness_max"].max()), int(srv["staleness_unmatched"].sum()))
         return out
 
     def decide(self, fn):

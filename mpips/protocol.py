@@ -51,7 +51,7 @@ F_CREATE = 1    # pull: create missing rows (training); without it unknown ids r
 F_DENSE = 2     # pull: also return the dense slice; push/add: a dense slice follows the rows
 
 
-# The STATS reply: one int64 per field, in this order (read it by name: `STATS_DTYPE`).
+# The STATS reply: int64s, field by field in this order (read it by name: `STATS_DTYPE`).
 STATS_DTYPE = np.dtype([
     ("rows", np.int64),               # rows in the sparse table
     ("bytes", np.int64),              # bytes of the sparse and dense tables
@@ -64,8 +64,13 @@ STATS_DTYPE = np.dtype([
     ("rejected", np.int64),           # malformed requests rejected
     ("replies_in_flight", np.int64),  # replies sent, not yet taken by the workers
     ("duplicates", np.int64),         # duplicate requests (a request id seen before) dropped
+    # async / ssp (mpips.server.staleness; 0 in other modes), since the start:
+    ("staleness_hist", np.int64, (65,)),  # pushed rows by staleness 0..63, [64] = 64 or more
+    ("staleness_sum", np.int64),      # sum of the pushed rows' staleness (exact)
+    ("staleness_max", np.int64),      # largest staleness of a pushed row
+    ("staleness_unmatched", np.int64),  # pushed keys without a recorded pull of their row
 ])
-STATS_LEN = len(STATS_DTYPE.names)
+STATS_LEN = STATS_DTYPE.itemsize // 8   # int64s in a STATS reply
 
 
 class Op(IntEnum):

@@ -162,9 +162,12 @@ class LocalBackend:
 
     def stats(self):
         t = self.ps.sparse
-        return {"table_rows": len(t), "table_bytes": int(t.nbytes + self.ps.dense.nbytes),
-                "admitted_total": int(getattr(t, "admitted", 0)),
-                "ids_waiting": int(t.waiting()) if hasattr(t, "waiting") else 0}
+        out = {"table_rows": len(t), "table_bytes": int(t.nbytes + self.ps.dense.nbytes),
+               "admitted_total": int(getattr(t, "admitted", 0)),
+               "ids_waiting": int(t.waiting()) if hasattr(t, "waiting") else 0}
+        if getattr(self.ps, "tracker", None) is not None:     # a simulator's LocalPS
+            out["push_staleness"] = self.ps.tracker.summary()
+        return out
 
     def decide(self, fn):
         return fn()

@@ -38,6 +38,7 @@ from mpips.config import parse_args
 from mpips.data.reader import DataError
 from mpips.ownership import plan_keys
 from mpips.stream import ready_passes
+from mpips.server.staleness import StalenessTracker
 from mpips.worker.local import LocalPS
 from mpips.worker.trainer import GeoTrainer, Trainer
 
@@ -112,7 +113,10 @@ def warm(cfg, files=None):
 def _mini_run(mini, files):
     """WARM_STEPS steps of local training and an evaluation on `files`; the steps done."""
     model = make_model(mini)
-    ps = LocalPS(*make_tables(mini, model))
+    sparse, dense = make_tables(mini, model)
+    counted = mini.mode == "async" or (mini.mode == "ssp" and mini.staleness > 0)
+    ps = LocalPS(sparse, dense, StalenessTracker(sparse) if counted else None,  # as the
+                 mini.stale_lr if counted else "none")                        # servers do
     plan = lambda ids: plan_keys(ids, 2)  # noqa: E731 - two owners: the grouping path too
     if mini.mode == "geo":
         trainer = GeoTrainer(mini, model, ps, plan)

@@ -9,6 +9,10 @@ its element arithmetic in float32 (half the time of float64 on the wide dense ro
 only the per-row bias correction (``b1p``, ``b2p``, ``lr_t``) in float64. Rows listed twice
 are updated twice (callers pass unique rows).
 
+``lr_scale`` (float32 (n,), optional) multiplies the learning rate of each pushed row
+(``lr * lr_scale[i]`` in float64; the staleness rules of :mod:`mpips.server.staleness`);
+without it (None) the kernels compute exactly what they computed before it existed.
+
 Formulas (g = grad * scale), matching PaddlePaddle's operators:
 
 * SGD:      ``w -= lr * g``
@@ -37,7 +41,7 @@ N_HYPER = 5
 
 
 @njit(cache=True, nogil=True)
-def sgd_rows(values, rows, grads, lr, scale):
+def sgd_rows(values, rows, grads, lr, scale, lr_scale=None):
     """Plain SGD on selected rows.
 
     Parameters
@@ -46,6 +50,7 @@ def sgd_rows(values, rows, grads, lr, scale):
     rows : int64 (n,)            row index of each gradient row
     grads : float32 (n, dim)
     lr, scale : float
+    lr_scale : float32 (n,) or None   per-row learning-rate factor
 
     Returns
     -------
@@ -54,12 +59,15 @@ def sgd_rows(values, rows, grads, lr, scale):
     step = lr * scale
     for i in range(rows.shape[0]):
         w = row(values, rows[i])
+        st = step
+        if lr_scale is not None:
+            st = lr * np.float64(lr_scale[i]) * scale
         for j in range(w.shape[0]):
-            w[j] = w[j] - step * grads[i, j]
+            w[j] = w[j] - st * grads[i, j]
 
 
 @njit(cache=True, nogil=True)
-def adagrad_rows(values, accum, rows, grads, lr, eps, scale):
+def adagrad_rows(values, accum, rows, grads, lr, eps, scale, lr_scale=None):
     """Adagrad on selected rows: ``a += g^2 ; w -= lr * g / (sqrt(a) + eps)``.
 
     Parameters
@@ -69,6 +77,7 @@ def adagrad_rows(values, accum, rows, grads, lr, eps, scale):
     rows : int64 (n,)
     grads : float32 (n, dim)
     lr, eps, scale : float
+    lr_scale : float32 (n,) or None   per-row learning-rate factor
 
     Returns
     -------
@@ -77,15 +86,18 @@ def adagrad_rows(values, accum, rows, grads, lr, eps, scale):
     for i in range(rows.shape[0]):
         r = rows[i]
         w, acc = row(values, r), row(accum, r)
+        lr_i = lr
+        if lr_scale is not None:
+            lr_i = lr * np.float64(lr_scale[i])
         for j in range(w.shape[0]):
             g = grads[i, j] * scale
             a = acc[j] + g * g
             acc[j] = a
-            w[j] = w[j] - lr * g / (np.sqrt(a) + eps)
+            w[j] = w[j] - lr_i * g / (np.sqrt(a) + eps)
 
 
 @njit(cache=True, nogil=True)
-def adam_rows(values, m, v, b1pow, b2pow, rows, grads, hyper):
+def adam_rows(values, m, v, b1pow, b2pow, rows, grads, hyper, lr_scale=None):
     """Lazy Adam on selected rows with per-row bias correction (see module doc).
 
     Parameters
@@ -96,6 +108,7 @@ def adam_rows(values, m, v, b1pow, b2pow, rows, grads, hyper):
     rows : int64 (n,)
     grads : float32 (n, dim)
     hyper : float64 (5,)         lr, beta1, beta2, eps, scale (H_* indices)
+    lr_scale : float32 (n,) or None   per-row learning-rate factor (the step, not m or v)
 
     Returns
     -------
@@ -110,7 +123,10 @@ def adam_rows(values, m, v, b1pow, b2pow, rows, grads, hyper):
         b1p = np.float64(at(b1pow, r))
         b2p = np.float64(at(b2pow, r))
         c2 = np.sqrt(1.0 - b2p)
-        lr_t = np.float32(hyper[H_LR] * c2 / (1.0 - b1p))
+        lr_i = hyper[H_LR]
+        if lr_scale is not None:
+            lr_i = hyper[H_LR] * np.float64(lr_scale[i])
+        lr_t = np.float32(lr_i * c2 / (1.0 - b1p))
         eps_t = np.float32(hyper[H_EPS] * c2)
         w, mr, vr, g = row(values, r), row(m, r), row(v, r), grads[i]
         for j in range(w.shape[0]):

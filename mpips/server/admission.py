@@ -103,8 +103,8 @@ class AdmittedTable:
         self.table.pull(keys[have], sub, create=True)        # makes admitted rows, marks seen
         out[have] = sub
 
-    def push(self, keys, grads, scale=1.0, create=True):
-        self.table.push(keys, grads, scale, create=create and not self.kind)
+    def push(self, keys, grads, scale=1.0, create=True, lr_scale=None):
+        self.table.push(keys, grads, scale, create=create and not self.kind, lr_scale=lr_scale)
 
     def add(self, keys, deltas, create=True):
         self.table.add(keys, deltas, create=create and not self.kind)

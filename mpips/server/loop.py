@@ -54,6 +54,7 @@ from mpips.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, MAX_LINE_BYTES
                             decode)
 from mpips.server.checks import RequestChecks
 from mpips.server.dense_table import pack_state, unpack_state
+from mpips.server.staleness import RULES, StalenessTracker, lr_factors
 
 CHECK_EVERY = 0.05  # seconds between liveness checks of an idle server
 MAX_REJECT_LINES = 100  # malformed requests logged one line each; later ones only counted
@@ -66,17 +67,23 @@ class Server(RequestChecks):
     idle_timeout: seconds without any request before failing (default: timeout);
     shard: (this server's index, number of servers): the ids it owns
     (``mpips.ownership.owners``); requests for other ids are refused.
+    stale_lr: async / ssp: each pushed row's learning rate is damped by its staleness
+    (``mpips.server.staleness``), which these modes always count (sync: 0 by construction).
     """
 
     def __init__(self, comm, worker_ranks, sparse, dense, mode="async", staleness=0,
                  timeout=120.0, idle_max=IDLE[1], idle_timeout=None, label="server",
-                 shard=(0, 1)):
+                 shard=(0, 1), stale_lr="none"):
+        if stale_lr not in RULES:
+            raise ValueError(f"--stale-lr must be one of {', '.join(RULES)}; got {stale_lr!r}")
         self.comm, self.sparse, self.dense = comm, sparse, dense
         self.shard = (int(shard[0]), int(shard[1]))
         self.workers = list(worker_ranks)
         self.mode = "sync" if (mode == "ssp" and staleness == 0) else mode
         self.staleness, self.timeout, self.idle_max = staleness, timeout, idle_max
         self.idle_timeout = timeout if idle_timeout is None else idle_timeout
+        self.tracker = StalenessTracker(sparse) if self.mode in ("async", "ssp") else None
+        self.stale_lr = stale_lr
         self.recv_buf = np.empty(1 << 20, dtype=np.uint8)
         self.max_request = MAX_REQUEST_BYTES    # larger requests are discarded unread
         self.sends = []                 # (request, buffer) until complete
@@ -108,6 +115,8 @@ class Server(RequestChecks):
         self.deferred = []                  # pulls waiting for their step
         self.held = {}                      # sync: step -> {worker: training pull}
         self.deferred_saves = []            # sync: (seq, mode, step, source) until step applied
+        if getattr(self, "tracker", None) is not None:
+            self.tracker.reset()            # steps count from 0 again
 
     # ---- main loop
     def run(self):
@@ -322,6 +331,11 @@ class Server(RequestChecks):
         rec["rejected"] = self.rejected
         rec["replies_in_flight"] = len(self.sends)
         rec["duplicates"] = self.duplicates
+        if self.tracker is not None:
+            t = self.tracker
+            rec["staleness_hist"] = t.hist
+            rec["staleness_sum"], rec["staleness_max"] = t.total, t.max
+            rec["staleness_unmatched"] = t.unmatched
         return rec
 
     @staticmethod
@@ -353,6 +367,8 @@ class Server(RequestChecks):
                              counts=req.values[:, 0])
         elif req.count:
             self.sparse.pull(req.keys, out, create=bool(req.flags & F_CREATE))
+        if req.count and req.flags & F_CREATE and self.tracker is not None:
+            self.tracker.pulled(source, req.step, req.keys)
         self._send(out, source, TAG_REPLY_SPARSE)
         if req.flags & F_DENSE:
             d = np.empty(self.dense.size, dtype=np.float32)
@@ -361,7 +377,10 @@ class Server(RequestChecks):
 
     def _push(self, req, source):
         if self.mode != "sync":
-            if req.count:
+            if req.count and self.tracker is not None:
+                stale = self.tracker.pushed(source, req.step, req.keys)
+                self.sparse.push(req.keys, req.values, lr_scale=lr_factors(self.stale_lr, stale))
+            elif req.count:
                 self.sparse.push(req.keys, req.values)
             self.clock[source] += 1
             if self.mode == "ssp":

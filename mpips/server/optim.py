@@ -108,7 +108,7 @@ def new_state(opt, n_rows, dim):
     return state
 
 
-def apply_rows(opt, hyper, values, state, rows, grads, scale):
+def apply_rows(opt, hyper, values, state, rows, grads, scale, lr_scale=None):
     """Apply optimizer ``opt`` to ``values[rows]`` with ``grads * scale``.
 
     Parameters
@@ -120,12 +120,13 @@ def apply_rows(opt, hyper, values, state, rows, grads, scale):
     rows : int64 (n,)             unique row indices
     grads : float32 (n, dim)
     scale : float
+    lr_scale : float32 (n,) or None   each row's learning-rate factor (None: 1, exactly)
     """
     if opt.name == 'adam':
         hyper[H_SCALE] = scale
         adam_rows(values, state['m'], state['v'], state['beta1_pow'], state['beta2_pow'],
-                  rows, grads, hyper)
+                  rows, grads, hyper, lr_scale)
     elif opt.name == 'adagrad':
-        adagrad_rows(values, state['accum'], rows, grads, opt.lr, opt.epsilon, scale)
+        adagrad_rows(values, state['accum'], rows, grads, opt.lr, opt.epsilon, scale, lr_scale)
     else:
-        sgd_rows(values, rows, grads, opt.lr, scale)
+        sgd_rows(values, rows, grads, opt.lr, scale, lr_scale)

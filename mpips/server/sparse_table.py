@@ -123,6 +123,7 @@ class SparseTable:
         self._rows_buf = np.empty(1024, np.int64)
         self._evicted = []
         self.shrinks = 0            # shrink calls since clear_dirty
+        self.compactions = 0        # shrinks that moved rows (row indices changed)
 
     # ----------------------------------------------------------------- storage
     def _rebuild_index(self, n_slots):
@@ -194,24 +195,32 @@ class SparseTable:
             touch_rows(rows, c['seen_flag'], c['seen_count'], c['dirty'], True, True)
         read_rows(self._cols['values'], rows, out)
 
-    def push(self, keys, grads, scale=1.0, create=True):
+    def push(self, keys, grads, scale=1.0, create=True, lr_scale=None):
         """Apply the optimizer to the rows of unique ``keys`` with ``grads * scale``.
 
         Ids without a row get one first (create=True) or are dropped (create=False).
+        lr_scale: float32 (n,) multiplying each key's learning rate (the staleness
+        rules, :func:`mpips.server.staleness.lr_factors`), or None (exactly 1).
         """
         keys = _as_keys(keys)
-        grads = self._check_rows_arg(grads, keys.shape[0], 'grads')
-        rows, grads = self._live(keys, grads, create)
+        n = keys.shape[0]
+        grads = self._check_rows_arg(grads, n, 'grads')
+        if lr_scale is not None:
+            lr_scale = np.ascontiguousarray(lr_scale, dtype=np.float32)
+            if lr_scale.shape != (n,):
+                raise ValueError(f'lr_scale must have shape ({n},); got {lr_scale.shape}')
+        rows, grads, lr_scale = self._live(keys, grads, create, lr_scale)
         c = self._cols
         state = {name: c[name] for name, _ in self.opt.state_arrays()}
-        apply_rows(self.opt, self._hyper, c['values'], state, rows, grads, float(scale))
+        apply_rows(self.opt, self._hyper, c['values'], state, rows, grads, float(scale),
+                   lr_scale)
         touch_rows(rows, c['seen_flag'], c['seen_count'], c['dirty'], False, True)
 
     def add(self, keys, deltas, create=True):
         """``values[keys] += deltas`` (GEO-SGD); unique keys, rows made as in push."""
         keys = _as_keys(keys)
         deltas = self._check_rows_arg(deltas, keys.shape[0], 'deltas')
-        rows, deltas = self._live(keys, deltas, create)
+        rows, deltas, _ = self._live(keys, deltas, create)
         c = self._cols
         add_rows(c['values'], rows, deltas)
         touch_rows(rows, c['seen_flag'], c['seen_count'], c['dirty'], False, True)
@@ -224,13 +233,15 @@ class SparseTable:
         self._store.scatter('values', rows, values)
         self._store.scatter('dirty', rows, 1)
 
-    def _live(self, keys, data, create):
+    def _live(self, keys, data, create, lr_scale=None):
+        """(rows, data[, lr_scale]) of the keys that have a row (create: all of them)."""
         rows = self._rows_for(keys, create)
         if not create:
             have = rows >= 0
             if not have.all():
-                return rows[have], data[have]
-        return rows, data
+                rows, data = rows[have], data[have]
+                lr_scale = None if lr_scale is None else lr_scale[have]
+        return rows, data, lr_scale
 
     # ------------------------------------------------------------------- info
     def __len__(self):
@@ -353,6 +364,7 @@ class SparseTable:
             return 0
         self._evicted.append(self._store.gather('keys', np.flatnonzero(~keep)))
         self._store.compact(keep, n)
+        self.compactions += 1
         self._n = kept
         small = max(kept + int(kept * SHRINK_SLACK), MIN_CAPACITY)
         self._store.fit(kept, small)

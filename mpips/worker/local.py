@@ -3,9 +3,14 @@
 Both follow ``mpips.interfaces.ParamStore``; here every call is complete on return.
 
 `python -m mpips.train --local` trains through this object; it is the yardstick that
-distributed runs are compared with.
+distributed runs are compared with.  Built with a
+:class:`mpips.server.staleness.StalenessTracker` (a simulator of asynchronous workers
+does), it counts the staleness of every pushed row as the servers do, keyed by the
+``worker`` and ``step`` given to pull and push, and damps each row's learning rate by
+``rule`` (``--stale-lr``).
 """
 from mpips.protocol import Op
+from mpips.server.staleness import RULES, lr_factors
 
 
 class _Done:
@@ -14,26 +19,35 @@ class _Done:
 
 
 class LocalPS:
-    """Holds the whole sparse table and the whole dense vector (one 'server')."""
+    """Holds the whole sparse table and the whole dense vector (one 'server').
+
+    tracker: a StalenessTracker of ``sparse`` or None (no counting); rule: one of
+    ``mpips.server.staleness.RULES``, applied to the counted staleness of each push.
+    """
     n_servers = 1
 
-    def __init__(self, sparse, dense):
+    def __init__(self, sparse, dense, tracker=None, rule="none"):
+        if rule not in RULES:
+            raise ValueError(f"--stale-lr must be one of {', '.join(RULES)}; got {rule!r}")
         self.sparse, self.dense = sparse, dense
+        self.tracker, self.rule = tracker, rule
         self.wait_s = 0.0
         self.bytes_sent = 0
         self.messages = 0
 
-    def pull(self, plan, out, dense_out=None, step=0, create=True, counts=None):
+    def pull(self, plan, out, dense_out=None, step=0, create=True, counts=None, worker=0):
         if len(plan.keys):
             if counts is not None:
                 self.sparse.pull(plan.keys, out, create=create, counts=counts[:, 0])
             else:
                 self.sparse.pull(plan.keys, out, create=create)
+            if create and self.tracker is not None:
+                self.tracker.pulled(worker, step, plan.keys)
         if dense_out is not None:
             self.dense.pull(dense_out)
         return _Done()
 
-    def push(self, plan, grads, dense_grad=None, step=0, op=Op.PUSH):
+    def push(self, plan, grads, dense_grad=None, step=0, op=Op.PUSH, worker=0):
         if op == Op.ADD:
             if len(plan.keys):
                 self.sparse.add(plan.keys, grads)
@@ -41,8 +55,11 @@ class LocalPS:
                 self.dense.add(dense_grad)
         else:
             if len(plan.keys):
-                self.sparse.push(plan.keys, grads)
+                lr_scale = None
+                if self.tracker is not None:
+                    lr_scale = lr_factors(self.rule, self.tracker.pushed(worker, step,
+                                                                         plan.keys))
+                self.sparse.push(plan.keys, grads, lr_scale=lr_scale)
             if dense_grad is not None:
                 self.dense.push(dense_grad)
         return _Done()
-
