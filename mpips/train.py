@@ -27,6 +27,7 @@ from mpips.resume import (check_kind, choose, first_rank_decides, pin, resume_li
 from mpips.ownership import plan_keys
 from mpips.runner import LocalBackend, admission_of, inner_table, run_epochs
 from mpips.schema import check_same, stored_schema
+from mpips.server.staleness import StalenessTracker
 from mpips.stream import install_sigterm, run_stream
 from mpips.warmup import report_new, signatures, warm
 from mpips.worker.local import LocalPS
@@ -42,7 +43,11 @@ def run_local(cfg):
     schema = make_schema(cfg)
     model = make_model(cfg, schema)
     W = cfg.simulate_workers or cfg.local_workers       # one dense step averages W batches
-    ps = LocalPS(*make_tables(cfg, model, dense_batches=W))
+    sparse, dense = make_tables(cfg, model, dense_batches=W)
+    tracker = None                  # simulated async pushes: counted as async servers do
+    if cfg.simulate_workers and cfg.sim_sparse == "async":
+        tracker = StalenessTracker(sparse, max_pulls=cfg.sim_delay + 1)
+    ps = LocalPS(sparse, dense, tracker, cfg.stale_lr)
     plan = lambda ids: plan_keys(ids, 1)  # noqa: E731
     if cfg.mode == "geo":
         trainer = GeoTrainer(cfg, model, ps, plan, log=log_line)

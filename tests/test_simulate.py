@@ -19,6 +19,7 @@ from mpips.ownership import plan_keys
 from mpips.server.dense_table import DenseTable
 from mpips.server.optim import OptimizerConfig
 from mpips.server.sparse_table import SparseTable
+from mpips.server.staleness import StalenessTracker
 from mpips.worker.local import LocalPS
 from mpips.worker.simulate import SparseSchedule, run_schedule
 from tests.test_dense_replica import assert_identical
@@ -51,6 +52,21 @@ def test_one_worker_no_delay_equals_local(tiny_data, tmp_path):
     ref = train(tiny_data, tmp_path, "ref", "--local", *common)[0]
     assert_identical(tmp_path / "sim", tmp_path / "ref")
     same_run(sim, ref)
+    # every push is from rows read just before it: staleness 0, each pushed row counted
+    st = sim["push_staleness"]
+    assert (st["max"], st["unmatched"]) == (0, 0) and st["hist"][0] == st["pushed_rows"] > 0
+    assert "push_staleness" not in ref
+
+
+def test_one_worker_delay_one_equals_real_async(tiny_data, tmp_path):
+    """A real async worker sends the pull of step t+1 before it computes step t (and after
+    its push of step t-1): with one worker that is delay 1 exactly, over 2 servers too."""
+    common = ("--batch-size", "256", "--lr", "0.003")
+    sim = train(tiny_data, tmp_path, "sim", "--local", "--simulate-workers", "1", *common)[0]
+    real = train(tiny_data, tmp_path, "real", "--mode", "async", "--servers", "2", *common,
+                 n=3)[0]
+    assert_identical(tmp_path / "sim", tmp_path / "real")
+    assert sim["push_staleness"]["hist"] == real["push_staleness"]["hist"]
 
 
 LR = 0.5
@@ -58,11 +74,14 @@ TARGET = {0: 1.0, 1: 3.0}       # worker k pulls its rows toward TARGET[k]
 EXAMPLES = {0: 1, 1: 2}         # its batches' examples: its push is scaled by 1 / these
 
 
-def hand_case(delay):
+def hand_case(delay, rule="none"):
     """Two workers, two steps, SGD at LR from rows 0: worker 0 uses id 7, worker 1 ids 7
-    and 9 (both steps).  Returns {id: value} after the schedule."""
+    and 9 (both steps).  Returns ({id: value} after the schedule, the rows each part
+    read, the staleness counts)."""
     table = SparseTable(1, OptimizerConfig(name="sgd", lr=LR), seed=0, init_range=0.0)
-    ps = LocalPS(table, DenseTable(np.zeros(1, np.float32), OptimizerConfig(name="sgd")))
+    tracker = StalenessTracker(table, max_pulls=delay + 1)
+    ps = LocalPS(table, DenseTable(np.zeros(1, np.float32), OptimizerConfig(name="sgd")),
+                 tracker, rule)
 
     def part(k, ids):
         plan = plan_keys(np.array(ids, np.int64), 1)
@@ -81,7 +100,7 @@ def hand_case(delay):
     assert SparseSchedule(ps, delay, "async").run(steps, grad) == 2
     out = np.empty((2, 1), np.float32)
     table.pull(np.array([7, 9], np.int64), out)
-    return dict(zip((7, 9), out[:, 0].tolist())), seen
+    return dict(zip((7, 9), out[:, 0].tolist())), seen, tracker.summary()
 
 
 def test_schedule_hand_checked_no_delay():
@@ -89,9 +108,22 @@ def test_schedule_hand_checked_no_delay():
     # -LR (0 - 1) = +0.5 -> 0.5, worker 1 (from its read 0) by -LR (0 - 3) = +1.5 -> 2.0;
     # id 9: +1.5 -> 1.5.  Step 1 reads 7 = 2.0, 9 = 1.5: worker 0 -> 2.0 - 0.5 (2 - 1) =
     # 1.5, worker 1 -> 1.5 - 0.5 (2 - 3) = 2.0; id 9: 1.5 - 0.5 (1.5 - 3) = 2.25
-    rows, seen = hand_case(0)
+    rows, seen, stale = hand_case(0)
     assert seen == [[[0.0], [0.0, 0.0]], [[2.0], [2.0, 1.5]]]
     assert rows == {7: 2.0, 9: 2.25}
+    # staleness (updates since the pusher's pull): id 7 is 0 for worker 0 and 1 for
+    # worker 1 (worker 0's push came between), id 9 is 0, in both steps
+    assert stale["hist"][:3] == [4, 2, 0] and (stale["max"], stale["unmatched"]) == (1, 0)
+
+
+def test_schedule_hand_checked_stale_lr():
+    # --stale-lr inverse, delay 0: worker 1's push of id 7 (staleness 1) at LR / 2.
+    # Step 0: 7 -> 0 + 0.5 = 0.5, then + 0.25 * 3 = 1.25; 9 -> 1.5.  Step 1 reads 1.25,
+    # 1.5: 7 -> 1.25 - 0.5 (0.25) = 1.125, then - 0.25 (1.25 - 3) = 1.5625;
+    # 9 -> 1.5 - 0.5 (1.5 - 3) = 2.25
+    rows, seen, _ = hand_case(0, "inverse")
+    assert seen == [[[0.0], [0.0, 0.0]], [[1.25], [1.25, 1.5]]]
+    assert rows == {7: 1.5625, 9: 2.25}
 
 
 @pytest.mark.parametrize("delay", [1, 2])
@@ -99,9 +131,13 @@ def test_schedule_hand_checked_delayed(delay):
     # both steps' rows are read before any push (step 1's pull comes before step 0's
     # pushes): every push is from rows 0, so id 7 takes +0.5 +1.5 per step -> 4.0 and id 9
     # +1.5 per step -> 3.0 (delay 2 reads no earlier than the start: the same)
-    rows, seen = hand_case(delay)
+    rows, seen, stale = hand_case(delay)
     assert seen == [[[0.0], [0.0, 0.0]], [[0.0], [0.0, 0.0]]]
     assert rows == {7: 4.0, 9: 3.0}
+    # step 0 as with no delay (7: 0 and 1, 9: 0); step 1 read before step 0's pushes:
+    # id 7 took 2 updates before worker 0's push and 3 before worker 1's, id 9 took 1
+    assert stale["hist"][:5] == [2, 2, 1, 1, 0]
+    assert (stale["max"], stale["unmatched"], stale["mean"]) == (3, 0, round(7 / 6, 4))
 
 
 @pytest.mark.parametrize("delay", [0, 1, 3])
