@@ -6,6 +6,7 @@ settings), ``make_schema`` (the feature schema), ``make_model`` (the ``--model``
 dense slice).  Local runs, servers, workers and ``mpips.infer`` build their parts here.
 """
 import dataclasses
+import math
 import os
 
 from data_prep.synth import ensure_default_dataset
@@ -60,14 +61,16 @@ def make_reader(cfg, files, batch_size, warn, shuffle=None, norm=None, schema=No
 
 
 def dense_lr(cfg, n_batches):
-    """The dense weights' learning rate: ``--lr`` x ``--dense-lr-scale``, or by default x the
-    batches one dense step averages (W workers', or ``--local-workers W``; GEO: each
-    worker's own, so 1).  That is the linear scaling rule for a batch of W x B: measured on
-    two Criteo-like shapes at W = 2 and 3, it brings 2xW async to --local's AUC where the
-    unscaled rate lost 0.002-0.014 (docs/modes.md)."""
+    """The dense weights' learning rate: ``--lr`` x ``--dense-lr-scale``, or by default x
+    sqrt(W), W the batches one dense step averages (W workers', or ``--local-workers W``;
+    GEO: each worker's own, so 1); ``--dense-lr-rule linear``: x W.  A dense step of W x B
+    examples comes W times less often than one process's; Adam's steps do not grow with
+    the batch's gradient, so its rate needs scaling (measured in docs/modes.md)."""
     if cfg.dense_lr_scale:
         return cfg.lr * cfg.dense_lr_scale
-    return cfg.lr * (1 if cfg.mode == "geo" else n_batches)
+    if cfg.mode == "geo" or n_batches <= 1:
+        return cfg.lr
+    return cfg.lr * (n_batches if cfg.dense_lr_rule == "linear" else math.sqrt(n_batches))
 
 
 def make_tables(cfg, model, lo=0, hi=None, dense_batches=1):

@@ -91,8 +91,12 @@ class Config:
                                 "copy)", choices=OPTIMIZERS)
     lr: float = _f(1e-3, "learning rate of the sparse rows (the dense weights': see "
                          "--dense-lr-scale)")
-    dense_lr_scale: float = _f(0.0, "dense weights learn at --lr x this; 0 = x the batches one "
-                                    "dense step averages (the workers, or --local-workers; GEO 1)")
+    dense_lr_scale: float = _f(0.0, "dense weights learn at --lr x this; 0 = by --dense-lr-rule "
+                                    "from the W batches one dense step averages (the workers, "
+                                    "or --local-workers; GEO: 1)")
+    dense_lr_rule: str = _f("sqrt", "with --dense-lr-scale 0: the dense rate is --lr x sqrt(W) "
+                                    "(sqrt) or x W (linear, the rule before 0.2)",
+                            choices=("sqrt", "linear"))
     adagrad_init: float = _f(0.0, "adagrad: initial accumulator (Paddle's default 0; > 0 makes "
                                   "the first steps smooth in the gradient)")
     init_range: float = _f(0.05, "new embedding rows start uniform in [-r, r] from (seed, id)")

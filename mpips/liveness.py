@@ -14,6 +14,7 @@ asked; anything else is discarded unread (:func:`discard`) with a line naming th
 A worker also listens for refusals (``TAG_ERROR``) from its servers and raises
 ``RequestRefused`` with the server's line.
 """
+import os
 import sys
 import time
 
@@ -225,6 +226,7 @@ def wait_requests(reqs, timeout, what, spin=0.0, statuses=None):
     while time.perf_counter() - t0 < spin:
         if MPI.Request.Testall(reqs, statuses):
             return
+        os.sched_yield()        # a rank waiting for its core gets it (8 ranks on 2 cores)
     WATCH.waiting(what)
     wait_for(lambda: MPI.Request.Testall(reqs, statuses), Backoff(*REPLY), timeout,
              lambda: f"no answer within {timeout:.0f} s: {what() if callable(what) else what}")
