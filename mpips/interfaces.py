@@ -45,19 +45,21 @@ class ParamStore(Protocol):
 
     def pull(self, plan: KeyPlan, out: np.ndarray, dense_out: Optional[np.ndarray] = None,
              step: int = 0, create: bool = True,
-             counts: Optional[np.ndarray] = None) -> Waitable:
+             counts: Optional[np.ndarray] = None, worker: int = 0) -> Waitable:
         """Fill ``out`` (u, dim) float32 with the rows of ``plan.keys`` and ``dense_out`` (P,)
         with the dense vector, if given.
 
         create: make missing rows (training); without it unknown ids read as zeros.
         counts: (u, 1) float32 occurrences of each key in the batch, for admission.
         step: this worker's step in the phase (sync/ssp servers order pulls by it).
+        worker: which worker pulls, for the staleness count of an in-process store that
+        stands for several (a server knows the sender: PSClient ignores it).
         """
 
     def push(self, plan: KeyPlan, grads: np.ndarray, dense_grad: Optional[np.ndarray] = None,
-             step: int = 0, op: Op = Op.PUSH) -> Waitable:
+             step: int = 0, op: Op = Op.PUSH, worker: int = 0) -> Waitable:
         """Send ``grads`` (u, dim) for ``plan.keys`` (and ``dense_grad`` (P,)) to the optimizer;
-        ``op=Op.ADD`` adds GEO-SGD deltas to the values instead."""
+        ``op=Op.ADD`` adds GEO-SGD deltas to the values instead.  worker: as in pull."""
 
 
 class Backend(Protocol):

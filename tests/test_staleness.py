@@ -201,6 +201,25 @@ def test_admission_keys_without_rows_are_unmatched():
         table.push(keys, np.ones((3, DIM), np.float32))
     check_same(tracker, ref)
     assert tracker.unmatched == 4 and tracker.hist[0] == 2   # 2, 3 admitted at step 1
+    # id 9: no row at worker 0's pull, admitted by worker 1's pull before worker 0 pushes
+    # the same keys: that push is unmatched but still one more update of the row
+    one = np.empty((1, DIM), np.float32)
+    k9 = np.array([9], np.int64)
+    script = [(0, "pull", 5), (1, "pull", 5), (1, "push", 5), (1, "pull", 6),
+              (0, "push", 5), (1, "push", 6)]
+    for worker, op, step in script:
+        if op == "pull":
+            table.pull(k9, one, create=True)
+        has = set(table.export_rows()["keys"].tolist())
+        if op == "pull":
+            tracker.pulled(worker, step, k9)
+            ref.pulled(worker, step, [9], has.__contains__)
+        else:
+            got = tracker.pushed(worker, step, k9)
+            assert got.tolist() == ref.pushed(worker, step, [9], has.__contains__)
+            table.push(k9, one)
+    check_same(tracker, ref)
+    assert tracker.hist[1] == 1         # worker 0's push came between worker 1's pull and push
 
 
 def test_summary_percentiles_from_histogram():
@@ -368,3 +387,23 @@ def test_async_2x2_reports_staleness(tiny_data, tmp_path):
     assert s["max"] >= s["p99"] >= s["p90"] >= s["p50"] >= 0
     assert s["hist"][1] > 0             # a worker's own previous push: at least 1
     assert 0 < s["mean"] <= s["max"] and s["unmatched"] == 0
+
+
+def test_count_push_kernel_wraps_modulo_2_32():
+    from mpips.kernels.staleness import count_push
+    version = np.array([2**32 - 1, 5, 0, 70], np.uint32)
+    rows = np.array([0, 1, -1, 2, 3], np.int64)
+    then = np.array([2**32 - 3, 5, 0, 0, 1], np.uint32)
+    for hit, want_stale, want_acc in ((np.zeros(0, np.bool_), [2, 0, 0, 0, 69], [4, 71, 69]),
+                                      (np.array([1, 0, 1, 1, 0], np.bool_), [2, 0, 0, 0, 0],
+                                       [2, 2, 2])):
+        v = version.copy()
+        stale, hist = np.full(5, -1, np.int64), np.zeros(HIST_BINS, np.int64)
+        acc = np.zeros(3, np.int64)
+        count_push(v, rows, then, hit, stale, hist, acc)
+        assert stale.tolist() == want_stale and acc.tolist() == want_acc
+        want_hist = np.bincount(np.minimum([s for s, r, h in zip(
+            want_stale, rows, hit if len(hit) else [1] * 5) if r >= 0 and h], 64),
+            minlength=HIST_BINS)
+        assert hist.tolist() == want_hist.tolist()
+        assert v.tolist() == [0, 6, 1, 71]          # every row with a row: one more update

@@ -6,18 +6,19 @@ training pull for that step and this push.  0: the worker computed on the row as
 now.  In async mode a worker pulls step t+1 before it pushes step t, so a row in two
 consecutive batches of one worker is at least 1 stale even with no other worker.
 
-How it is counted (vectorised numpy, no per-row Python):
+How it is counted (numpy and one kernel, ``mpips.kernels.staleness.count_push``):
 
 * every row has a version, the pushes applied to it (uint32, wrapping; only differences
   are used, modulo 2**32), in an array indexed by table row and grown with the table;
-* a training pull records, per (worker, step), its rows and their versions; a worker
-  keeps at most ``MAX_PULLS`` records (async has steps t and t+1 outstanding): older
-  ones are dropped, and a record is used up by its push;
-* a push looks its keys' rows up, finds them in that record (the same rows in the same
-  order is the usual case: compared at once; otherwise by a sorted search) and subtracts
-  the recorded versions from the current ones; then it adds 1 to each row's version.
+* a training pull records, per (worker, step), its keys, their rows and the rows'
+  versions; a worker keeps at most ``MAX_PULLS`` records (async has steps t and t+1
+  outstanding): older ones are dropped, and a record is used up by its push;
+* a push of that step normally sends the pull's keys in the pull's order: it reuses the
+  record's rows (no lookup); otherwise it looks its keys up and finds their rows in the
+  record by a sorted search.  It subtracts the recorded versions from the current ones,
+  then adds 1 to each row's version.
 
-Memory: 4 B a table row plus the rows of two pulls per worker.  Row indices are stable
+Memory: 4 B a table row plus 20 B a key of two pulls per worker.  Row indices are stable
 between shrinks only: a shrink that moved rows (the table's ``compactions``) resets the
 versions and forgets the pulls, as `reset` does (the servers call it at each phase end,
 where steps count from 0 again).
@@ -28,11 +29,14 @@ a row made by the push itself, an id that has no row) get staleness 0 and are co
 """
 import numpy as np
 
+from mpips.kernels.staleness import count_push
+
 RULES = ("none", "inverse", "sqrt")     # --stale-lr: learning-rate factor by staleness s
 HIST_BINS = 65          # staleness 0 .. 63, and [64] = 64 or more
 MAX_PULLS = 2           # pull records kept per worker (async: steps t and t+1)
 MAX_RECORD_ROWS = 1 << 22   # a step pulled again past this many rows keeps its newest pull
 MIN_VERSIONS = 1024
+ALL = np.zeros(0, np.bool_)     # count_push's "every key was pulled"
 
 
 class StalenessTracker:
@@ -58,14 +62,17 @@ class StalenessTracker:
 
     def reset(self):
         """Forget every pull and every row's version (phase end, shrink)."""
-        self._pulls = {}            # worker -> {step: (rows int64 (n,), versions uint32 (n,))}
+        self._pulls = {}    # worker -> {step: (keys, rows, versions, every row existed)}
         self._version = np.zeros(max(len(self.table), MIN_VERSIONS), np.uint32)
 
-    def _rows(self, keys):
-        """Row of each key (-1: none); versions cover every row of the table."""
+    def _moved(self):
+        """Reset if a shrink moved rows since the last call."""
         if getattr(self.table, "compactions", 0) != self._compactions:
             self._compactions = self.table.compactions
             self.reset()
+
+    def _rows(self, keys):
+        """Row of each key (-1: none); versions cover every row of the table."""
         rows = self.table.rows_of(keys)
         n = len(self.table)
         if n > self._version.shape[0]:
@@ -78,13 +85,16 @@ class StalenessTracker:
         """A training pull (rows exist: create=True) of unique int64 ``keys`` by ``worker``
         for its ``step``.  A second pull of the same step adds to its record (the earlier
         pull's versions count for a key in both)."""
+        self._moved()
+        keys = _int64(keys).copy()                  # a server's keys are a receive buffer
         rows = self._rows(keys)
         versions = self._version[np.maximum(rows, 0)]      # rows -1 are never matched
         recs = self._pulls.setdefault(worker, {})
         old = recs.get(step)
         if old is not None and old[0].shape[0] + rows.shape[0] <= MAX_RECORD_ROWS:
-            rows, versions = np.concatenate([old[0], rows]), np.concatenate([old[1], versions])
-        recs[step] = (rows, versions)
+            keys, rows, versions = (np.concatenate([a, b]) for a, b in
+                                    zip(old[:3], (keys, rows, versions)))
+        recs[step] = (keys, rows, versions, bool((rows >= 0).all()))
         for s in [s for s in recs if s <= step - self.max_pulls]:
             del recs[s]
         while len(recs) > self.max_pulls:
@@ -94,49 +104,44 @@ class StalenessTracker:
         """Staleness int64 (n,) of each of the unique ``keys`` pushed by ``worker`` for its
         ``step`` (0 without a recorded pull); then counts this push as one update of each
         key's row.  Call it before the table applies the push."""
-        rows = self._rows(keys)
-        n = rows.shape[0]
+        self._moved()
+        keys = _int64(keys)
         recs = self._pulls.get(worker, {})
         rec = recs.pop(step, None)
         for s in [s for s in recs if s < step]:
             del recs[s]
-        live = rows >= 0
-        every = bool(live.all())
-        if rec is None or not n:
-            stale = np.zeros(n, np.int64)
-            s = stale[:0]
+        n = keys.shape[0]
+        if rec is not None and rec[3] and np.array_equal(rec[0], keys):
+            rows, then, hit = rec[1], rec[2], ALL       # the pull's keys: its rows, no lookup
         else:
-            hit, then = _match(rec, rows)
-            if every and (hit is None or hit.all()):        # usually: the pull's rows
-                stale = (self._version[rows] - then).astype(np.int64)  # uint32: mod 2**32
-                s = stale
+            rows = self._rows(keys)
+            if rec is None:
+                then, hit = np.zeros(n, np.uint32), np.zeros(n, np.bool_)
             else:
-                hit = live if hit is None else hit & live
-                stale = np.zeros(n, np.int64)
-                s = (self._version[rows[hit]] - then[hit]).astype(np.int64)
-                stale[hit] = s
-        self._count(s, n)
-        self._version[rows if every else rows[live]] += 1
+                hit, then = _match(rec[1], rec[2], rows)
+        stale = np.empty(n, np.int64)
+        acc = np.array([0, 0, self.max], np.int64)
+        count_push(self._version, rows, then, hit, stale, self.hist, acc)
+        self.total += int(acc[1])
+        self.max = int(acc[2])
+        self.unmatched += n - int(acc[0])
         return stale
-
-    def _count(self, s, n):
-        if s.shape[0]:
-            self.hist += np.bincount(np.minimum(s, HIST_BINS - 1), minlength=HIST_BINS)
-            self.total += int(s.sum())
-            self.max = max(self.max, int(s.max()))
-        self.unmatched += n - s.shape[0]
 
     def summary(self):
         """The counts so far as a JSON-ready dict (:func:`summarize`)."""
         return summarize(self.hist, self.total, self.max, self.unmatched)
 
 
-def _match(rec, rows):
-    """(hit bool (n,) or None = all, recorded versions of ``rows`` (n,)) from a pull record
-    (rows, versions): the same rows in the same order is the usual case."""
-    prow, pver = rec
+def _int64(keys):
+    keys = np.asarray(keys)
+    return keys if keys.dtype == np.int64 else keys.astype(np.int64)   # uint64: same bits
+
+
+def _match(prow, pver, rows):
+    """(hit bool (n,), recorded versions (n,)) of ``rows`` in a pull record of rows
+    ``prow`` and versions ``pver``."""
     if prow.shape == rows.shape and np.array_equal(prow, rows):
-        return None, pver
+        return ALL, pver
     if not prow.shape[0]:
         return np.zeros(rows.shape[0], np.bool_), np.zeros(rows.shape[0], np.uint32)
     order = np.argsort(prow, kind="stable")     # the first pull of a row wins

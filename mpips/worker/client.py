@@ -109,10 +109,11 @@ class PSClient:
         self.messages += op in (Op.PULL, Op.PUSH, Op.ADD)   # data requests, not control
         return self.comm.Isend([buf, nbytes, MPI.BYTE], self.servers[s], TAG_REQUEST), buf
 
-    def pull(self, plan, out, dense_out=None, step=0, create=True, counts=None):
+    def pull(self, plan, out, dense_out=None, step=0, create=True, counts=None, worker=0):
         """Fill out (u, dim) with the rows of plan.keys, and dense_out (P,) if given.
 
         counts: float32 (u, 1) occurrences of each key in the batch, for admission.
+        worker: ignored (the servers know the sender; see ParamStore).
         """
         reqs, peers, bufs, expect = [], [], [], []
         flags = (F_CREATE if create else 0) | (F_DENSE if dense_out is not None else 0)
@@ -136,8 +137,9 @@ class PSClient:
         expect.append(buf.nbytes)
         self.bytes_recv += buf.nbytes
 
-    def push(self, plan, grads, dense_grad=None, step=0, op=Op.PUSH):
-        """Send grads (u, dim) for plan.keys (and dense_grad (P,)); op=ADD sends GEO deltas."""
+    def push(self, plan, grads, dense_grad=None, step=0, op=Op.PUSH, worker=0):
+        """Send grads (u, dim) for plan.keys (and dense_grad (P,)); op=ADD sends GEO deltas.
+        worker: ignored, as in pull."""
         reqs, bufs = [], []
         flags = F_DENSE if dense_grad is not None else 0
         for s in range(self.n_servers):
