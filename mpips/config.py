@@ -30,6 +30,7 @@ SAVE_MODES = ("full", "base", "delta")
 SHRINK_EVERY = ("day", "pass", "never")
 LATE_PASS = ("warn", "fail")
 MODELS = ("dnn", "wide_deep", "deepfm")     # mpips.models.zoo.MODELS
+SIM_SPARSE = ("async", "sync")              # mpips.worker.simulate.SPARSE
 
 
 def _f(default, help_text, **kw):
@@ -63,6 +64,14 @@ class Config:
     local: bool = _f(False, "train in one process without MPI messages (the yardstick)")
     local_workers: int = _f(1, "local mode: read the data as W workers would and train on the "
                                "concatenation of their batches (batch W x B), to reproduce sync mode")
+    # --- simulator (mpips.worker.simulate): W workers of a real run in one process
+    simulate_workers: int = _f(0, "with --local: emulate W workers of a real 2-server run, "
+                                  "deterministically (docs/modes.md, Simulator); 0 = off")
+    sim_delay: int = _f(1, "simulator: a worker's rows miss the pushes of the last D steps "
+                           "(1 = a real async worker's overlapped pull; 0 = none)")
+    sim_sparse: str = _f("async", "simulator: async (each worker's push applied on its own, "
+                                  "in worker order) or sync (the step's pushes summed)",
+                         choices=SIM_SPARSE)
     mode: str = _f("async", "training mode: async (sparse pushes applied on arrival), sync "
                             "(BSP), geo (GEO-SGD, see --geo-steps) or ssp (bounded staleness, "
                             "see --staleness)", choices=MODES)
@@ -182,6 +191,7 @@ class Config:
             raise ValueError(f"--stale-lr must be one of {', '.join(STALE_RULES)}; got "
                              f"{self.stale_lr!r}")
         self.check_schema()
+        self.check_simulate()
         if self.stream and self.train:
             raise ValueError("--stream and --train exclude each other (a stream's passes are "
                              "its training data)")
@@ -205,6 +215,29 @@ class Config:
             raise ValueError("--test without --train: give --train too (or neither for the "
                              "embedded synthetic dataset)")
         return self
+
+    def check_simulate(self):
+        """--simulate-workers W runs alone in one process (docs/modes.md, Simulator)."""
+        if not self.simulate_workers:
+            if self.sim_delay != 1 or self.sim_sparse != "async":
+                raise ValueError("--sim-delay and --sim-sparse set the simulator: give "
+                                 "--local --simulate-workers W too")
+            return
+        if self.simulate_workers < 0 or not 0 <= self.sim_delay <= 64:
+            raise ValueError(f"--simulate-workers must be >= 0 and --sim-delay in [0, 64]; "
+                             f"got {self.simulate_workers}, {self.sim_delay}")
+        if self.sim_sparse not in SIM_SPARSE:
+            raise ValueError(f"--sim-sparse must be one of {', '.join(SIM_SPARSE)}; got "
+                             f"{self.sim_sparse!r}")
+        why = ("--local is missing (the simulator runs in one process)" if not self.local else
+               f"--local-workers {self.local_workers} reads the data its own way (drop it)"
+               if self.local_workers > 1 else
+               "--mode geo trains local copies (use async or sync)" if self.mode == "geo" else
+               "--stream trains passes, not epochs (use --train)" if self.stream else
+               f"--save-every {self.save_every} saves mid-epoch (use 'epoch')"
+               if self.save_every != "epoch" else "")
+        if why:
+            raise ValueError(f"--simulate-workers {self.simulate_workers}: {why}")
 
     def check_schema(self):
         """The --schema file loads and fits --data-format (which names the Criteo readers)."""

@@ -19,6 +19,7 @@ from mpips.progress import make_progress
 from mpips.report import epoch_record, log_line, summary_line, write_metrics
 from mpips.resume import start_point
 from mpips.server.admission import AdmittedTable
+from mpips.worker.simulate import Simulator
 
 
 def should_save(cfg, epoch):
@@ -77,9 +78,14 @@ class LocalBackend:
         self.lineage = ck.Lineage(cfg.save_dir, loaded) if cfg.save_dir else None
         self.schema = make_schema(cfg)
 
+    @property
+    def W(self):
+        """The workers read as: --simulate-workers W, else --local-workers W."""
+        return self.cfg.simulate_workers or self.cfg.local_workers
+
     def train(self, files, epoch, skip=0, label=None, lag=None):
         cfg = self.cfg
-        W = min(cfg.local_workers, max(len(files), 1))
+        W = min(self.W, max(len(files), 1))
         seed = cfg.seed if cfg.shuffle else None
         parts = [worker_files(files, W, i, seed, epoch) for i in range(W)] if files else []
         readers = [make_reader(cfg, p, cfg.batch_size, log_line, (epoch, i))
@@ -87,14 +93,37 @@ class LocalBackend:
         prog = self.trainer.progress = make_progress(
             cfg, readers, label or f"epoch {epoch}", redraw=sys.stdout.isatty(),
             offset_batches=skip, lag=lag, write=log_line)
-        groups = (concat_batches(readers) if self.trainer.replica is None    # GEO
-                  else zip_batches(readers))
-        st = self.trainer.train_epoch(groups, epoch, cfg.max_steps, skip)
+        if cfg.simulate_workers:
+            st = self._simulate(readers, epoch, skip)
+        else:
+            groups = (concat_batches(readers) if self.trainer.replica is None    # GEO
+                      else zip_batches(readers))
+            st = self.trainer.train_epoch(groups, epoch, cfg.max_steps, skip)
         if prog is not None:
             prog.finish(st.examples, st.loss_sum)
         st.extra = {"workers": 0, "servers": 0, "local_workers": self.cfg.local_workers,
                     "compute_seconds": round(self.trainer.compute_s, 3)}
+        if cfg.simulate_workers:
+            st.extra.update(simulate_workers=cfg.simulate_workers, sim_delay=cfg.sim_delay,
+                            sim_sparse=cfg.sim_sparse)
         return st
+
+    def _simulate(self, readers, epoch, skip):
+        """An epoch of --simulate-workers W (mpips.worker.simulate), from its beginning."""
+        if skip:
+            for r in readers:
+                r.close()
+            raise ValueError(f"--simulate-workers starts epochs at their beginning; this "
+                             f"resume would skip {skip} batches (resume from a checkpoint "
+                             f"saved at an epoch's end)")
+        cfg = self.cfg
+        if len(readers) < cfg.simulate_workers:
+            log_line(f"mpips: warning: {len(readers)} training file(s) for "
+                     f"{cfg.simulate_workers} simulated workers: a worker reads whole files, "
+                     f"so only {len(readers)} have data (split the data into >= "
+                     f"{cfg.simulate_workers} files)")
+        sim = Simulator(self.trainer, cfg.sim_delay, cfg.sim_sparse)
+        return sim.train_epoch(zip_batches(readers, tagged=True), epoch, cfg.max_steps)
 
     def evaluate(self, files):
         """Evaluate as `--local-workers` workers would: worker i reads files[i::W] in its
@@ -103,7 +132,7 @@ class LocalBackend:
         this keeps --local-workers W's test metrics equal to W workers'."""
         if not files:
             return None
-        W = self.cfg.local_workers
+        W = self.W
         total = None
         for part in (files[i::W] for i in range(W)):
             if not part:
@@ -157,13 +186,14 @@ def admission_of(table):
     return table if isinstance(table, AdmittedTable) else None
 
 
-def zip_batches(readers):
+def zip_batches(readers, tagged=False):
     """Zip W readers into steps: lists of the W workers' batches (fewer at the end, when
-    some readers ran out), closing the readers after."""
+    some readers ran out; tagged: of (worker k, batch)), closing the readers after."""
     its = [iter(r) for r in readers]
     try:
         while True:
-            parts = [b for b in (next(i, None) for i in its) if b is not None]
+            parts = [(k, b) if tagged else b
+                     for k, b in enumerate(next(i, None) for i in its) if b is not None]
             if not parts:
                 return
             yield parts

@@ -27,6 +27,7 @@ from mpips.resume import (check_kind, choose, first_rank_decides, pin, resume_li
 from mpips.ownership import plan_keys
 from mpips.runner import LocalBackend, admission_of, inner_table, run_epochs
 from mpips.schema import check_same, stored_schema
+from mpips.server.staleness import StalenessTracker
 from mpips.stream import install_sigterm, run_stream
 from mpips.warmup import report_new, signatures, warm
 from mpips.worker.local import LocalPS
@@ -41,13 +42,21 @@ def run_local(cfg):
     jit0 = signatures()
     schema = make_schema(cfg)
     model = make_model(cfg, schema)
-    ps = LocalPS(*make_tables(cfg, model, dense_batches=cfg.local_workers))
+    W = cfg.simulate_workers or cfg.local_workers       # one dense step averages W batches
+    sparse, dense = make_tables(cfg, model, dense_batches=W)
+    tracker = None                  # simulated async pushes: counted as async servers do
+    if cfg.simulate_workers and cfg.sim_sparse == "async":
+        tracker = StalenessTracker(sparse, max_pulls=cfg.sim_delay + 1)
+    ps = LocalPS(sparse, dense, tracker, cfg.stale_lr)
     plan = lambda ids: plan_keys(ids, 1)  # noqa: E731
     if cfg.mode == "geo":
         trainer = GeoTrainer(cfg, model, ps, plan, log=log_line)
     else:
         trainer = Trainer(cfg, model, ps, plan, log=log_line, replica=ps.dense)
-    log_line(f"mpips local: batch {cfg.local_workers} x {cfg.batch_size}, "
+    if cfg.simulate_workers:
+        log_line(f"mpips local: simulating {W} workers ({cfg.sim_sparse} sparse pushes, "
+                 f"rows read {cfg.sim_delay} step(s) early), batch {cfg.batch_size} each")
+    log_line(f"mpips local: batch {W} x {cfg.batch_size}, "
              f"{model.n_params} dense parameters{model_note(model)}")
     log_line(schema.describe())
     path = resume_point(cfg)[0]
