@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ENV, ROOT, mpiexec  # noqa: E402
 
 KEYS = ("test_auc", "test_logloss", "test_mean_pred", "test_ctr", "examples_per_sec",
-        "staleness")
+        "push_staleness")
 
 
 def run_one(data, kind, W, flags, log_dir):
@@ -98,7 +98,7 @@ def table(records):
     print(f"{'rule':12s} {'kind':6s} {'W':>3s} {'AUC':>7s} {'dAUC':>8s} {'logloss':>8s} "
           f"{'dLL':>8s} {'pred':>6s} {'stale p50/p90/max':>18s}")
     for r in sorted(records, key=lambda r: (r["rule"], r["kind"], r["W"])):
-        st = r.get("staleness") or {}
+        st = r.get("push_staleness") or {}
         s = f"{st.get('p50', '')}/{st.get('p90', '')}/{st.get('max', '')}" if st else ""
         print(f"{r['rule']:12s} {r['kind']:6s} {r['W']:3d} {r['test_auc']:.4f} "
               f"{r['test_auc'] - base['test_auc']:+.4f} {r['test_logloss']:.4f} "
