@@ -77,7 +77,10 @@ class Config:
                             "see --staleness)", choices=MODES)
     geo_steps: int = _f(100, "GEO-SGD: send deltas every K local steps")
     staleness: int = _f(4, "ssp: a worker may run at most this many steps ahead of the slowest")
-    stale_lr: str = _f("none", "async/ssp: damp each pushed sparse row's lr by its staleness s "
+    sync_sparse_lr: str = _f("none", "sync (and --local-workers): a summed sparse row steps at "
+                                     "--lr x the workers whose batches held it (count) or at "
+                                     "--lr (none)", choices=("none", "count"))
+    stale_lr: str = _f("sqrt", "async/ssp: damp each pushed sparse row's lr by its staleness s "
                                "(updates the row took since the worker pulled it): none, "
                                "inverse (1/(1+s)) or sqrt (1/sqrt(1+s))", choices=STALE_RULES)
     # --- model and optimiser

@@ -98,7 +98,8 @@ def serve(cfg, cluster, model, bounds):
     server = Server(cluster.comm, cluster.worker_ranks, sparse, dense, cfg.mode, cfg.staleness,
                     cfg.peer_timeout, cfg.idle_sleep, label=f"server {i}",
                     idle_timeout=cfg.peer_timeout + cfg.stream_timeout,   # workers may poll
-                    shard=(i, S), stale_lr=cfg.stale_lr)
+                    shard=(i, S), stale_lr=cfg.stale_lr,
+                    sync_sparse_lr=cfg.sync_sparse_lr)
     if cfg.save_dir:
         server.on_save, server.save_check = ck.server_save_hooks(
             cfg.save_dir, i, S, inner_table(sparse), dense, bounds[i], admission_of(sparse))

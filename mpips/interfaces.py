@@ -57,9 +57,12 @@ class ParamStore(Protocol):
         """
 
     def push(self, plan: KeyPlan, grads: np.ndarray, dense_grad: Optional[np.ndarray] = None,
-             step: int = 0, op: Op = Op.PUSH, worker: int = 0) -> Waitable:
+             step: int = 0, op: Op = Op.PUSH, worker: int = 0,
+             lr_scale: Optional[np.ndarray] = None) -> Waitable:
         """Send ``grads`` (u, dim) for ``plan.keys`` (and ``dense_grad`` (P,)) to the optimizer;
-        ``op=Op.ADD`` adds GEO-SGD deltas to the values instead.  worker: as in pull."""
+        ``op=Op.ADD`` adds GEO-SGD deltas to the values instead.  worker: as in pull.
+        lr_scale: float32 (u,) factors of the rows' learning rate (one process's summed
+        pushes, ``--sync-sparse-lr count``; servers compute their own)."""
 
 
 class Backend(Protocol):

@@ -56,11 +56,13 @@ def test_replicas_identical_and_checkpointed(tiny_data, tmp_path, n):
     assert rec["test_auc"] > 0.65
 
 
-@pytest.mark.parametrize("n,extra", [(4, ()), pytest.param(5, ("--entry", "count:2"),
-                                                        marks=pytest.mark.exact)])
+@pytest.mark.parametrize("n,extra", [(4, ()), pytest.param(
+    5, ("--entry", "count:2", "--sync-sparse-lr", "count"), marks=pytest.mark.exact)])
 def test_sync_equals_local_workers_bit_for_bit(tiny_data, tmp_path, n, extra):
     # full CTR-DNN (400x3), 16000 rows in 8 files, batch 48: every worker ends on a short
-    # batch; with 3 workers (3, 3, 2 files) the third runs out of data first
+    # batch; with 3 workers (3, 3, 2 files) the third runs out of data first.  With
+    # --sync-sparse-lr count a row steps at --lr x the workers whose batches held it, on
+    # the servers as in one process
     W = str(n - 2)
     common = ("--fc", "400,400,400", "--batch-size", "48", "--lr", "0.002") + extra
     dist = train(tiny_data, tmp_path, "sync", "--mode", "sync", *common, n=n)[0]

@@ -411,3 +411,19 @@ def test_count_push_kernel_wraps_modulo_2_32():
             minlength=HIST_BINS)
         assert hist.tolist() == want_hist.tolist()
         assert v.tolist() == [0, 6, 1, 71]          # every row with a row: one more update
+
+
+def test_parts_holding_counts_the_workers_whose_batch_held_each_row():
+    """--sync-sparse-lr count: a summed row's lr factor is the number of parts (workers'
+    unique key lists) that hold it; against a plain-Python count."""
+    from collections import Counter
+
+    from mpips.server.staleness import parts_holding
+    rng = np.random.default_rng(5)
+    parts = [np.unique(rng.integers(-50, 50, size=rng.integers(0, 60))) for _ in range(5)]
+    every = np.concatenate(parts).astype(np.int64)
+    keys = np.unique(every)
+    want = Counter(int(k) for p in parts for k in p)
+    got = parts_holding(every, keys)
+    assert got.dtype == np.float32
+    assert got.tolist() == [float(want[int(k)]) for k in keys]

@@ -54,7 +54,7 @@ from mpips.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, MAX_LINE_BYTES
                             decode)
 from mpips.server.checks import RequestChecks
 from mpips.server.dense_table import pack_state, unpack_state
-from mpips.server.staleness import RULES, StalenessTracker, lr_factors
+from mpips.server.staleness import RULES, StalenessTracker, lr_factors, parts_holding
 
 CHECK_EVERY = 0.05  # seconds between liveness checks of an idle server
 MAX_REJECT_LINES = 100  # malformed requests logged one line each; later ones only counted
@@ -73,7 +73,7 @@ class Server(RequestChecks):
 
     def __init__(self, comm, worker_ranks, sparse, dense, mode="async", staleness=0,
                  timeout=120.0, idle_max=IDLE[1], idle_timeout=None, label="server",
-                 shard=(0, 1), stale_lr="none"):
+                 shard=(0, 1), stale_lr="none", sync_sparse_lr="none"):
         if stale_lr not in RULES:
             raise ValueError(f"--stale-lr must be one of {', '.join(RULES)}; got {stale_lr!r}")
         self.comm, self.sparse, self.dense = comm, sparse, dense
@@ -84,6 +84,7 @@ class Server(RequestChecks):
         self.idle_timeout = timeout if idle_timeout is None else idle_timeout
         self.tracker = StalenessTracker(sparse) if self.mode in ("async", "ssp") else None
         self.stale_lr = stale_lr
+        self.sync_sparse_lr = sync_sparse_lr    # sync: "count" = lr x workers holding a row
         self.recv_buf = np.empty(1 << 20, dtype=np.uint8)
         self.max_request = MAX_REQUEST_BYTES    # larger requests are discarded unread
         self.sends = []                 # (request, buffer) until complete
@@ -433,7 +434,8 @@ class Server(RequestChecks):
             keys = np.concatenate([r.keys for r in keyed])
             grads = np.concatenate([r.values for r in keyed])
             ukeys, ugrads = sum_duplicates(keys, grads)
-            self.sparse.push(ukeys, ugrads)
+            self.sparse.push(ukeys, ugrads, lr_scale=parts_holding(keys, ukeys)
+                             if self.sync_sparse_lr == "count" else None)
 
     # ---- sends
     def _send(self, arr, dest, tag):

@@ -137,9 +137,12 @@ class PSClient:
         expect.append(buf.nbytes)
         self.bytes_recv += buf.nbytes
 
-    def push(self, plan, grads, dense_grad=None, step=0, op=Op.PUSH, worker=0):
+    def push(self, plan, grads, dense_grad=None, step=0, op=Op.PUSH, worker=0, lr_scale=None):
         """Send grads (u, dim) for plan.keys (and dense_grad (P,)); op=ADD sends GEO deltas.
-        worker: ignored, as in pull."""
+        worker: ignored, as in pull; lr_scale: the servers decide it (sync: by the workers'
+        pushes), so a worker never sends one."""
+        if lr_scale is not None:
+            raise ValueError("PSClient.push: the servers set the rows' lr factors; got lr_scale")
         reqs, bufs = [], []
         flags = F_DENSE if dense_grad is not None else 0
         for s in range(self.n_servers):

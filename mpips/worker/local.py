@@ -47,7 +47,8 @@ class LocalPS:
             self.dense.pull(dense_out)
         return _Done()
 
-    def push(self, plan, grads, dense_grad=None, step=0, op=Op.PUSH, worker=0):
+    def push(self, plan, grads, dense_grad=None, step=0, op=Op.PUSH, worker=0, lr_scale=None):
+        """lr_scale: float32 (u,) learning-rate factors of the rows (``--sync-sparse-lr``)."""
         if op == Op.ADD:
             if len(plan.keys):
                 self.sparse.add(plan.keys, grads)
@@ -55,7 +56,6 @@ class LocalPS:
                 self.dense.add(dense_grad)
         else:
             if len(plan.keys):
-                lr_scale = None
                 if self.tracker is not None:
                     lr_scale = lr_factors(self.rule, self.tracker.pushed(worker, step,
                                                                          plan.keys))

@@ -36,6 +36,7 @@ from mpips.protocol import Op
 from mpips.server.dense_table import DenseTable
 from mpips.server.optim import OptimizerConfig
 from mpips.server.sparse_table import SparseTable
+from mpips.server.staleness import parts_holding
 from mpips.worker.dense_sync import DenseStep
 
 
@@ -253,10 +254,12 @@ class Trainer:
             g *= inv
         if len(parts) == 1:
             return self.ps.push(parts[0][0].plan, parts[0][1], step=step)
-        keys, grads = sum_duplicates(np.concatenate([p.plan.keys for p, _ in parts]),
-                                     np.concatenate([g for _, g in parts]))
-        return self.ps.push(KeyPlan(keys, None, np.array([0, len(keys)], np.int64)), grads,
-                            step=step)
+        every = np.concatenate([p.plan.keys for p, _ in parts])
+        keys, grads = sum_duplicates(every, np.concatenate([g for _, g in parts]))
+        plan = KeyPlan(keys, None, np.array([0, len(keys)], np.int64))
+        if self.cfg.sync_sparse_lr == "count":          # as the sync servers do
+            return self.ps.push(plan, grads, step=step, lr_scale=parts_holding(every, keys))
+        return self.ps.push(plan, grads, step=step)
 
     def train_epoch(self, batches, epoch, max_steps=0, skip=0):
         """Train over an iterable of Batch, or of lists of Batch (one per part), after
