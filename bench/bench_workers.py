@@ -4,7 +4,7 @@
         --card-scale 0.05
     python bench/bench_workers.py --data /tmp/cl1m --real 2,4,8 --sim 2,4,8,16,32,64
     python bench/bench_workers.py --data /tmp/cl1m --rule "old=--stale-lr none" --real 4,8
-    python bench/bench_workers.py --replot bench/out/bench_workers.json
+    python bench/bench_workers.py --replot bench/out/bench_workers.json [--data DIR]
 
 Every run: one epoch, Adam lr 1e-3, batch 512 per worker (the train defaults), on
 DATA/train, tested on DATA/test.  ``local`` is ``--local`` (one process, batch 512): the
@@ -77,6 +77,8 @@ def plot(records, path):
         for ax, key in zip(axes, ("test_auc", "test_logloss")):
             ax.plot([r["W"] for r in rs], [r[key] - base[key] for r in rs], style,
                     label=f"{rule} {kind}")
+    axes[0].set_ylim(-0.05, 0.01)         # diverged runs (AUC 0.5-0.57) fall off the chart
+    axes[1].set_ylim(-0.01, 0.05)
     for ax, key, bar in zip(axes, ("AUC", "logloss"), (0.003, 0.003)):
         ax.axhline(0, color="k", lw=0.8)
         for b in (-bar, bar):
@@ -120,7 +122,8 @@ def main(argv=None):
     ap.add_argument("--replot", help="only plot and tabulate this JSON")
     a = ap.parse_args(argv)
     if a.replot:
-        records = json.loads(Path(a.replot).read_text())["records"]
+        records = [r for r in json.loads(Path(a.replot).read_text())["records"]
+                   if not a.data or r.get("data") == a.data]
         table(records)
         plot(records, a.plot)
         return
