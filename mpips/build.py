@@ -19,6 +19,7 @@ from mpips.server.admission import AdmittedTable
 from mpips.server.dense_table import DenseTable
 from mpips.server.optim import OptimizerConfig
 from mpips.server.sparse_table import SparseTable
+from mpips.server.staleness import SMALL_W
 
 
 def resolve_data(cfg):
@@ -61,16 +62,20 @@ def make_reader(cfg, files, batch_size, warn, shuffle=None, norm=None, schema=No
 
 
 def dense_lr(cfg, n_batches):
-    """The dense weights' learning rate: ``--lr`` x ``--dense-lr-scale``, or by default x
-    sqrt(W), W the batches one dense step averages (W workers', or ``--local-workers W``;
-    GEO: each worker's own, so 1); ``--dense-lr-rule linear``: x W.  A dense step of W x B
-    examples comes W times less often than one process's; Adam's steps do not grow with
-    the batch's gradient, so its rate needs scaling (measured in docs/modes.md)."""
+    """The dense weights' learning rate: ``--lr`` x ``--dense-lr-scale``, or by
+    ``--dense-lr-rule`` from W, the batches one dense step averages (W workers', or
+    ``--local-workers W``; GEO: each worker's own, so 1): x W (linear), x sqrt(W) (sqrt), or
+    auto (the default): x W up to SMALL_W = 4, x sqrt(W) beyond, where x W diverges.  A
+    dense step of W x B examples comes W times less often than one process's; Adam's steps
+    do not grow with the batch's gradient, so its rate needs scaling (docs/modes.md)."""
     if cfg.dense_lr_scale:
         return cfg.lr * cfg.dense_lr_scale
     if cfg.mode == "geo" or n_batches <= 1:
         return cfg.lr
-    return cfg.lr * (n_batches if cfg.dense_lr_rule == "linear" else math.sqrt(n_batches))
+    rule = cfg.dense_lr_rule
+    if rule == "auto":
+        rule = "linear" if n_batches <= SMALL_W else "sqrt"
+    return cfg.lr * (n_batches if rule == "linear" else math.sqrt(n_batches))
 
 
 def make_tables(cfg, model, lo=0, hi=None, dense_batches=1):

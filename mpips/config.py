@@ -80,9 +80,10 @@ class Config:
     sync_sparse_lr: str = _f("none", "sync (and --local-workers): a summed sparse row steps at "
                                      "--lr x the workers whose batches held it (count) or at "
                                      "--lr (none)", choices=("none", "count"))
-    stale_lr: str = _f("sqrt", "async/ssp: damp each pushed sparse row's lr by its staleness s "
+    stale_lr: str = _f("auto", "async/ssp: damp each pushed sparse row's lr by its staleness s "
                                "(updates the row took since the worker pulled it): none, "
-                               "inverse (1/(1+s)) or sqrt (1/sqrt(1+s))", choices=STALE_RULES)
+                               "inverse (1/(1+s)), sqrt (1/sqrt(1+s)) or auto (none up to 4 "
+                               "workers, sqrt beyond)", choices=STALE_RULES + ("auto",))
     # --- model and optimiser
     model: str = _f("dnn", "network: dnn (CTR-DNN), wide_deep (Wide&Deep) or deepfm (DeepFM); "
                            "wide_deep and deepfm add a first-order weight to every table row "
@@ -97,9 +98,9 @@ class Config:
     dense_lr_scale: float = _f(0.0, "dense weights learn at --lr x this; 0 = by --dense-lr-rule "
                                     "from the W batches one dense step averages (the workers, "
                                     "or --local-workers; GEO: 1)")
-    dense_lr_rule: str = _f("sqrt", "with --dense-lr-scale 0: the dense rate is --lr x sqrt(W) "
-                                    "(sqrt) or x W (linear, the rule before 0.2)",
-                            choices=("sqrt", "linear"))
+    dense_lr_rule: str = _f("auto", "with --dense-lr-scale 0: the dense rate is --lr x W "
+                                    "(linear), x sqrt(W) (sqrt), or auto: linear up to 4 "
+                                    "workers, sqrt beyond", choices=("auto", "sqrt", "linear"))
     adagrad_init: float = _f(0.0, "adagrad: initial accumulator (Paddle's default 0; > 0 makes "
                                   "the first steps smooth in the gradient)")
     init_range: float = _f(0.05, "new embedding rows start uniform in [-r, r] from (seed, id)")
@@ -190,7 +191,7 @@ class Config:
         if not hidden or min(hidden) < 1:
             raise ValueError(f"--fc needs at least one positive layer size; got {self.fc!r}")
         parse_entry(self.entry)
-        if self.stale_lr not in STALE_RULES:
+        if self.stale_lr not in STALE_RULES + ("auto",):
             raise ValueError(f"--stale-lr must be one of {', '.join(STALE_RULES)}; got "
                              f"{self.stale_lr!r}")
         self.check_schema()

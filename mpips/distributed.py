@@ -26,7 +26,7 @@ from mpips.report import log_line, model_note, peak_rss_mb, write_metrics
 from mpips.resume import resume_line, resume_point
 from mpips.runner import admission_of, inner_table, run_epochs
 from mpips.server.loop import Server
-from mpips.server.staleness import summarize
+from mpips.server.staleness import stale_rule, summarize
 from mpips.stream import Pass, run_stream
 from mpips.warmup import cache_misses, report_new, signatures, warm
 from mpips.worker.client import PSClient
@@ -75,7 +75,7 @@ def run_distributed(cfg, comm):
         for line, pid in zip(cluster.role_map(), pids):
             log_line(f"  {line} pid {pid}")
     t0 = time.perf_counter()
-    staged(comm, cluster.hosts, lambda: warm(cfg))   # compilation before any clock starts
+    staged(comm, cluster.hosts, lambda: warm(cfg, workers=len(cluster.worker_ranks)))   # compilation before any clock starts
     jit0 = signatures()
     if comm.rank == first_worker:
         log_line(f"mpips: kernels compiled or loaded from numba's cache on all ranks in "
@@ -98,7 +98,7 @@ def serve(cfg, cluster, model, bounds):
     server = Server(cluster.comm, cluster.worker_ranks, sparse, dense, cfg.mode, cfg.staleness,
                     cfg.peer_timeout, cfg.idle_sleep, label=f"server {i}",
                     idle_timeout=cfg.peer_timeout + cfg.stream_timeout,   # workers may poll
-                    shard=(i, S), stale_lr=cfg.stale_lr,
+                    shard=(i, S), stale_lr=stale_rule(cfg.stale_lr, len(cluster.worker_ranks)),
                     sync_sparse_lr=cfg.sync_sparse_lr)
     if cfg.save_dir:
         server.on_save, server.save_check = ck.server_save_hooks(

@@ -27,7 +27,7 @@ from mpips.resume import (check_kind, choose, first_rank_decides, pin, resume_li
 from mpips.ownership import plan_keys
 from mpips.runner import LocalBackend, admission_of, inner_table, run_epochs
 from mpips.schema import check_same, stored_schema
-from mpips.server.staleness import StalenessTracker
+from mpips.server.staleness import StalenessTracker, stale_rule
 from mpips.stream import install_sigterm, run_stream
 from mpips.warmup import report_new, signatures, warm
 from mpips.worker.local import LocalPS
@@ -37,8 +37,9 @@ from mpips.worker.trainer import GeoTrainer, Trainer
 def run_local(cfg):
     """Train in one process (the yardstick); returns the list of epoch/pass records."""
     train_files, test_files = ([], []) if cfg.stream else resolve_data(cfg)
+    seconds = warm(cfg, train_files[:1] or None, cfg.simulate_workers or cfg.local_workers)
     log_line(f"mpips: kernels compiled or loaded from numba's cache in "
-             f"{warm(cfg, train_files[:1] or None):.1f} s (before training; in no rate)")
+             f"{seconds:.1f} s (before training; in no rate)")
     jit0 = signatures()
     schema = make_schema(cfg)
     model = make_model(cfg, schema)
@@ -47,7 +48,7 @@ def run_local(cfg):
     tracker = None                  # simulated async pushes: counted as async servers do
     if cfg.simulate_workers and cfg.sim_sparse == "async":
         tracker = StalenessTracker(sparse, max_pulls=cfg.sim_delay + 1)
-    ps = LocalPS(sparse, dense, tracker, cfg.stale_lr)
+    ps = LocalPS(sparse, dense, tracker, stale_rule(cfg.stale_lr, W))
     plan = lambda ids: plan_keys(ids, 1)  # noqa: E731
     if cfg.mode == "geo":
         trainer = GeoTrainer(cfg, model, ps, plan, log=log_line)

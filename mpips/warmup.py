@@ -37,7 +37,7 @@ from mpips.build import make_model, make_reader, make_schema, make_tables, resol
 from mpips.config import parse_args
 from mpips.data.reader import DataError
 from mpips.ownership import plan_keys
-from mpips.server.staleness import StalenessTracker
+from mpips.server.staleness import StalenessTracker, stale_rule
 from mpips.stream import ready_passes
 from mpips.worker.local import LocalPS
 from mpips.worker.trainer import GeoTrainer, Trainer
@@ -90,15 +90,17 @@ def _first_files(cfg):
         return []           # the run itself reports missing data, with its own message
 
 
-def warm(cfg, files=None):
+def warm(cfg, files=None, workers=1):
     """Run a few steps of training and an evaluation of `cfg`'s job in this process on
     `files` (default: the run's first file), or on synthetic lines if those yield no batch
     (the run reports its own data's problems later); returns the seconds it took.
-    Nothing is saved or logged."""
+    Nothing is saved or logged.  ``workers``: the run's, which decide its --stale-lr rule
+    (and so which kernel variants the servers call)."""
     t0 = time.perf_counter()
     mini = dataclasses.replace(cfg, batch_size=WARM_BATCH, shuffle=False, local_workers=1,
                                save_dir="", metrics_out="", progress_every=0.0,
-                               print_every=1 << 30, geo_steps=2, strict=False)
+                               print_every=1 << 30, geo_steps=2, strict=False,
+                               stale_lr=stale_rule(cfg.stale_lr, workers))
     files = _first_files(cfg) if files is None else files
     try:
         done = _mini_run(mini, files) if files else 0

@@ -105,16 +105,18 @@ def test_async_auc_close_to_local(tiny_data, tmp_path):
 
 
 def test_dense_lr_scales_with_the_batches_of_a_dense_step():
-    """A dense step of W workers (or --local-workers W) averages W batches: the dense
-    weights learn at sqrt(W) x --lr by default, W x --lr with --dense-lr-rule linear, or as
-    --dense-lr-scale says; GEO workers step on their own batches (x 1); the sparse rows keep
-    --lr."""
+    """A dense step of W workers (or --local-workers W) averages W batches: by default the
+    dense weights learn at W x --lr up to 4 workers and sqrt(W) x --lr beyond
+    (--dense-lr-rule auto), or as --dense-lr-rule linear|sqrt or --dense-lr-scale say; GEO
+    workers step on their own batches (x 1); the sparse rows keep --lr."""
     from mpips.build import make_model, make_tables
     from mpips.config import parse_args
     for argv, batches, want in [(["--lr", "0.002"], 1, 0.002),
-                                (["--lr", "0.002"], 4, 0.004),
-                                (["--lr", "0.002"], 3, 0.002 * 3 ** 0.5),
-                                (["--lr", "0.002", "--dense-lr-rule", "linear"], 3, 0.006),
+                                (["--lr", "0.002"], 3, 0.006),
+                                (["--lr", "0.002"], 4, 0.008),
+                                (["--lr", "0.002"], 8, 0.002 * 8 ** 0.5),
+                                (["--lr", "0.002", "--dense-lr-rule", "sqrt"], 3, 0.002 * 3 ** 0.5),
+                                (["--lr", "0.002", "--dense-lr-rule", "linear"], 8, 0.016),
                                 (["--lr", "0.002", "--dense-lr-scale", "1"], 3, 0.002),
                                 (["--lr", "0.002", "--dense-lr-scale", "1.5"], 2, 0.003),
                                 (["--lr", "0.002", "--mode", "geo"], 2, 0.002)]:
@@ -122,6 +124,12 @@ def test_dense_lr_scales_with_the_batches_of_a_dense_step():
         sparse, dense = make_tables(cfg, make_model(cfg), dense_batches=batches)
         assert dense.opt.lr == pytest.approx(want, rel=1e-12), argv
         assert sparse.opt.lr == pytest.approx(0.002)
+
+
+def test_stale_rule_auto_damps_only_beyond_four_workers():
+    from mpips.server.staleness import stale_rule
+    assert [stale_rule("auto", w) for w in (1, 2, 4, 5, 8, 64)] == ["none"] * 3 + ["sqrt"] * 3
+    assert [stale_rule(r, 2) for r in ("none", "inverse", "sqrt")] == ["none", "inverse", "sqrt"]
 
 
 OLD_CKPT = ROOT / "tests" / "data" / "ckpt-v1-async"

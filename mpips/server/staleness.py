@@ -164,6 +164,17 @@ def summarize(hist, total, largest, unmatched):
     return out
 
 
+SMALL_W = 4     # "auto" rules: up to this many workers the rules before issue 22 measured best
+
+
+def stale_rule(rule, n_workers):
+    """The --stale-lr rule a run of ``n_workers`` workers applies: "auto" is "none" up to
+    SMALL_W workers and "sqrt" beyond (docs/modes.md, Scaling with W); others as given."""
+    if rule != "auto":
+        return rule
+    return "none" if n_workers <= SMALL_W else "sqrt"
+
+
 def lr_factors(rule, staleness):
     """Learning-rate factor float32 (n,) of rows pushed with ``staleness`` (n,) under
     ``rule``: "none" -> None (no scaling), "inverse" -> 1 / (1 + s), "sqrt" ->
