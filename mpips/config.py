@@ -67,8 +67,9 @@ class Config:
     # --- simulator (mpips.worker.simulate): W workers of a real run in one process
     simulate_workers: int = _f(0, "with --local: emulate W workers of a real 2-server run, "
                                   "deterministically (docs/modes.md, Simulator); 0 = off")
-    sim_delay: int = _f(1, "simulator: a worker's rows miss the pushes of the last D steps "
-                           "(1 = a real async worker's overlapped pull; 0 = none)")
+    sim_delay: int = _f(0, "simulator: a worker's rows miss the pushes of the last D steps "
+                           "(0 = a real async worker's pull after its push; 1 = with "
+                           "--overlap-pull)")
     sim_sparse: str = _f("async", "simulator: async (each worker's push applied on its own, "
                                   "in worker order) or sync (the step's pushes summed)",
                          choices=SIM_SPARSE)
@@ -80,7 +81,11 @@ class Config:
     sync_sparse_lr: str = _f("none", "sync (and --local-workers): a summed sparse row steps at "
                                      "--lr x the workers whose batches held it (count) or at "
                                      "--lr (none)", choices=("none", "count"))
-    stale_lr: str = _f("auto", "async/ssp: damp each pushed sparse row's lr by its staleness s "
+    overlap_pull: bool = _f(False, "async: send the next batch's pull before computing this "
+                                   "one (its rows then miss this step's pushes; measured "
+                                   "worse at 2-8 workers, docs/modes.md) instead of after "
+                                   "the push")
+    stale_lr: str = _f("none", "async/ssp: damp each pushed sparse row's lr by its staleness s "
                                "(updates the row took since the worker pulled it): none, "
                                "inverse (1/(1+s)), sqrt (1/sqrt(1+s)) or auto (none up to 4 "
                                "workers, sqrt beyond)", choices=STALE_RULES + ("auto",))
@@ -210,6 +215,8 @@ class Config:
             raise ValueError("--idle-sleep, --progress-every and --shuffle-window must be >= 0")
         if self.lr <= 0 or self.peer_timeout <= 0:
             raise ValueError("--lr and --peer-timeout must be positive")
+        if self.overlap_pull and self.mode != "async":
+            raise ValueError(f"--overlap-pull is for --mode async; got --mode {self.mode}")
         if not self.dense_lr_scale >= 0:
             raise ValueError(f"--dense-lr-scale must be >= 0 (0 = by the workers); got "
                              f"{self.dense_lr_scale}")
@@ -223,7 +230,7 @@ class Config:
     def check_simulate(self):
         """--simulate-workers W runs alone in one process (docs/modes.md, Simulator)."""
         if not self.simulate_workers:
-            if self.sim_delay != 1 or self.sim_sparse != "async":
+            if self.sim_delay != 0 or self.sim_sparse != "async":
                 raise ValueError("--sim-delay and --sim-sparse set the simulator: give "
                                  "--local --simulate-workers W too")
             return

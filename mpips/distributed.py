@@ -128,7 +128,7 @@ def work(cfg, cluster, model, bounds):
         dense_sync = DenseExchange(cluster.role_comm, model.n_params,
                                    client.timeout) if W > 1 else None
         trainer = Trainer(cfg, model, client, lambda ids: plan_keys(ids, S), log=logger,
-                          overlap=(cfg.mode == "async"), replica=replica,
+                          overlap=(cfg.mode == "async" and cfg.overlap_pull), replica=replica,
                           dense_sync=dense_sync, sync=is_sync(cfg))
     slow = os.environ.get("MPIPS_DEBUG_SLOW_WORKER", "")   # "I:SECONDS": a test aid
     if slow and int(slow.split(":")[0]) == wi:

@@ -58,13 +58,16 @@ def test_one_worker_no_delay_equals_local(tiny_data, tmp_path):
     assert "push_staleness" not in ref
 
 
-def test_one_worker_delay_one_equals_real_async(tiny_data, tmp_path):
-    """A real async worker sends the pull of step t+1 before it computes step t (and after
-    its push of step t-1): with one worker that is delay 1 exactly, over 2 servers too."""
+@pytest.mark.parametrize("delay,real_flags", [(0, ()), (1, ("--overlap-pull",))])
+def test_one_worker_delay_equals_real_async(tiny_data, tmp_path, delay, real_flags):
+    """A real async worker sends the pull of step t+1 after its push of step t (delay 0);
+    with --overlap-pull before it computes step t (and after its push of step t-1): with
+    one worker those are delays 0 and 1 exactly, over 2 servers too."""
     common = ("--batch-size", "256", "--lr", "0.003")
-    sim = train(tiny_data, tmp_path, "sim", "--local", "--simulate-workers", "1", *common)[0]
+    sim = train(tiny_data, tmp_path, "sim", "--local", "--simulate-workers", "1",
+                "--sim-delay", str(delay), *common)[0]
     real = train(tiny_data, tmp_path, "real", "--mode", "async", "--servers", "2", *common,
-                 n=3)[0]
+                 *real_flags, n=3)[0]
     assert_identical(tmp_path / "sim", tmp_path / "real")
     assert sim["push_staleness"]["hist"] == real["push_staleness"]["hist"]
 
@@ -164,4 +167,4 @@ def test_schedule_order(delay):
 def test_refused_with_the_fix(argv, says):
     with pytest.raises(ValueError, match=re.escape(says)):
         parse_args(argv)
-    assert parse_args(["--local", "--simulate-workers", "4"]).sim_delay == 1
+    assert parse_args(["--local", "--simulate-workers", "4"]).sim_delay == 0

@@ -380,7 +380,8 @@ def test_async_2x2_reports_staleness(tiny_data, tmp_path):
     proc = run_cmd(["-m", "mpips.train", "--train", train_dir, "--test", test_dir,
                     "--fc", "16", "--batch-size", "256", "--max-steps", "20",
                     "--print-every", "100000", "--progress-every", "0", "--servers", "2",
-                    "--stale-lr", "sqrt", "--metrics-out", str(out)], n=4, timeout=300,
+                    "--stale-lr", "sqrt", "--overlap-pull", "--metrics-out", str(out)], n=4,
+                   timeout=300,
                    env={"MPIPS_DEBUG_JIT": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     after = [x for x in proc.stderr.splitlines() if x.startswith("JIT --> ") and "after" in x]
