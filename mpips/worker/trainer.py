@@ -16,10 +16,11 @@ its summed loss); the step's update is from the mean over all the step's example
 So ``--local --local-workers W`` computes exactly what W sync workers and the servers do.
 
 Step ordering (step t uses batch t):
-- async (distributed): the pull of batch t+1 is sent before batch t is computed, so the
-  next rows arrive while this batch computes (sparse rows one step stale per worker);
-- sync / ssp / local: the pull of batch t+1 is sent after the push of batch t; the servers
-  decide when to answer it (sync: after step t was applied by all workers).
+- async with --overlap-pull (distributed): the pull of batch t+1 is sent before batch t is
+  computed, so the next rows arrive while this batch computes (sparse rows one step stale
+  per worker);
+- async (default), sync, ssp, local: the pull of batch t+1 is sent after the push of batch
+  t; the servers decide when to answer it (sync: after step t was applied by all workers).
 Every worker takes part in every step until no worker has data left (a worker without a
 batch contributes no examples, and sends empty pushes; in sync mode empty pulls too).
 """
@@ -102,7 +103,7 @@ class Trainer:
 
     replica: DenseTable of all dense weights (this worker's replica; in one process the
     table itself); dense_sync: a DenseAllgather among the workers, or None in one process
-    (or with one worker); overlap: async (pull t+1 before computing t); sync: the servers
+    (or with one worker); overlap: async --overlap-pull (pull t+1 before computing t); sync: the servers
     apply steps BSP (sync mode, ssp with staleness 0).
     """
 
