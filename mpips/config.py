@@ -197,7 +197,7 @@ class Config:
             raise ValueError(f"--fc needs at least one positive layer size; got {self.fc!r}")
         parse_entry(self.entry)
         if self.stale_lr not in STALE_RULES + ("auto",):
-            raise ValueError(f"--stale-lr must be one of {', '.join(STALE_RULES)}; got "
+            raise ValueError(f"--stale-lr must be one of {', '.join(STALE_RULES)}, auto; got "
                              f"{self.stale_lr!r}")
         self.check_schema()
         self.check_simulate()

@@ -26,7 +26,7 @@ from mpips.report import log_line, model_note, peak_rss_mb, write_metrics
 from mpips.resume import resume_line, resume_point
 from mpips.runner import admission_of, inner_table, run_epochs
 from mpips.server.loop import Server
-from mpips.server.staleness import stale_rule, summarize
+from mpips.server.staleness import counts_staleness, stale_rule, summarize
 from mpips.stream import Pass, run_stream
 from mpips.warmup import cache_misses, report_new, signatures, warm
 from mpips.worker.client import PSClient
@@ -75,7 +75,8 @@ def run_distributed(cfg, comm):
         for line, pid in zip(cluster.role_map(), pids):
             log_line(f"  {line} pid {pid}")
     t0 = time.perf_counter()
-    staged(comm, cluster.hosts, lambda: warm(cfg, workers=len(cluster.worker_ranks)))   # compilation before any clock starts
+    staged(comm, cluster.hosts,         # compilation before any clock starts
+           lambda: warm(cfg, workers=len(cluster.worker_ranks)))
     jit0 = signatures()
     if comm.rank == first_worker:
         log_line(f"mpips: kernels compiled or loaded from numba's cache on all ranks in "
@@ -303,7 +304,7 @@ class DistBackend:
                "replies_in_flight": int(srv["replies_in_flight"].sum())}
         if self.cfg.mode == "ssp":
             out["ssp_max_lead"] = int(srv["ssp_max_lead"].max())
-        if self.cfg.mode == "async" or (self.cfg.mode == "ssp" and not is_sync(self.cfg)):
+        if counts_staleness(self.cfg.mode, self.cfg.staleness):
             out["push_staleness"] = summarize(           # all servers, since the start
                 srv["staleness_hist"].sum(axis=0), int(srv["staleness_sum"].sum()),
                 int(srv["staleness_max"].max()), int(srv["staleness_unmatched"].sum()))

@@ -37,13 +37,13 @@ from mpips.worker.trainer import GeoTrainer, Trainer
 def run_local(cfg):
     """Train in one process (the yardstick); returns the list of epoch/pass records."""
     train_files, test_files = ([], []) if cfg.stream else resolve_data(cfg)
-    seconds = warm(cfg, train_files[:1] or None, cfg.simulate_workers or cfg.local_workers)
+    W = cfg.simulate_workers or cfg.local_workers       # one dense step averages W batches
+    seconds = warm(cfg, train_files[:1] or None, W)
     log_line(f"mpips: kernels compiled or loaded from numba's cache in "
              f"{seconds:.1f} s (before training; in no rate)")
     jit0 = signatures()
     schema = make_schema(cfg)
     model = make_model(cfg, schema)
-    W = cfg.simulate_workers or cfg.local_workers       # one dense step averages W batches
     sparse, dense = make_tables(cfg, model, dense_batches=W)
     tracker = None                  # simulated async pushes: counted as async servers do
     if cfg.simulate_workers and cfg.sim_sparse == "async":

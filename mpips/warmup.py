@@ -37,7 +37,7 @@ from mpips.build import make_model, make_reader, make_schema, make_tables, resol
 from mpips.config import parse_args
 from mpips.data.reader import DataError
 from mpips.ownership import plan_keys
-from mpips.server.staleness import StalenessTracker, stale_rule
+from mpips.server.staleness import StalenessTracker, counts_staleness, stale_rule
 from mpips.stream import ready_passes
 from mpips.worker.local import LocalPS
 from mpips.worker.trainer import GeoTrainer, Trainer
@@ -116,7 +116,7 @@ def _mini_run(mini, files):
     """WARM_STEPS steps of local training and an evaluation on `files`; the steps done."""
     model = make_model(mini)
     sparse, dense = make_tables(mini, model)
-    counted = mini.mode == "async" or (mini.mode == "ssp" and mini.staleness > 0)
+    counted = counts_staleness(mini.mode, mini.staleness)
     ps = LocalPS(sparse, dense, StalenessTracker(sparse) if counted else None,  # as the
                  mini.stale_lr if counted else "none")                        # servers do
     plan = lambda ids: plan_keys(ids, 2)  # noqa: E731 - two owners: the grouping path too

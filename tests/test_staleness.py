@@ -428,3 +428,32 @@ def test_parts_holding_counts_the_workers_whose_batch_held_each_row():
     got = parts_holding(every, keys)
     assert got.dtype == np.float32
     assert got.tolist() == [float(want[int(k)]) for k in keys]
+
+
+def test_sync_sparse_lr_count_steps_rows_by_the_parts_holding_them():
+    """A step's summed push (one process, --local-workers): with --sync-sparse-lr count a
+    row moves lr x (parts holding it) x its summed gradient / the step's examples; without,
+    lr x the same.  SGD from zero rows, against numpy."""
+    from types import SimpleNamespace
+
+    from mpips.ownership import KeyPlan
+    from mpips.server.optim import OptimizerConfig
+    from mpips.server.sparse_table import SparseTable
+    from mpips.worker.local import LocalPS
+    from mpips.worker.trainer import Trainer
+    lr, examples = 0.1, 4
+    k1, k2 = np.array([3, 5], np.int64), np.array([5, 8], np.int64)
+    g1 = np.array([[1, 2], [3, 4]], np.float32)
+    g2 = np.array([[5, 6], [7, 8]], np.float32)
+    summed = {3: g1[0], 5: g1[1] + g2[0], 8: g2[1]}
+    for rule, held in (("none", {3: 1, 5: 1, 8: 1}), ("count", {3: 1, 5: 2, 8: 1})):
+        table = SparseTable(2, OptimizerConfig(name="sgd", lr=lr), seed=0, init_range=0.0)
+        me = SimpleNamespace(cfg=SimpleNamespace(sync_sparse_lr=rule), ps=LocalPS(table, None),
+                             dense_sync=None)
+        parts = [(SimpleNamespace(plan=KeyPlan(k, None, np.array([0, len(k)], np.int64))),
+                  g.copy()) for k, g in ((k1, g1), (k2, g2))]
+        Trainer._push(me, parts, examples, 0)
+        out = np.empty((3, 2), np.float32)
+        table.pull(np.array([3, 5, 8], np.int64), out)
+        want = np.array([-lr * held[k] * summed[k] / examples for k in (3, 5, 8)])
+        np.testing.assert_allclose(out, want, rtol=1e-6, err_msg=rule)

@@ -54,7 +54,8 @@ from mpips.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, MAX_LINE_BYTES
                             decode)
 from mpips.server.checks import RequestChecks
 from mpips.server.dense_table import pack_state, unpack_state
-from mpips.server.staleness import RULES, StalenessTracker, lr_factors, parts_holding
+from mpips.server.staleness import (RULES, StalenessTracker, counts_staleness, lr_factors,
+                                    parts_holding)
 
 CHECK_EVERY = 0.05  # seconds between liveness checks of an idle server
 MAX_REJECT_LINES = 100  # malformed requests logged one line each; later ones only counted
@@ -82,7 +83,7 @@ class Server(RequestChecks):
         self.mode = "sync" if (mode == "ssp" and staleness == 0) else mode
         self.staleness, self.timeout, self.idle_max = staleness, timeout, idle_max
         self.idle_timeout = timeout if idle_timeout is None else idle_timeout
-        self.tracker = StalenessTracker(sparse) if self.mode in ("async", "ssp") else None
+        self.tracker = StalenessTracker(sparse) if counts_staleness(mode, staleness) else None
         self.stale_lr = stale_lr
         self.sync_sparse_lr = sync_sparse_lr    # sync: "count" = lr x workers holding a row
         self.recv_buf = np.empty(1 << 20, dtype=np.uint8)

@@ -164,6 +164,12 @@ def summarize(hist, total, largest, unmatched):
     return out
 
 
+def counts_staleness(mode, staleness):
+    """Do the servers of ``--mode mode --staleness staleness`` count push staleness?  Async
+    and ssp do; sync (and ssp with staleness 0, which is sync) is 0 by construction."""
+    return mode == "async" or (mode == "ssp" and staleness > 0)
+
+
 SMALL_W = 4     # "auto" rules: up to this many workers the rules before issue 22 measured best
 
 

@@ -103,8 +103,8 @@ class Trainer:
 
     replica: DenseTable of all dense weights (this worker's replica; in one process the
     table itself); dense_sync: a DenseAllgather among the workers, or None in one process
-    (or with one worker); overlap: async --overlap-pull (pull t+1 before computing t); sync: the servers
-    apply steps BSP (sync mode, ssp with staleness 0).
+    (or with one worker); overlap: async --overlap-pull (pull t+1 before computing t);
+    sync: the servers apply steps BSP (sync mode, ssp with staleness 0).
     """
 
     def __init__(self, cfg, model, ps, plan_fn, log=None, overlap=False, replica=None,
