@@ -81,8 +81,10 @@ def run_script(table, tracker, ref, script):
     for op, worker, step, keys in script:
         keys = np.asarray(keys, np.int64)
         if op == "pull":
-            table.pull(keys, np.empty((len(keys), DIM), np.float32), create=True)
-            tracker.pulled(worker, step, keys)
+            rows = table.pull(keys, np.empty((len(keys), DIM), np.float32), create=True)
+            assert np.array_equal(rows, table.rows_of(keys))
+            # the server hands the tracker its pull's rows; without them it looks them up
+            tracker.pulled(worker, step, keys, rows if worker % 2 == 0 else None)
             ref.pulled(worker, step, keys.tolist())
         else:
             got = tracker.pushed(worker, step, keys)
@@ -192,9 +194,10 @@ def test_admission_keys_without_rows_are_unmatched():
     out = np.empty((3, DIM), np.float32)
     for step, keys in enumerate(([1, 2, 3], [2, 3, 4])):
         keys = np.array(keys, np.int64)
-        table.pull(keys, out, create=True)
+        rows = table.pull(keys, out, create=True)
+        assert np.array_equal(rows, table.rows_of(keys))       # -1: not admitted (yet)
         has = set(table.export_rows()["keys"].tolist())
-        tracker.pulled(0, step, keys)
+        tracker.pulled(0, step, keys, rows)
         ref.pulled(0, step, keys.tolist(), has.__contains__)
         got = tracker.pushed(0, step, keys)
         assert got.tolist() == ref.pushed(0, step, keys.tolist(), has.__contains__)

@@ -89,19 +89,20 @@ class AdmittedTable:
         return have
 
     def pull(self, keys, out, create=False, counts=None):
-        """counts (n,): occurrences of each id in the batch (default 1 each)."""
+        """counts (n,): occurrences of each id in the batch (default 1 each).  Returns each
+        key's row, -1 for ids not admitted (as :meth:`SparseTable.pull`)."""
         if not (create and self.kind):
-            self.table.pull(keys, out, create=create)
-            return
+            return self.table.pull(keys, out, create=create)
         keys = np.ascontiguousarray(keys, np.int64)
         have = self._admit(keys, counts)
         if have.all():
-            self.table.pull(keys, out, create=True)
-            return
+            return self.table.pull(keys, out, create=True)
         out[~have] = 0.0                                     # not admitted: zeros
         sub = np.empty((int(have.sum()), self.table.dim), np.float32)
-        self.table.pull(keys[have], sub, create=True)        # makes admitted rows, marks seen
+        rows = np.full(keys.shape[0], -1, np.int64)
+        rows[have] = self.table.pull(keys[have], sub, create=True)  # makes admitted rows
         out[have] = sub
+        return rows
 
     def push(self, keys, grads, scale=1.0, create=True, lr_scale=None):
         self.table.push(keys, grads, scale, create=create and not self.kind, lr_scale=lr_scale)

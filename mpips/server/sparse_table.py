@@ -186,6 +186,8 @@ class SparseTable:
         create=False: ids without a row read zeros and no row is made (inference,
         admission). create=True: missing rows are made; every key counts as seen.
         counts (occurrences, for an admission filter in front) are not used here.
+        Returns each key's row (-1: none), int64 (n,) in a scratch buffer that the next
+        call overwrites (the staleness tracker copies it rather than looking keys up again).
         """
         keys = _as_keys(keys)
         self._check_rows_arg(out, keys.shape[0], 'out', writable=True)
@@ -194,6 +196,7 @@ class SparseTable:
             c = self._cols
             touch_rows(rows, c['seen_flag'], c['seen_count'], c['dirty'], True, True)
         read_rows(self._cols['values'], rows, out)
+        return rows
 
     def push(self, keys, grads, scale=1.0, create=True, lr_scale=None):
         """Apply the optimizer to the rows of unique ``keys`` with ``grads * scale``.

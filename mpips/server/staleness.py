@@ -71,9 +71,10 @@ class StalenessTracker:
             self._compactions = self.table.compactions
             self.reset()
 
-    def _rows(self, keys):
-        """Row of each key (-1: none); versions cover every row of the table."""
-        rows = self.table.rows_of(keys)
+    def _rows(self, keys, rows=None):
+        """Row of each key (-1: none; a copy of ``rows`` if the caller has them from its
+        pull); versions cover every row of the table."""
+        rows = self.table.rows_of(keys) if rows is None else np.array(rows, np.int64)
         n = len(self.table)
         if n > self._version.shape[0]:
             grown = np.zeros(max(n, 2 * self._version.shape[0]), np.uint32)
@@ -81,13 +82,14 @@ class StalenessTracker:
             self._version = grown
         return rows
 
-    def pulled(self, worker, step, keys):
+    def pulled(self, worker, step, keys, rows=None):
         """A training pull (rows exist: create=True) of unique int64 ``keys`` by ``worker``
-        for its ``step``.  A second pull of the same step adds to its record (the earlier
-        pull's versions count for a key in both)."""
+        for its ``step``; ``rows``: their rows as the table's pull returned them (else looked
+        up).  A second pull of the same step adds to its record (the earlier pull's versions
+        count for a key in both)."""
         self._moved()
         keys = _int64(keys).copy()                  # a server's keys are a receive buffer
-        rows = self._rows(keys)
+        rows = self._rows(keys, rows)
         versions = self._version[np.maximum(rows, 0)]      # rows -1 are never matched
         recs = self._pulls.setdefault(worker, {})
         old = recs.get(step)

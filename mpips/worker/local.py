@@ -38,11 +38,11 @@ class LocalPS:
     def pull(self, plan, out, dense_out=None, step=0, create=True, counts=None, worker=0):
         if len(plan.keys):
             if counts is not None:
-                self.sparse.pull(plan.keys, out, create=create, counts=counts[:, 0])
+                rows = self.sparse.pull(plan.keys, out, create=create, counts=counts[:, 0])
             else:
-                self.sparse.pull(plan.keys, out, create=create)
+                rows = self.sparse.pull(plan.keys, out, create=create)
             if create and self.tracker is not None:
-                self.tracker.pulled(worker, step, plan.keys)
+                self.tracker.pulled(worker, step, plan.keys, rows)
         if dense_out is not None:
             self.dense.pull(dense_out)
         return _Done()
