@@ -5,6 +5,8 @@
     python bench/bench_vs_torch.py --gen "--interactions 0.45 --signal 1.4" --runs torch,local,async
     python bench/bench_vs_torch.py --data DIR                   # any DIR/train + DIR/test
     python bench/bench_vs_torch.py --model deepfm               # Wide&Deep / DeepFM, both sides
+    python bench/bench_vs_torch.py --model dnn,wide_deep,deepfm --runs torch,local,async
+                                                                # each, then one table of all
     python bench/bench_vs_torch.py --run "async-hb=--mode async --hash-bucket 1000001"
     python bench/bench_vs_torch.py --shape wide --runs torch,local,async   # multi-hot, 300 slots
     python bench/bench_vs_torch.py --data DIR --schema DIR/schema.toml     # any data + schema
@@ -63,6 +65,8 @@ TORCH_RUNS = {"torch": (["--hash-bucket", "1000001"], "PASSIVE"),
               "torch-spin": (["--hash-bucket", "1000001"], None)}
 TORCH_ENV = dict(ENV, OMP_NUM_THREADS="2")
 
+
+MODELS = ("dnn", "wide_deep", "deepfm")
 
 SHAPES = {"criteo": {"dim": 10, "fc": "400,400,400"},
           "wide": {"dim": 9, "fc": "512,256,128,128,128"}}
@@ -190,61 +194,14 @@ def medians(results, ref):
     return out
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default="", help="use DIR/train and DIR/test instead of generating")
-    ap.add_argument("--rows", type=int, default=1_000_000)
-    ap.add_argument("--test-rows", type=int, default=200_000)
-    ap.add_argument("--card-scale", type=float, default=0.05)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--gen", default="", help="more generator flags (data_prep.criteo_like, or "
-                    "data_prep.multihot_synth with --shape wide), one string")
-    ap.add_argument("--shape", default="criteo", choices=sorted(SHAPES),
-                    help="criteo (default) or wide (multi-hot, see above)")
-    ap.add_argument("--slots", type=int, default=300, help="--shape wide: sparse slots")
-    ap.add_argument("--schema", default="", help="schema TOML for both sides (default: the "
-                    "data's schema.toml if there is one, else Criteo's)")
-    ap.add_argument("--dim", type=int, default=0, help="embedding dim (default: the shape's)")
-    ap.add_argument("--fc", default="", help="hidden layers (default: the shape's)")
-    ap.add_argument("--profile", action="store_true", help="print mpips's PROFILE lines")
-    ap.add_argument("--runs", default="torch,local,async,sync")
-    ap.add_argument("--run", action="append", default=[], help="NAME=MPIPS_FLAGS (repeatable)")
-    ap.add_argument("--ref", default="torch", help="the run ratios are taken to")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--extra", default="", help="flags for every mpips run")
-    ap.add_argument("--torch-extra", default="", help="flags for every torch run")
-    ap.add_argument("--model", default="dnn", choices=("dnn", "wide_deep", "deepfm"),
-                    help="the network of every run, mpips's and torch's (default dnn)")
-    ap.add_argument("--json", default="", help="write records and medians to this file")
-    a = ap.parse_args(argv)
-    if a.rounds < 1:
-        ap.error("--rounds must be >= 1 (>= 2 for a figure worth quoting)")
-    runs = parse_runs([n for n in a.runs.split(",") if n], a.run)
-    out = ROOT / "bench" / "out"
-    out.mkdir(parents=True, exist_ok=True)
-    if a.data:
-        data = Path(a.data)
-    elif a.shape == "wide":
-        data = ensure_wide(out, a.rows, a.test_rows, a.slots, a.seed, shlex.split(a.gen))
-    else:
-        data = ensure_data(out, a.rows, a.test_rows, a.card_scale, a.seed, shlex.split(a.gen))
-    schema = a.schema or (str(data / "schema.toml") if (data / "schema.toml").exists() else "")
-    model = ["--embedding-dim", str(a.dim or SHAPES[a.shape]["dim"]),
-             "--fc", a.fc or SHAPES[a.shape]["fc"]] + (["--schema", schema] if schema else [])
-    if a.model != "dnn":
-        model += ["--model", a.model]
-    print(f"model and schema flags (both sides): {' '.join(model)}", flush=True)
-    meta = json.loads((data / "meta.json").read_text()) if (data / "meta.json").exists() else {}
-    if meta:
-        tr, te = meta.get("train", {}), meta.get("test", {})
-        print(f"data {data}: {tr.get('rows')} train rows ({tr.get('distinct_ids')} distinct ids),"
-              f" {te.get('rows')} test rows; oracle test AUC {te.get('oracle_auc', float('nan')):.4f}"
-              f" logloss {te.get('oracle_logloss', float('nan')):.4f}", flush=True)
+def bench_model(a, runs, data, out, model):
+    """Every run of ``runs`` for ``a.rounds`` alternated rounds with the model flags
+    ``model``; returns (name -> records per round, name -> medians)."""
     extra, textra = model + shlex.split(a.extra), model + shlex.split(a.torch_extra)
     results = {n: [] for n in runs}
     for rnd in range(a.rounds):
-        rout = out / f"vs_torch-{data.name}-{os.getpid()}" / f"round{rnd}"   # own dir per job
+        tag = model[model.index("--model") + 1] if "--model" in model else "dnn"
+        rout = out / f"vs_torch-{data.name}-{os.getpid()}" / f"{tag}-round{rnd}"  # own dir per job
         rout.mkdir(parents=True, exist_ok=True)
         order = list(runs) if rnd % 2 == 0 else list(runs)[::-1]
         for name in order:
@@ -276,14 +233,103 @@ def main(argv=None):
               f"{m['test_auc']:>8.4f} {m['test_logloss']:>8.4f} "
               f"{m.get('ratio_train', float('nan')):>8.2f} {m.get('ratio_job', float('nan')):>6.2f}"
               f" {m.get('dauc', float('nan')):>+8.4f}")
+    return results, med
+
+
+def _cell(m, ratio=True):
+    """AUC / logloss (and the train ex/s ratio to the reference) of a median record."""
+    if not m:
+        return "-"
+    ratio = f" ({m['ratio_train']:.2f}x)" if ratio and "ratio_train" in m else ""
+    return f"{m['test_auc']:.4f} / {m['test_logloss']:.4f}{ratio}"
+
+
+def print_models(done, ref):
+    """One markdown row per model: the reference, --local and 2x2 async (medians, with their
+    train ex/s x the reference) and async's AUC minus --local's and the reference's."""
+    print(f"\n| model | {ref} AUC / logloss | `--local` (x {ref}) | 2x2 async (x {ref}) "
+          f"| async AUC - local, - {ref} |")
+    print("|---|---|---|---|---|")
+    for name, (_, med) in done.items():
+        r, lo, asy = med.get(ref), med.get("local"), med.get("async")
+        diff = (f"{asy['test_auc'] - lo['test_auc']:+.4f}, {asy.get('dauc', float('nan')):+.4f}"
+                if asy and lo else "-")
+        print(f"| `{name}` | {_cell(r, False)} | {_cell(lo)} | {_cell(asy)} | {diff} |")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default="", help="use DIR/train and DIR/test instead of generating")
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--test-rows", type=int, default=200_000)
+    ap.add_argument("--card-scale", type=float, default=0.05)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gen", default="", help="more generator flags (data_prep.criteo_like, or "
+                    "data_prep.multihot_synth with --shape wide), one string")
+    ap.add_argument("--shape", default="criteo", choices=sorted(SHAPES),
+                    help="criteo (default) or wide (multi-hot, see above)")
+    ap.add_argument("--slots", type=int, default=300, help="--shape wide: sparse slots")
+    ap.add_argument("--schema", default="", help="schema TOML for both sides (default: the "
+                    "data's schema.toml if there is one, else Criteo's)")
+    ap.add_argument("--dim", type=int, default=0, help="embedding dim (default: the shape's)")
+    ap.add_argument("--fc", default="", help="hidden layers (default: the shape's)")
+    ap.add_argument("--profile", action="store_true", help="print mpips's PROFILE lines")
+    ap.add_argument("--runs", default="torch,local,async,sync")
+    ap.add_argument("--run", action="append", default=[], help="NAME=MPIPS_FLAGS (repeatable)")
+    ap.add_argument("--ref", default="torch", help="the run ratios are taken to")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--extra", default="", help="flags for every mpips run")
+    ap.add_argument("--torch-extra", default="", help="flags for every torch run")
+    ap.add_argument("--model", default="dnn",
+                    help="the network of every run, mpips's and torch's: dnn (default), "
+                         "wide_deep, deepfm, or several, comma-separated (each in turn, then "
+                         "one table of them all)")
+    ap.add_argument("--json", default="", help="write records and medians to this file")
+    a = ap.parse_args(argv)
+    if a.rounds < 1:
+        ap.error("--rounds must be >= 1 (>= 2 for a figure worth quoting)")
+    runs = parse_runs([n for n in a.runs.split(",") if n], a.run)
+    models = [m for m in a.model.split(",") if m]
+    bad = [m for m in models if m not in MODELS]
+    if bad or not models:
+        ap.error(f"--model: unknown {bad or a.model!r}; choose from {', '.join(MODELS)}")
+    out = ROOT / "bench" / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    if a.data:
+        data = Path(a.data)
+    elif a.shape == "wide":
+        data = ensure_wide(out, a.rows, a.test_rows, a.slots, a.seed, shlex.split(a.gen))
+    else:
+        data = ensure_data(out, a.rows, a.test_rows, a.card_scale, a.seed, shlex.split(a.gen))
+    schema = a.schema or (str(data / "schema.toml") if (data / "schema.toml").exists() else "")
+    shape = ["--embedding-dim", str(a.dim or SHAPES[a.shape]["dim"]),
+             "--fc", a.fc or SHAPES[a.shape]["fc"]] + (["--schema", schema] if schema else [])
+    meta = json.loads((data / "meta.json").read_text()) if (data / "meta.json").exists() else {}
+    if meta:
+        tr, te = meta.get("train", {}), meta.get("test", {})
+        print(f"data {data}: {tr.get('rows')} train rows ({tr.get('distinct_ids')} distinct ids),"
+              f" {te.get('rows')} test rows; oracle test AUC {te.get('oracle_auc', float('nan')):.4f}"
+              f" logloss {te.get('oracle_logloss', float('nan')):.4f}", flush=True)
+    done = {}
+    for name in models:
+        model = shape + (["--model", name] if name != "dnn" else [])
+        print(f"model and schema flags (both sides): {' '.join(model)}", flush=True)
+        done[name] = bench_model(a, runs, data, out, model)
+    if len(models) > 1:
+        print_models(done, a.ref)
     if a.json:
-        for recs in results.values():
-            for r in recs:
-                if r:
-                    r.pop("profile", None)
-        Path(a.json).write_text(json.dumps({"data": str(data), "meta": meta,
-                                            "argv": sys.argv[1:], "runs": results,
-                                            "medians": med}, indent=1))
+        for results, _ in done.values():
+            for recs in results.values():
+                for r in recs:
+                    if r:
+                        r.pop("profile", None)
+        rec = {"data": str(data), "meta": meta, "argv": sys.argv[1:]}
+        if len(models) == 1:
+            rec.update(runs=done[models[0]][0], medians=done[models[0]][1])
+        else:
+            rec["models"] = {m: {"runs": r, "medians": md} for m, (r, md) in done.items()}
+        Path(a.json).write_text(json.dumps(rec, indent=1))
     return 0
 
 
