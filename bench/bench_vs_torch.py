@@ -7,6 +7,8 @@
     python bench/bench_vs_torch.py --model deepfm               # Wide&Deep / DeepFM, both sides
     python bench/bench_vs_torch.py --model dnn,wide_deep,deepfm --runs torch,local,async
                                                                 # each, then one table of all
+    python bench/bench_vs_torch.py --seeds 0,1,2,3             # a round per init seed: AUC
+                                                                # mean and sd over seeds
     python bench/bench_vs_torch.py --run "async-hb=--mode async --hash-bucket 1000001"
     python bench/bench_vs_torch.py --shape wide --runs torch,local,async   # multi-hot, 300 slots
     python bench/bench_vs_torch.py --data DIR --schema DIR/schema.toml     # any data + schema
@@ -197,9 +199,11 @@ def medians(results, ref):
 def bench_model(a, runs, data, out, model):
     """Every run of ``runs`` for ``a.rounds`` alternated rounds with the model flags
     ``model``; returns (name -> records per round, name -> medians)."""
-    extra, textra = model + shlex.split(a.extra), model + shlex.split(a.torch_extra)
     results = {n: [] for n in runs}
     for rnd in range(a.rounds):
+        seed = ["--seed", str(a.seeds[rnd])] if a.seeds else []
+        extra = model + shlex.split(a.extra) + seed
+        textra = model + shlex.split(a.torch_extra) + seed
         tag = model[model.index("--model") + 1] if "--model" in model else "dnn"
         rout = out / f"vs_torch-{data.name}-{os.getpid()}" / f"{tag}-round{rnd}"  # own dir per job
         rout.mkdir(parents=True, exist_ok=True)
@@ -233,7 +237,27 @@ def bench_model(a, runs, data, out, model):
               f"{m['test_auc']:>8.4f} {m['test_logloss']:>8.4f} "
               f"{m.get('ratio_train', float('nan')):>8.2f} {m.get('ratio_job', float('nan')):>6.2f}"
               f" {m.get('dauc', float('nan')):>+8.4f}")
+    if a.seeds:
+        print_seeds(results, a.ref, a.seeds)
     return results, med
+
+
+def print_seeds(results, ref, seeds):
+    """With --seeds: each run's test AUC mean and sd over the seeds, and its AUC minus the
+    reference's of the same seed (mean and sd): differences smaller than the sd between
+    seeds are not differences."""
+    print(f"over seeds {','.join(map(str, seeds))}: AUC mean (sd), and minus {ref!r} of the "
+          f"same seed, mean (sd)")
+    for name, recs in results.items():
+        auc = [x["test_auc"] for x in recs if x]
+        pairs = [x["test_auc"] - y["test_auc"] for x, y in zip(recs, results.get(ref, []))
+                 if x and y]
+        sd = statistics.stdev(auc) if len(auc) > 1 else float("nan")
+        out = f"{name:14s} {statistics.mean(auc):.4f} ({sd:.4f})"
+        if pairs and name != ref:
+            psd = statistics.stdev(pairs) if len(pairs) > 1 else float("nan")
+            out += f"   {statistics.mean(pairs):+.4f} ({psd:.4f})"
+        print(out)
 
 
 def _cell(m, ratio=True):
@@ -279,6 +303,9 @@ def main(argv=None):
     ap.add_argument("--run", action="append", default=[], help="NAME=MPIPS_FLAGS (repeatable)")
     ap.add_argument("--ref", default="torch", help="the run ratios are taken to")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--seeds", default="", help="comma-separated: round r runs both sides "
+                    "with --seed seeds[r] (--rounds = their number) and the AUC is also "
+                    "reported as mean and sd over the seeds")
     ap.add_argument("--extra", default="", help="flags for every mpips run")
     ap.add_argument("--torch-extra", default="", help="flags for every torch run")
     ap.add_argument("--model", default="dnn",
@@ -287,6 +314,9 @@ def main(argv=None):
                          "one table of them all)")
     ap.add_argument("--json", default="", help="write records and medians to this file")
     a = ap.parse_args(argv)
+    a.seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
+    if a.seeds:
+        a.rounds = len(a.seeds)
     if a.rounds < 1:
         ap.error("--rounds must be >= 1 (>= 2 for a figure worth quoting)")
     runs = parse_runs([n for n in a.runs.split(",") if n], a.run)
