@@ -196,7 +196,7 @@ def medians(results, ref):
     return out
 
 
-def bench_model(a, runs, data, out, model):
+def bench_model(a, runs, data, out, name, model):
     """Every run of ``runs`` for ``a.rounds`` alternated rounds with the model flags
     ``model``; returns (name -> records per round, name -> medians)."""
     results = {n: [] for n in runs}
@@ -204,8 +204,7 @@ def bench_model(a, runs, data, out, model):
         seed = ["--seed", str(a.seeds[rnd])] if a.seeds else []
         extra = model + shlex.split(a.extra) + seed
         textra = model + shlex.split(a.torch_extra) + seed
-        tag = model[model.index("--model") + 1] if "--model" in model else "dnn"
-        rout = out / f"vs_torch-{data.name}-{os.getpid()}" / f"{tag}-round{rnd}"  # own dir per job
+        rout = out / f"vs_torch-{data.name}-{os.getpid()}" / f"{name}-round{rnd}"  # own dir per job
         rout.mkdir(parents=True, exist_ok=True)
         order = list(runs) if rnd % 2 == 0 else list(runs)[::-1]
         for name in order:
@@ -345,7 +344,7 @@ def main(argv=None):
     for name in models:
         model = shape + (["--model", name] if name != "dnn" else [])
         print(f"model and schema flags (both sides): {' '.join(model)}", flush=True)
-        done[name] = bench_model(a, runs, data, out, model)
+        done[name] = bench_model(a, runs, data, out, name, model)
     if len(models) > 1:
         print_models(done, a.ref)
     if a.json:

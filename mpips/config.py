@@ -21,7 +21,7 @@ else:  # pragma: no cover
 from mpips.checkpoint.manifest import UNKNOWN, CheckpointError, run_settings, saved_settings
 from mpips.schema import load_schema
 from mpips.server.admission import parse_entry
-from mpips.server.staleness import RULES as STALE_RULES
+from mpips.server.staleness import CHOICES as STALE_CHOICES
 
 MODES = ("async", "sync", "geo", "ssp")
 OPTIMIZERS = ("adam", "adagrad", "sgd")
@@ -88,7 +88,7 @@ class Config:
     stale_lr: str = _f("none", "async/ssp: damp each pushed sparse row's lr by its staleness s "
                                "(updates the row took since the worker pulled it): none, "
                                "inverse (1/(1+s)), sqrt (1/sqrt(1+s)) or auto (none up to 4 "
-                               "workers, sqrt beyond)", choices=STALE_RULES + ("auto",))
+                               "workers, sqrt beyond)", choices=STALE_CHOICES)
     # --- model and optimiser
     model: str = _f("dnn", "network: dnn (CTR-DNN), wide_deep (Wide&Deep) or deepfm (DeepFM); "
                            "wide_deep and deepfm add a first-order weight to every table row "
@@ -196,8 +196,8 @@ class Config:
         if not hidden or min(hidden) < 1:
             raise ValueError(f"--fc needs at least one positive layer size; got {self.fc!r}")
         parse_entry(self.entry)
-        if self.stale_lr not in STALE_RULES + ("auto",):
-            raise ValueError(f"--stale-lr must be one of {', '.join(STALE_RULES)}, auto; got "
+        if self.stale_lr not in STALE_CHOICES:
+            raise ValueError(f"--stale-lr must be one of {', '.join(STALE_CHOICES)}; got "
                              f"{self.stale_lr!r}")
         self.check_schema()
         self.check_simulate()

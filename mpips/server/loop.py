@@ -364,14 +364,12 @@ class Server(RequestChecks):
             slowest = min(self.clock[w] for w in self.active)
             self.max_lead = max(self.max_lead, req.step - slowest)
         out = np.empty((req.count, self.sparse.dim), dtype=np.float32)
-        rows = None
-        if req.count and req.values is not None:       # occurrence counts for admission
+        if req.count:
+            counts = None if req.values is None else req.values[:, 0]   # for admission
             rows = self.sparse.pull(req.keys, out, create=bool(req.flags & F_CREATE),
-                                    counts=req.values[:, 0])
-        elif req.count:
-            rows = self.sparse.pull(req.keys, out, create=bool(req.flags & F_CREATE))
-        if req.count and req.flags & F_CREATE and self.tracker is not None:
-            self.tracker.pulled(source, req.step, req.keys, rows)
+                                    counts=counts)
+            if req.flags & F_CREATE and self.tracker is not None:
+                self.tracker.pulled(source, req.step, req.keys, rows)
         self._send(out, source, TAG_REPLY_SPARSE)
         if req.flags & F_DENSE:
             d = np.empty(self.dense.size, dtype=np.float32)

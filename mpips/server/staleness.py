@@ -175,6 +175,9 @@ def counts_staleness(mode, staleness):
 SMALL_W = 4     # "auto" rules: up to this many workers the rules before issue 22 measured best
 
 
+CHOICES = RULES + ("auto",)     # what --stale-lr takes
+
+
 def stale_rule(rule, n_workers):
     """The --stale-lr rule a run of ``n_workers`` workers applies: "auto" is "none" up to
     SMALL_W workers and "sqrt" beyond (docs/modes.md, Scaling with W); others as given."""

@@ -37,10 +37,8 @@ class LocalPS:
 
     def pull(self, plan, out, dense_out=None, step=0, create=True, counts=None, worker=0):
         if len(plan.keys):
-            if counts is not None:
-                rows = self.sparse.pull(plan.keys, out, create=create, counts=counts[:, 0])
-            else:
-                rows = self.sparse.pull(plan.keys, out, create=create)
+            rows = self.sparse.pull(plan.keys, out, create=create,
+                                    counts=None if counts is None else counts[:, 0])
             if create and self.tracker is not None:
                 self.tracker.pulled(worker, step, plan.keys, rows)
         if dense_out is not None:
