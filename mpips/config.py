@@ -78,9 +78,14 @@ class Config:
                             "see --staleness)", choices=MODES)
     geo_steps: int = _f(100, "GEO-SGD: send deltas every K local steps")
     staleness: int = _f(4, "ssp: a worker may run at most this many steps ahead of the slowest")
-    sync_sparse_lr: str = _f("none", "sync (and --local-workers): a summed sparse row steps at "
-                                     "--lr x the workers whose batches held it (count) or at "
-                                     "--lr (none)", choices=("none", "count"))
+    sync_sparse_lr: str = _f("each", "sync (and --local-workers): each worker's push is an "
+                                     "optimizer step of its own, its rows averaged over that "
+                                     "worker's examples, applied in worker order (each: a row "
+                                     "steps once per batch holding it, as in one process); or "
+                                     "the step's pushes are summed into one step at --lr "
+                                     "(none: one process with the global batch) or at --lr x "
+                                     "the workers whose batches held the row (count)",
+                             choices=("none", "count", "each"))
     overlap_pull: bool = _f(False, "async: send the next batch's pull before computing this "
                                    "one (its rows then miss this step's pushes; measured "
                                    "worse at 2-8 workers, docs/modes.md) instead of after "

@@ -1,7 +1,8 @@
 """Training modes against their references (mpiexec in a subprocess, tiny data).
 
 - sync with W workers of batch B == local with --local-workers W (the same batches), every
-  parameter equal bit for bit in the checkpoints both runs save;
+  parameter equal bit for bit in the checkpoints both runs save (--sync-sparse-lr each, the
+  default, and none);
 - resume: 2 epochs == 1 epoch + resume + 1 epoch (sync);
 - GEO with one worker and K=1 == local SGD; GEO sends ~K times fewer messages than async;
 - SSP: with dense replicas a slowed worker is never more than one step behind; s=0 == sync.
@@ -57,9 +58,12 @@ def train(tiny_data, out, name, *extra, n=4, env=None):
 
 # Adagrad starts from accumulator 0.1: from 0 its first step is lr * sign(g), a jump at
 # g = 0 that turns float rounding of near-zero gradients into lr-sized differences.
+# Adam: the default --sync-sparse-lr each (a sparse step per worker's push); Adagrad: none
+# (one sparse step from the sum of the step's pushes: one process with the global batch)
 @pytest.mark.parametrize("opt", [pytest.param(("adam", "--lr", "0.003"), marks=pytest.mark.exact),
-                                 ("adagrad", "--lr", "0.05", "--adagrad-init", "0.1")])
-def test_sync_equals_local_global_batch(tiny_data, tmp_path, opt):
+                                 ("adagrad", "--lr", "0.05", "--adagrad-init", "0.1",
+                                  "--sync-sparse-lr", "none")])
+def test_sync_equals_local_workers(tiny_data, tmp_path, opt):
     # 16000 rows, 2 workers x batch 32 -> 250 steps of batch 64
     common = ("--batch-size", "32", "--optimizer") + opt
     dist = train(tiny_data, tmp_path, "sync", "--mode", "sync", *common)

@@ -33,15 +33,21 @@ def same_run(a, b):
         assert a[key] == b[key], (key, a[key], b[key])
 
 
-def test_sync_no_delay_equals_local_workers_bit_for_bit(tiny_data, tmp_path):
+@pytest.mark.parametrize("sim_sparse,rule", [("sync", "none"), ("async", "each")])
+def test_no_delay_equals_local_workers_bit_for_bit(tiny_data, tmp_path, sim_sparse, rule):
+    """--sim-sparse sync (the sync servers' step, here --sync-sparse-lr none: the step's
+    pushes summed) is --local-workers W; --sim-sparse async with no delay (each worker's
+    push a step of its own, in worker order, on rows read after the last step's pushes) is
+    --local-workers W with --sync-sparse-lr each (the default)."""
     # 16000 rows in 8 files, batch 64: workers read 3, 3 and 2 files, end on short batches
-    common = ("--batch-size", "64", "--lr", "0.003", "--entry", "count:2")
+    common = ("--batch-size", "64", "--lr", "0.003", "--entry", "count:2",
+              "--sync-sparse-lr", rule)
     sim = train(tiny_data, tmp_path, "sim", "--local", "--simulate-workers", "3",
-                "--sim-delay", "0", "--sim-sparse", "sync", *common)[0]
+                "--sim-delay", "0", "--sim-sparse", sim_sparse, *common)[0]
     ref = train(tiny_data, tmp_path, "ref", "--local", "--local-workers", "3", *common)[0]
     assert_identical(tmp_path / "sim", tmp_path / "ref")
     same_run(sim, ref)
-    assert (sim["simulate_workers"], sim["sim_delay"], sim["sim_sparse"]) == (3, 0, "sync")
+    assert (sim["simulate_workers"], sim["sim_delay"], sim["sim_sparse"]) == (3, 0, sim_sparse)
     assert "simulate_workers" not in ref
 
 

@@ -460,3 +460,43 @@ def test_sync_sparse_lr_count_steps_rows_by_the_parts_holding_them():
         table.pull(np.array([3, 5, 8], np.int64), out)
         want = np.array([-lr * held[k] * summed[k] / examples for k in (3, 5, 8)])
         np.testing.assert_allclose(out, want, rtol=1e-6, err_msg=rule)
+
+
+def test_sync_sparse_lr_each_steps_a_row_once_per_part_holding_it():
+    """--sync-sparse-lr each (one process, --local-workers): every part's rows are averaged
+    over that part's examples and take an Adam step of their own, in part order, so a row
+    in two parts takes two steps.  Against a numpy Adam from zero rows."""
+    from types import SimpleNamespace
+
+    from mpips.ownership import KeyPlan
+    from mpips.server.optim import OptimizerConfig
+    from mpips.server.sparse_table import SparseTable
+    from mpips.worker.local import LocalPS
+    from mpips.worker.trainer import Trainer
+    lr, b1, b2, eps = 0.01, 0.9, 0.999, 1e-8
+    k1, k2 = np.array([3, 5], np.int64), np.array([5, 8], np.int64)
+    g1 = np.array([[1, -2], [3, 4]], np.float32)
+    g2 = np.array([[-5, 6], [7, 8]], np.float32)
+    n1, n2 = 3, 1                               # the parts' examples
+    table = SparseTable(2, OptimizerConfig(name="adam", lr=lr), seed=0, init_range=0.0)
+    me = SimpleNamespace(cfg=SimpleNamespace(sync_sparse_lr="each"), ps=LocalPS(table, None),
+                         dense_sync=None)
+    parts = [(SimpleNamespace(plan=KeyPlan(k, None, np.array([0, len(k)], np.int64)),
+                              batch=SimpleNamespace(label=np.zeros(n))), g.copy())
+             for k, g, n in ((k1, g1, n1), (k2, g2, n2))]
+    Trainer._push(me, parts, n1 + n2, 0)
+    out = np.empty((3, 2), np.float32)
+    table.pull(np.array([3, 5, 8], np.int64), out)
+    ref = {k: [np.zeros(2), np.zeros(2), np.zeros(2), 0] for k in (3, 5, 8)}   # w, m, v, t
+    for keys, g, n in ((k1, g1, n1), (k2, g2, n2)):
+        for k, row in zip(keys.tolist(), g.astype(np.float64) / n):
+            w, m, v, t = ref[k]
+            t += 1
+            m = b1 * m + (1 - b1) * row
+            v = b2 * v + (1 - b2) * row * row
+            w = w - lr * (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps)
+            ref[k] = [w, m, v, t]
+    want = np.array([ref[k][0] for k in (3, 5, 8)])
+    np.testing.assert_allclose(out, want, rtol=1e-5)
+    assert ref[5][3] == 2                       # the row in both parts stepped twice
+    assert not np.allclose(out[1], -lr * np.sign(g1[1] / n1 + g2[0] / n2), rtol=1e-3)

@@ -85,7 +85,8 @@ class Server(RequestChecks):
         self.idle_timeout = timeout if idle_timeout is None else idle_timeout
         self.tracker = StalenessTracker(sparse) if counts_staleness(mode, staleness) else None
         self.stale_lr = stale_lr
-        self.sync_sparse_lr = sync_sparse_lr    # sync: "count" = lr x workers holding a row
+        self.sync_sparse_lr = sync_sparse_lr    # sync: "count" = lr x workers holding a row,
+                                                # "each" = a step per worker's push
         self.recv_buf = np.empty(1 << 20, dtype=np.uint8)
         self.max_request = MAX_REQUEST_BYTES    # larger requests are discarded unread
         self.sends = []                 # (request, buffer) until complete
@@ -428,9 +429,14 @@ class Server(RequestChecks):
 
     def _apply_sync(self, pushes):
         """One update from the sum of the workers' gradients of this step, taken in
-        worker-rank order (each worker scaled its rows by 1 / the step's examples)."""
+        worker-rank order (each worker scaled its rows by 1 / the step's examples); with
+        --sync-sparse-lr each, one update per worker's push, in worker-rank order (each
+        worker scaled its rows by 1 / its own examples)."""
         keyed = [pushes[w] for w in sorted(pushes) if pushes[w].count]
-        if keyed:
+        if self.sync_sparse_lr == "each":
+            for r in keyed:
+                self.sparse.push(r.keys, r.values)
+        elif keyed:
             keys = np.concatenate([r.keys for r in keyed])
             grads = np.concatenate([r.values for r in keyed])
             ukeys, ugrads = sum_duplicates(keys, grads)

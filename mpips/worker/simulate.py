@@ -11,14 +11,16 @@ gives the figures of W workers (16, 32, 64, ...) that one machine cannot run.  T
   (``mpips.build.dense_lr``); this is the Trainer's own ``DenseStep``.
 - **Sparse rows**, ``--sim-sparse async`` (default): each worker's row gradients are scaled
   by 1 / its own examples and applied as a separate push, in worker order (an async server
-  applies pushes on arrival).  Delay D (default 1, what a real async worker does: its pull
-  of step t+1 is sent before it computes step t): at global step t the rows a worker
+  applies pushes on arrival).  Delay D (default 0: a real async worker sends its pull of
+  step t+1 after its push of step t; 1: with ``--overlap-pull`` it sends it before it
+  computes step t): at global step t the rows a worker
   computes with were read from the table before the pushes of steps t-D .. t-1 were applied
   (D = 0: after all pushes of step t-1).  The pulls of one step are issued in worker order,
   before that step's pushes when D >= 1 (:func:`run_schedule`).
-- ``--sim-sparse sync``: the step's row gradients are summed per id in worker order, scaled
-  by 1 / the step's examples and applied as one push (what sync servers do).  With D = 0
-  this is ``--local --local-workers W``, bit for bit.
+- ``--sim-sparse sync``: the step's pushes as sync servers apply them under
+  ``--sync-sparse-lr`` (``none``: the row gradients summed per id in worker order, scaled by
+  1 / the step's examples, one push; ``each``, the default: as async with D = 0).  With
+  D = 0 this is ``--local --local-workers W``, bit for bit.
 
 Pulls and pushes carry ``worker=k`` and ``step=t``, so a LocalPS built with a staleness
 tracker counts what the servers of a real run count (and applies ``--stale-lr``).

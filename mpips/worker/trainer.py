@@ -244,12 +244,19 @@ class Trainer:
 
     def _push(self, parts, examples, step):
         """Scale each part's row gradients by 1 / examples and push them (one process: the
-        parts' rows summed per id in part order, as the servers sum the workers')."""
+        parts' rows summed per id in part order, as the servers sum the workers'; with
+        --sync-sparse-lr each, every part is scaled by its own examples and pushed on its
+        own, in part order, as sync servers apply the workers' pushes)."""
         if not parts:
             if self.dense_sync is None:
                 return _Done()
             p = self._empty_prep()                 # keeps sync/ssp servers' step count
             return self.ps.push(p.plan, p.rows, step=step)
+        if len(parts) > 1 and self.cfg.sync_sparse_lr == "each":
+            for p, g in parts:
+                g *= np.float32(1.0 / len(p.batch.label))
+                done = self.ps.push(p.plan, g, step=step)
+            return done
         inv = np.float32(1.0 / examples)
         for _, g in parts:
             g *= inv
@@ -274,6 +281,10 @@ class Trainer:
             next(it, None)
         t_start = time.perf_counter()
         params, sync_d, acc = self.params[0], self.dense_sync, self.acc
+        # sync servers sum a step's pushes (rows scaled by the step's examples) unless
+        # --sync-sparse-lr each: then each push is a step of its own (rows scaled by the
+        # worker's examples), as async pushes are
+        summed = self.sync and self.cfg.sync_sparse_lr != "each"
         if max_steps and skip >= max_steps:        # --max-steps counts the skipped batches
             return st
         cur = self._group(it, skip, max_steps)
@@ -316,14 +327,14 @@ class Trainer:
                 push = self._push(parts, n_here, step)
             else:
                 sync_d.start(self.grad_dense, n_here, bool(nxt), step)
-                if not self.sync:                  # async/ssp: rows averaged over this worker
+                if not summed:                     # rows averaged over this worker
                     push = self._push(parts, n_here, step)
                 td0 = time.perf_counter()
                 self.times["send"] += td0 - ts0
                 more = sync_d.finish(acc)
                 ts0 = time.perf_counter()
                 self.times["dense_wait"] += ts0 - td0
-                if self.sync:                      # sync: over the step's examples
+                if summed:                         # sync: over the step's examples
                     push = self._push(parts, acc.examples, step)
             self.times["send"] += time.perf_counter() - ts0
             td0 = time.perf_counter()
