@@ -5,6 +5,7 @@
     python bench/bench_workers.py --data /tmp/cl1m --real 2,4,8 --sim 2,4,8,16,32,64
     python bench/bench_workers.py --data /tmp/cl1m --rule "old=--stale-lr none" --real 4,8
     python bench/bench_workers.py --replot bench/out/bench_workers.json [--data DIR]
+    python bench/bench_workers.py --data /tmp/cl1m --seeds 0,1,2 --sync 2,4,8 --sim 16,32,64
 
 Every run: one epoch, Adam lr 1e-3, batch 512 per worker (the train defaults), on
 DATA/train, tested on DATA/test.  ``local`` is ``--local`` (one process, batch 512): the
@@ -14,6 +15,10 @@ default: one rule ``default`` with no flags) and each W:
 - ``sync`` (``--sync``): ``--local --local-workers W``, which equals 2 x W sync bit for bit
   (docs/modes.md), in one process;
 - ``sim`` (``--sim``): ``--local --simulate-workers W`` (the async simulator).
+``--seeds 0,1,2`` repeats every run (``local`` included) with ``--seed s`` (the initial
+weights): on some shapes the seed alone moves a run by more than the differences measured
+(docs/modes.md), so each run is compared with ``local`` of its own seed and the table and
+plot give the mean over seeds (the plot's bars: the lowest and highest seed).
 Each record: AUC, logloss, mean prediction and their differences to ``local``; the servers'
 staleness summary for real runs and the simulator's.  Records go to bench/out/bench_workers.json
 (``--json``; runs already there with the same name are reused unless ``--force``), and a plot
@@ -37,7 +42,7 @@ KEYS = ("test_auc", "test_logloss", "test_mean_pred", "test_ctr", "examples_per_
         "push_staleness")
 
 
-def run_one(data, kind, W, flags, log_dir):
+def run_one(data, kind, W, flags, log_dir, seed=0):
     """One training run; returns its epoch record (the keys above) and wall seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "m.jsonl"
@@ -51,41 +56,66 @@ def run_one(data, kind, W, flags, log_dir):
             cmd = args + ["--local", "--simulate-workers", str(W)]
         else:
             cmd = args + ["--local"]
-        cmd += shlex.split(flags)
+        cmd += shlex.split(flags) + ["--seed", str(seed)]
         t0 = time.time()
-        with open(log_dir / f"{kind}-{W}.log", "w") as log:
+        log_path = log_dir / f"{Path(data).name}-{kind}-{W}-s{seed}.log"
+        with open(log_path, "w") as log:
             rc = subprocess.run(cmd, env={**os.environ, **ENV}, cwd=ROOT, stdout=log,
                                 stderr=subprocess.STDOUT).returncode
         if rc or not out.exists():
             raise SystemExit(f"bench_workers: {' '.join(cmd)} failed (exit {rc}); "
-                             f"see {log_dir / f'{kind}-{W}.log'}")
+                             f"see {log_path}")
         rec = json.loads(out.read_text().splitlines()[-1])
     return {k: rec[k] for k in KEYS if k in rec} | {"wall_s": round(time.time() - t0, 1)}
+
+
+def seed_of(r):
+    return r.get("seed", 0)
+
+
+def differences(records):
+    """{(rule, kind, W): [(seed, dAUC, dlogloss, record)]}: each run minus ``local`` of
+    its own seed (runs without one are left out)."""
+    base = {seed_of(r): r for r in records if r["kind"] == "local"}
+    out = {}
+    for r in records:
+        if r["kind"] != "local" and seed_of(r) in base:
+            b = base[seed_of(r)]
+            out.setdefault((r["rule"], r["kind"], r["W"]), []).append(
+                (seed_of(r), r["test_auc"] - b["test_auc"],
+                 r["test_logloss"] - b["test_logloss"], r))
+    return {k: sorted(v, key=lambda x: x[0]) for k, v in out.items()}
+
+
+def mean(xs):
+    return sum(xs) / len(xs)
 
 
 def plot(records, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    base = next(r for r in records if r["kind"] == "local")
+    diffs = differences(records)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    lines = sorted({(r["rule"], r["kind"]) for r in records if r["kind"] != "local"})
-    for (rule, kind) in lines:
-        rs = sorted((r for r in records if (r["rule"], r["kind"]) == (rule, kind)),
-                    key=lambda r: r["W"])
+    for (rule, kind) in sorted({(k[0], k[1]) for k in diffs}):
+        ws = sorted(k[2] for k in diffs if k[:2] == (rule, kind))
         style = {"async": "o-", "sim": "s--", "sync": "^:"}[kind]
-        for ax, key in zip(axes, ("test_auc", "test_logloss")):
-            ax.plot([r["W"] for r in rs], [r[key] - base[key] for r in rs], style,
-                    label=f"{rule} {kind}")
+        for ax, i in zip(axes, (1, 2)):
+            vals = [[d[i] for d in diffs[rule, kind, w]] for w in ws]
+            ys = [mean(v) for v in vals]
+            err = [[y - min(v) for y, v in zip(ys, vals)], [max(v) - y for y, v in zip(ys, vals)]]
+            ax.errorbar(ws, ys, yerr=err, fmt=style, capsize=3, label=f"{rule} {kind}")
     axes[0].set_ylim(-0.05, 0.01)         # diverged runs (AUC 0.5-0.57) fall off the chart
     axes[1].set_ylim(-0.01, 0.05)
+    seeds = sorted({seed_of(r) for r in records})
     for ax, key, bar in zip(axes, ("AUC", "logloss"), (0.003, 0.003)):
         ax.axhline(0, color="k", lw=0.8)
         for b in (-bar, bar):
             ax.axhline(b, color="grey", lw=0.6, ls=":")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("workers W")
-        ax.set_ylabel(f"test {key} - --local")
+        ax.set_ylabel(f"test {key} - --local" + (f" (mean of seeds {seeds})"
+                                                 if len(seeds) > 1 else ""))
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle("quality against workers (real 2 x W async, sync = --local-workers W, "
@@ -96,16 +126,16 @@ def plot(records, path):
 
 
 def table(records):
-    base = next(r for r in records if r["kind"] == "local")
-    print(f"{'rule':12s} {'kind':6s} {'W':>3s} {'AUC':>7s} {'dAUC':>8s} {'logloss':>8s} "
-          f"{'dLL':>8s} {'pred':>6s} {'stale p50/p90/max':>18s}")
-    for r in sorted(records, key=lambda r: (r["rule"], r["kind"], r["W"])):
-        st = r.get("push_staleness") or {}
-        s = f"{st.get('p50', '')}/{st.get('p90', '')}/{st.get('max', '')}" if st else ""
-        print(f"{r['rule']:12s} {r['kind']:6s} {r['W']:3d} {r['test_auc']:.4f} "
-              f"{r['test_auc'] - base['test_auc']:+.4f} {r['test_logloss']:.4f} "
-              f"{r['test_logloss'] - base['test_logloss']:+.4f} "
-              f"{r.get('test_mean_pred', 0):.4f} {s:>18s}")
+    print(f"{'rule':12s} {'kind':6s} {'W':>3s} {'seeds':>6s} {'dAUC':>8s} {'dLL':>8s}  "
+          f"per seed: dAUC / dLL, AUC, stale p50/p90/max")
+    for (rule, kind, W), ds in sorted(differences(records).items()):
+        per = []
+        for seed, da, dl, r in ds:
+            st = r.get("push_staleness") or {}
+            s = f" {st.get('p50', '')}/{st.get('p90', '')}/{st.get('max', '')}" if st else ""
+            per.append(f"s{seed} {da:+.4f}/{dl:+.4f} {r['test_auc']:.4f}{s}")
+        print(f"{rule:12s} {kind:6s} {W:3d} {len(ds):6d} {mean([d[1] for d in ds]):+.4f} "
+              f"{mean([d[2] for d in ds]):+.4f}  " + "; ".join(per))
 
 
 def main(argv=None):
@@ -120,6 +150,7 @@ def main(argv=None):
     ap.add_argument("--force", action="store_true", help="rerun runs already in --json")
     ap.add_argument("--plot", default=str(ROOT / "docs/workers.png"))
     ap.add_argument("--replot", help="only plot and tabulate this JSON")
+    ap.add_argument("--seeds", default="0", help="run everything with each --seed in this list")
     a = ap.parse_args(argv)
     if a.replot:
         records = [r for r in json.loads(Path(a.replot).read_text())["records"]
@@ -133,21 +164,24 @@ def main(argv=None):
     path = Path(a.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     old = json.loads(path.read_text())["records"] if path.exists() else []
-    have = {(r["rule"], r["kind"], r["W"], r["flags"]): r for r in old if r.get("data") == a.data}
+    have = {(r["rule"], r["kind"], r["W"], r["flags"], seed_of(r)): r for r in old
+            if r.get("data") == a.data}
     log_dir = path.parent / "bench_workers_logs"
     log_dir.mkdir(exist_ok=True)
-    todo = [("", "local", 1, "")]
-    for name, flags in rules.items():
-        for kind, ws in (("async", a.real), ("sync", a.sync), ("sim", a.sim)):
-            todo += [(name, kind, int(w), flags) for w in ws.split(",") if w]
+    todo = []
+    for seed in (int(x) for x in a.seeds.split(",")):
+        todo.append(("", "local", 1, "", seed))
+        for name, flags in rules.items():
+            for kind, ws in (("async", a.real), ("sync", a.sync), ("sim", a.sim)):
+                todo += [(name, kind, int(w), flags, seed) for w in ws.split(",") if w]
     records = [r for r in old if r.get("data") != a.data]
-    for name, kind, W, flags in todo:
-        key = (name, kind, W, flags)
+    for name, kind, W, flags, seed in todo:
+        key = (name, kind, W, flags, seed)
         if key in have and not a.force:
             rec = have.pop(key)
         else:
             rec = {"rule": name, "kind": kind, "W": W, "flags": flags, "data": a.data,
-                   **run_one(a.data, kind, W, flags, log_dir)}
+                   "seed": seed, **run_one(a.data, kind, W, flags, log_dir, seed)}
             print(json.dumps(rec), flush=True)
         records.append(rec)
     records += list(have.values())
