@@ -118,8 +118,9 @@ def plot(records, path):
                                                  if len(seeds) > 1 else ""))
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle("quality against workers (real 2 x W async, sync = --local-workers W, "
-                 "sim = --simulate-workers W)", fontsize=9)
+    data = sorted({Path(r["data"]).name for r in records if r.get("data")})
+    fig.suptitle(f"quality against workers on {', '.join(data)} (real 2 x W async, sync = "
+                 "--local-workers W = 2 x W sync, sim = --simulate-workers W)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"plot: {path}")
