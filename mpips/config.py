@@ -62,8 +62,9 @@ class Config:
     # --- cluster and mode
     servers: int = _f(0, "number of server ranks (0 = half the ranks, at least 1)")
     local: bool = _f(False, "train in one process without MPI messages (the yardstick)")
-    local_workers: int = _f(1, "local mode: read the data as W workers would and train on the "
-                               "concatenation of their batches (batch W x B), to reproduce sync mode")
+    local_workers: int = _f(1, "local mode: read the data as W workers would and train on "
+                               "their batches side by side (one dense step of W x B; sparse "
+                               "rows: --sync-sparse-lr), to reproduce sync mode")
     # --- simulator (mpips.worker.simulate): W workers of a real run in one process
     simulate_workers: int = _f(0, "with --local: emulate W workers of a real 2-server run, "
                                   "deterministically (docs/modes.md, Simulator); 0 = off")
