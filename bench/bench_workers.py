@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -87,10 +88,6 @@ def differences(records):
     return {k: sorted(v, key=lambda x: x[0]) for k, v in out.items()}
 
 
-def mean(xs):
-    return sum(xs) / len(xs)
-
-
 def plot(records, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -102,7 +99,7 @@ def plot(records, path):
         style = {"async": "o-", "sim": "s--", "sync": "^:"}[kind]
         for ax, i in zip(axes, (1, 2)):
             vals = [[d[i] for d in diffs[rule, kind, w]] for w in ws]
-            ys = [mean(v) for v in vals]
+            ys = [statistics.mean(v) for v in vals]
             err = [[y - min(v) for y, v in zip(ys, vals)], [max(v) - y for y, v in zip(ys, vals)]]
             ax.errorbar(ws, ys, yerr=err, fmt=style, capsize=3, label=f"{rule} {kind}")
     axes[0].set_ylim(-0.05, 0.01)         # diverged runs (AUC 0.5-0.57) fall off the chart
@@ -135,8 +132,8 @@ def table(records):
             st = r.get("push_staleness") or {}
             s = f" {st.get('p50', '')}/{st.get('p90', '')}/{st.get('max', '')}" if st else ""
             per.append(f"s{seed} {da:+.4f}/{dl:+.4f} {r['test_auc']:.4f}{s}")
-        print(f"{rule:12s} {kind:6s} {W:3d} {len(ds):6d} {mean([d[1] for d in ds]):+.4f} "
-              f"{mean([d[2] for d in ds]):+.4f}  " + "; ".join(per))
+        print(f"{rule:12s} {kind:6s} {W:3d} {len(ds):6d} {statistics.mean(d[1] for d in ds):+.4f} "
+              f"{statistics.mean(d[2] for d in ds):+.4f}  " + "; ".join(per))
 
 
 def main(argv=None):

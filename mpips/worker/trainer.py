@@ -252,7 +252,7 @@ class Trainer:
                 return _Done()
             p = self._empty_prep()                 # keeps sync/ssp servers' step count
             return self.ps.push(p.plan, p.rows, step=step)
-        if len(parts) > 1 and self.cfg.sync_sparse_lr == "each":
+        if self.cfg.sync_sparse_lr == "each":      # (one part: the same as the sum below)
             for p, g in parts:
                 g *= np.float32(1.0 / len(p.batch.label))
                 done = self.ps.push(p.plan, g, step=step)
