@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ENV, ROOT, mpiexec  # noqa: E402
 
 KEYS = ("test_auc", "test_logloss", "test_mean_pred", "test_ctr", "examples_per_sec",
-        "push_staleness")
+        "push_staleness", "row_clip_frac")
 
 
 def run_one(data, kind, W, flags, log_dir, seed=0):

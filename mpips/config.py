@@ -95,6 +95,10 @@ class Config:
                                "(updates the row took since the worker pulled it): none, "
                                "inverse (1/(1+s)), sqrt (1/sqrt(1+s)) or auto (none up to 4 "
                                "workers, sqrt beyond)", choices=STALE_CHOICES)
+    row_clip: float = _f(0.0, "CowClip-style clipping of each pushed sparse row's gradient: its "
+                              "mean over the row's occurrences in the batch is clipped to "
+                              "norm R x max(|row|, --row-clip-floor); 0 = off")
+    row_clip_floor: float = _f(1e-3, "--row-clip: the smallest row norm the threshold uses")
     # --- model and optimiser
     model: str = _f("dnn", "network: dnn (CTR-DNN), wide_deep (Wide&Deep) or deepfm (DeepFM); "
                            "wide_deep and deepfm add a first-order weight to every table row "
@@ -226,6 +230,12 @@ class Config:
         if not self.dense_lr_scale >= 0:
             raise ValueError(f"--dense-lr-scale must be >= 0 (0 = by the workers); got "
                              f"{self.dense_lr_scale}")
+        if not (self.row_clip >= 0 and self.row_clip_floor >= 0):
+            raise ValueError(f"--row-clip and --row-clip-floor must be >= 0 (0 = off); got "
+                             f"{self.row_clip}, {self.row_clip_floor}")
+        if self.row_clip and self.mode == "geo":
+            raise ValueError("--row-clip clips pushed row gradients: GEO pushes deltas; use it "
+                             "with --mode async, sync or ssp")
         if self.staleness < 0 or self.servers < 0 or self.hash_bucket < 0 or self.max_steps < 0:
             raise ValueError("--staleness, --servers, --hash-bucket and --max-steps must be >= 0")
         if self.train == "" and self.test != "" and not self.stream:

@@ -452,7 +452,7 @@ def test_sync_sparse_lr_count_steps_rows_by_the_parts_holding_them():
     for rule, held in (("none", {3: 1, 5: 1, 8: 1}), ("count", {3: 1, 5: 2, 8: 1})):
         table = SparseTable(2, OptimizerConfig(name="sgd", lr=lr), seed=0, init_range=0.0)
         me = SimpleNamespace(cfg=SimpleNamespace(sync_sparse_lr=rule), ps=LocalPS(table, None),
-                             dense_sync=None)
+                             dense_sync=None, clip=lambda p, g, n: None)   # no --row-clip
         parts = [(SimpleNamespace(plan=KeyPlan(k, None, np.array([0, len(k)], np.int64))),
                   g.copy()) for k, g in ((k1, g1), (k2, g2))]
         Trainer._push(me, parts, examples, 0)
@@ -480,7 +480,7 @@ def test_sync_sparse_lr_each_steps_a_row_once_per_part_holding_it():
     n1, n2 = 3, 1                               # the parts' examples
     table = SparseTable(2, OptimizerConfig(name="adam", lr=lr), seed=0, init_range=0.0)
     me = SimpleNamespace(cfg=SimpleNamespace(sync_sparse_lr="each"), ps=LocalPS(table, None),
-                         dense_sync=None)
+                         dense_sync=None, clip=lambda p, g, n: None)       # no --row-clip
     parts = [(SimpleNamespace(plan=KeyPlan(k, None, np.array([0, len(k)], np.int64)),
                               batch=SimpleNamespace(label=np.zeros(n))), g.copy())
              for k, g, n in ((k1, g1, n1), (k2, g2, n2))]
@@ -500,3 +500,31 @@ def test_sync_sparse_lr_each_steps_a_row_once_per_part_holding_it():
     np.testing.assert_allclose(out, want, rtol=1e-5)     # row 5 (in both parts): 2 steps
     # one Adam step from the summed gradient (what none does) would be lr x its sign
     assert not np.allclose(out[1], -lr * np.sign(g1[1] / n1 + g2[0] / n2), rtol=1e-3)
+
+
+def test_row_clip_against_a_per_row_reference():
+    """--row-clip (CowClip-style): each row's gradient, averaged over n examples, is
+    clipped so that its mean over the row's occurrences has norm <= ratio x max(|row|,
+    floor); checked row by row in plain Python, rows under the limit untouched."""
+    from mpips.worker.trainer import clip_rows
+    rng = np.random.default_rng(3)
+    u, n, ratio, floor = 40, 16, 2.0, 0.05
+    rows = rng.normal(0, 0.1, (u, DIM)).astype(np.float32)
+    rows[:5] = 0.0                                           # new rows: the floor decides
+    grads = rng.normal(0, 0.05, (u, DIM)).astype(np.float32)
+    counts = rng.integers(1, 5, u)
+    want, clipped = grads.copy(), 0
+    for i in range(u):
+        g = [float(x) for x in grads[i]]
+        norm = sum(x * x for x in g) ** 0.5
+        limit = ratio * max(sum(float(x) ** 2 for x in rows[i]) ** 0.5, floor) * counts[i] / n
+        if norm > limit:
+            want[i] = [x * limit / norm for x in g]
+            clipped += 1
+    got = grads.copy()
+    assert clip_rows(got, rows, counts, n, ratio, floor) == clipped
+    assert 5 < clipped < u - 5                               # both kinds of rows are here
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+    keep = got.copy()
+    assert clip_rows(got, rows, counts, n, 0.0, floor) == 0  # off: untouched
+    np.testing.assert_array_equal(got, keep)

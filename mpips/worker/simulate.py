@@ -73,6 +73,7 @@ class SparseSchedule:
             raise ValueError(f"SparseSchedule: sparse in {SPARSE} (sync with push_sum), "
                              f"delay >= 0; got {sparse!r}, {delay}")
         self.ps, self.delay, self.sparse, self.push_sum = ps, delay, sparse, push_sum
+        self.clip = None            # clip(part, grads, n): the Trainer's --row-clip
 
     def pull(self, t, parts):
         for k, p in parts:
@@ -87,6 +88,8 @@ class SparseSchedule:
         for (k, p), g, n in zip(parts, grads, examples):
             if n:
                 g *= np.float32(1.0 / n)
+                if self.clip is not None:
+                    self.clip(p, g, n)
                 self.ps.push(p.plan, g, step=t, worker=k)
 
     def run(self, steps, grad, after=None):
@@ -109,6 +112,7 @@ class Simulator:
             raise ValueError("Simulator needs a one-process Trainer with its dense replica")
         self.trainer = trainer
         self.sched = SparseSchedule(trainer.ps, delay, sparse, trainer._push)
+        self.sched.clip = trainer.clip
 
     def _prepared(self, steps, max_steps):
         """The steps' parts [(k, _Prepared)], at most max_steps of them (0: all)."""

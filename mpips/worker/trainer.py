@@ -81,6 +81,23 @@ def check_bags(batch, n_slots):
                          f"for ids {batch.sparse.shape}")
 
 
+def clip_rows(grads, rows, counts, n, ratio, floor):
+    """CowClip-style: clip in place each row of ``grads`` (u, dim), the gradient of a loss
+    averaged over ``n`` examples, so that its mean over the row's ``counts`` occurrences
+    (u,) (that is, grads x n / counts) has norm at most ``ratio x max(|rows|, floor)``;
+    ``rows`` (u, dim) are the values the gradient was computed at.  Returns the number of
+    rows clipped."""
+    if ratio <= 0 or not len(grads):
+        return 0
+    gn = np.sqrt(np.einsum("ij,ij->i", grads, grads, dtype=np.float64))
+    wn = np.sqrt(np.einsum("ij,ij->i", rows, rows, dtype=np.float64))
+    limit = ratio * np.maximum(wn, floor) * counts / n
+    over = gn > limit
+    if over.any():
+        grads[over] *= (limit[over] / gn[over]).astype(np.float32)[:, None]
+    return int(over.sum())
+
+
 class _Done:
     def wait(self):
         return self
@@ -135,6 +152,7 @@ class Trainer:
         self.progress = None       # mpips.progress.Progress of this phase (first worker) or None
         self._emb = self._grad_emb = None
         self._empty = None
+        self.clipped = [0, 0]      # --row-clip: rows clipped, rows pushed
 
     def times_line(self, who):
         """One line with this worker's seconds per step phase (``self.times``) and wait."""
@@ -242,6 +260,14 @@ class Trainer:
             return _Done()
         return _Handles([self._pull(p, step, None) for p in group])
 
+    def clip(self, p, g, n):
+        """--row-clip on a part's row gradients g (averaged over n examples), counted."""
+        if self.cfg.row_clip > 0:
+            counts = np.bincount(p.plan.inverse, minlength=len(p.plan.keys))
+            self.clipped[0] += clip_rows(g, p.rows, counts, n, self.cfg.row_clip,
+                                         self.cfg.row_clip_floor)
+            self.clipped[1] += len(g)
+
     def _push(self, parts, examples, step):
         """Scale each part's row gradients by 1 / examples and push them (one process: the
         parts' rows summed per id in part order, as the servers sum the workers'; with
@@ -255,11 +281,13 @@ class Trainer:
         if self.cfg.sync_sparse_lr == "each":      # (one part: the same as the sum below)
             for p, g in parts:
                 g *= np.float32(1.0 / len(p.batch.label))
+                self.clip(p, g, len(p.batch.label))
                 done = self.ps.push(p.plan, g, step=step)
             return done
         inv = np.float32(1.0 / examples)
-        for _, g in parts:
+        for p, g in parts:
             g *= inv
+            self.clip(p, g, examples)
         if len(parts) == 1:
             return self.ps.push(parts[0][0].plan, parts[0][1], step=step)
         every = np.concatenate([p.plan.keys for p, _ in parts])
