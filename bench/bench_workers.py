@@ -21,9 +21,10 @@ weights): on some shapes the seed alone moves a run by more than the differences
 plot give the mean over seeds (the plot's bars: the lowest and highest seed).
 Each record: AUC, logloss, mean prediction and their differences to ``local``; the servers'
 staleness summary for real runs and the simulator's.  Records go to bench/out/bench_workers.json
-(``--json``; runs already there with the same name are reused unless ``--force``), and a plot
-of AUC and logloss minus local against W (one line per rule and kind) to docs/workers.png
-(``--plot``; matplotlib, the ``bench`` extra).
+(``--json``), each as soon as it is measured (a stopped bench keeps them; two benches may
+share the file); runs already there with the same name are reused unless ``--force``.  A
+plot of AUC and logloss minus local against W (one line per rule and kind) goes to
+docs/workers.png (``--plot``; matplotlib, the ``bench`` extra).
 """
 import argparse
 import json
@@ -68,6 +69,21 @@ def run_one(data, kind, W, flags, log_dir, seed=0):
                              f"see {log_path}")
         rec = json.loads(out.read_text().splitlines()[-1])
     return {k: rec[k] for k in KEYS if k in rec} | {"wall_s": round(time.time() - t0, 1)}
+
+
+def record_key(r):
+    return (r.get("data"), r["rule"], r["kind"], r["W"], r["flags"], seed_of(r))
+
+
+def save_record(path, rec):
+    """Add rec to the JSON at path (replacing a record of the same run) as soon as it is
+    measured: read afresh and replaced atomically, so a stopped bench keeps what it ran and
+    two benches writing one file keep each other's records."""
+    records = json.loads(path.read_text())["records"] if path.exists() else []
+    records = [r for r in records if record_key(r) != record_key(rec)] + [rec]
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({"records": records}, indent=1))
+    os.replace(tmp, path)
 
 
 def seed_of(r):
@@ -162,8 +178,7 @@ def main(argv=None):
     path = Path(a.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     old = json.loads(path.read_text())["records"] if path.exists() else []
-    have = {(r["rule"], r["kind"], r["W"], r["flags"], seed_of(r)): r for r in old
-            if r.get("data") == a.data}
+    have = {record_key(r)[1:] for r in old if r.get("data") == a.data}
     log_dir = path.parent / "bench_workers_logs"
     log_dir.mkdir(exist_ok=True)
     todo = []
@@ -172,19 +187,13 @@ def main(argv=None):
         for name, flags in rules.items():
             for kind, ws in (("async", a.real), ("sync", a.sync), ("sim", a.sim)):
                 todo += [(name, kind, int(w), flags, seed) for w in ws.split(",") if w]
-    records = [r for r in old if r.get("data") != a.data]
     for name, kind, W, flags, seed in todo:
-        key = (name, kind, W, flags, seed)
-        if key in have and not a.force:
-            rec = have.pop(key)
-        else:
+        if (name, kind, W, flags, seed) not in have or a.force:
             rec = {"rule": name, "kind": kind, "W": W, "flags": flags, "data": a.data,
                    "seed": seed, **run_one(a.data, kind, W, flags, log_dir, seed)}
             print(json.dumps(rec), flush=True)
-        records.append(rec)
-    records += list(have.values())
-    path.write_text(json.dumps({"records": records}, indent=1))
-    mine = [r for r in records if r.get("data") == a.data]
+            save_record(path, rec)
+    mine = [r for r in json.loads(path.read_text())["records"] if r.get("data") == a.data]
     table(mine)
     if a.plot:
         plot(mine, a.plot)
