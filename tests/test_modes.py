@@ -70,6 +70,8 @@ def test_sync_equals_local_workers(tiny_data, tmp_path, opt):
     dist = train(tiny_data, tmp_path, "sync", "--mode", "sync", *common)
     local = train(tiny_data, tmp_path, "local", "--local", "--local-workers", "2", *common)
     assert_same_params(tmp_path / "sync", tmp_path / "local", rtol=0, atol=0)   # bit for bit
+    if "--row-clip" in opt:                     # the clip ran in both (not skipped in both)
+        assert dist[0]["row_clip_frac"] > 0.01 and local[0]["row_clip_frac"] > 0.01
     # the same per-batch float64 losses, added per worker then across workers against step
     # by step: k = 500 positive terms in two orders differ by < 2 k 2**-53 = 1.1e-13 relative
     assert dist[0]["train_loss"] == pytest.approx(local[0]["train_loss"], rel=1e-12)

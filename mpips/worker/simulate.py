@@ -66,14 +66,15 @@ class SparseSchedule:
     A part is ``(worker k, prep)``: prep has ``plan`` (KeyPlan), ``rows`` (u, dim) filled by
     the pull and ``counts`` (occurrences for admission, or None), like the Trainer's
     ``_Prepared``.  ``push_sum(parts, examples, step)`` is the sync push (the Trainer's
-    ``_push``: parts' grads scaled, then summed per id in part order)."""
+    ``_push``: parts' grads scaled, then summed per id in part order); ``clip(part, grads, n)``
+the Trainer's ``--row-clip`` of an async push (None: no clipping)."""
 
-    def __init__(self, ps, delay=1, sparse="async", push_sum=None):
+    def __init__(self, ps, delay=1, sparse="async", push_sum=None, clip=None):
         if sparse not in SPARSE or delay < 0 or (sparse == "sync" and push_sum is None):
             raise ValueError(f"SparseSchedule: sparse in {SPARSE} (sync with push_sum), "
                              f"delay >= 0; got {sparse!r}, {delay}")
         self.ps, self.delay, self.sparse, self.push_sum = ps, delay, sparse, push_sum
-        self.clip = None            # clip(part, grads, n): the Trainer's --row-clip
+        self.clip = clip            # clip(part, grads, n): the Trainer's --row-clip, or None
 
     def pull(self, t, parts):
         for k, p in parts:
@@ -111,8 +112,7 @@ class Simulator:
         if trainer.replica is None or trainer.dense_sync is not None:
             raise ValueError("Simulator needs a one-process Trainer with its dense replica")
         self.trainer = trainer
-        self.sched = SparseSchedule(trainer.ps, delay, sparse, trainer._push)
-        self.sched.clip = trainer.clip
+        self.sched = SparseSchedule(trainer.ps, delay, sparse, trainer._push, trainer.clip)
 
     def _prepared(self, steps, max_steps):
         """The steps' parts [(k, _Prepared)], at most max_steps of them (0: all)."""
