@@ -170,7 +170,8 @@ def main(argv=None):
         records = [r for r in json.loads(Path(a.replot).read_text())["records"]
                    if not a.data or r.get("data") == a.data]
         table(records)
-        plot(records, a.plot)
+        if a.plot:                          # --plot "": no plot (not a file named .png)
+            plot(records, a.plot)
         return
     if not a.data:
         ap.error("--data DIR is needed (or --replot)")

@@ -308,10 +308,7 @@ class DistBackend:
             out["push_staleness"] = summarize(           # all servers, since the start
                 srv["staleness_hist"].sum(axis=0), int(srv["staleness_sum"].sum()),
                 int(srv["staleness_max"].max()), int(srv["staleness_unmatched"].sum()))
-        if self.cfg.row_clip > 0:                       # this worker's pushes
-            c = self.trainer.clipped
-            out["row_clip_frac"] = c[0] / max(c[1], 1)
-        return out
+        return out | self.trainer.clip_summary()      # this worker's pushes
 
     def decide(self, fn):
         """fn() on the first worker (a Pass or None), the same answer on every worker."""

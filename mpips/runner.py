@@ -167,10 +167,7 @@ class LocalBackend:
                "ids_waiting": int(t.waiting()) if hasattr(t, "waiting") else 0}
         if getattr(self.ps, "tracker", None) is not None:     # a simulator's LocalPS
             out["push_staleness"] = self.ps.tracker.summary()
-        if self.cfg.row_clip > 0:                       # this worker's pushes
-            c = self.trainer.clipped
-            out["row_clip_frac"] = c[0] / max(c[1], 1)
-        return out
+        return out | self.trainer.clip_summary()      # this worker's pushes
 
     def decide(self, fn):
         return fn()

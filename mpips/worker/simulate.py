@@ -66,8 +66,8 @@ class SparseSchedule:
     A part is ``(worker k, prep)``: prep has ``plan`` (KeyPlan), ``rows`` (u, dim) filled by
     the pull and ``counts`` (occurrences for admission, or None), like the Trainer's
     ``_Prepared``.  ``push_sum(parts, examples, step)`` is the sync push (the Trainer's
-    ``_push``: parts' grads scaled, then summed per id in part order); ``clip(part, grads, n)``
-the Trainer's ``--row-clip`` of an async push (None: no clipping)."""
+    ``_push``: parts' grads scaled, then summed per id in part order); ``clip(part, grads,
+    n)`` is the Trainer's ``--row-clip`` of an async push (None: no clipping)."""
 
     def __init__(self, ps, delay=1, sparse="async", push_sum=None, clip=None):
         if sparse not in SPARSE or delay < 0 or (sparse == "sync" and push_sum is None):

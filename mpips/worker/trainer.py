@@ -268,6 +268,13 @@ class Trainer:
                                          self.cfg.row_clip_floor)
             self.clipped[1] += len(g)
 
+    def clip_summary(self):
+        """{"row_clip_frac": the share of this trainer's pushed rows --row-clip clipped}, or
+        {} when it is off: for the epoch record."""
+        if self.cfg.row_clip <= 0:
+            return {}
+        return {"row_clip_frac": self.clipped[0] / max(self.clipped[1], 1)}
+
     def _push(self, parts, examples, step):
         """Scale each part's row gradients by 1 / examples and push them (one process: the
         parts' rows summed per id in part order, as the servers sum the workers'; with
