@@ -200,6 +200,10 @@ def main(argv=None):
     run_ = json.loads(Path(args.predict).read_text()) if args.predict else run(args, extra)
     if args.data is None and not args.predict:
         ap.error("--data or --predict")
+    later = [r for r in run_["records"] if r["step"] >= 64]
+    print("median B_noise from step 64 on: " + ", ".join(
+        f"{g} {np.median([r[f'{g}_bnoise'] for r in later]):.0f}"
+        for g in ("dense", "dense_adam", "sparse", "all")) + f" ({len(later)} estimates)")
     print(f"prediction from B_noise[{args.group}]: a run of global batch B over the epoch "
           f"makes the progress one process (batch {run_['batch']}) makes on a fraction of it")
     for p in predict(run_, [int(s) for s in args.batches.split(",")], args.group):

@@ -22,7 +22,7 @@ from mpips.metrics import BinaryMetrics
 from mpips.ownership import dense_bounds, plan_keys
 from mpips.progress import make_progress
 from mpips.protocol import Op
-from mpips.report import log_line, model_note, peak_rss_mb, write_metrics
+from mpips.report import log_line, model_note, noise_fields, peak_rss_mb, write_metrics
 from mpips.resume import resume_line, resume_point
 from mpips.runner import admission_of, inner_table, run_epochs
 from mpips.server.loop import Server
@@ -209,13 +209,16 @@ class DistBackend:
             prog.finish(st.examples, st.loss_sum)
         self.client.barrier()                      # every worker's pushes are applied
         span = time.perf_counter() - t0
+        acc = getattr(self.trainer, "acc", None)  # GEO: none
+        noise = np.zeros(2) if acc is None else acc.noise   # this worker's shard's share
         sums = self._sum(np.array([st.examples, st.loss_sum, c.bytes_sent - sent0,
-                                   c.messages - msgs0], np.float64))
+                                   c.messages - msgs0, noise[0], noise[1]], np.float64))
         span = self._max(span)
         metrics = BinaryMetrics.from_state(self._sum(st.metrics.state()))
         extra = {"workers": self.W, "servers": c.n_servers,
                  "bytes_sent_per_example": round(sums[2] / max(sums[0], 1), 1),
                  "messages_sent": int(sums[3])}
+        extra.update(noise_fields(sums[4:6], self.W * self.cfg.batch_size))
         if self.trainer.replica is not None:
             self._replica_whole()
             extra["dense_crc"] = self._replica_crcs()

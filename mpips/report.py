@@ -8,6 +8,8 @@ import json
 import resource
 import sys
 
+import numpy as np
+
 
 def log_line(text):
     """One line in one write, so lines of several ranks merged by the launcher never mix."""
@@ -43,6 +45,41 @@ def epoch_record(cfg, epoch, st, test_m):
                    test_ctr=test_m.observed_ctr())
     rec.update(st.extra)
     return rec
+
+
+def noise_scale(noise):
+    """B_noise = tr(Sigma) / |G|^2 from ``DenseStep.noise`` sums (all shards'), or None
+    when no step counted or the signal did not show above the noise (|G|^2 <= 0)."""
+    g2, tr = float(noise[0]), float(noise[1])
+    return tr / g2 if g2 > 0 and tr > 0 else None
+
+
+def noise_fields(noise, global_batch):
+    """The record's ``dense_noise_scale`` (examples; from ``DenseStep.noise`` summed over
+    the workers' shards; None when the mean gradient did not show above the noise) and
+    ``global_batch``, or {} when no step was counted (one batch a step, or GEO)."""
+    if noise is None or not np.any(noise):
+        return {}
+    b = noise_scale(noise)
+    return {"dense_noise_scale": None if b is None else round(b, 1),
+            "global_batch": int(global_batch)}
+
+
+def noise_line(rec):
+    """A line on the dense gradient noise scale against the global batch, or None."""
+    if "dense_noise_scale" not in rec:
+        return None
+    b, B = rec["dense_noise_scale"], rec["global_batch"]
+    if b is None:
+        return (f"NOISE --> dense gradient noise scale: not measured (over the last steps "
+                f"the mean gradient did not show above the noise); global batch {B}")
+    s = (f"NOISE --> dense gradient noise scale: {b:.0f} examples; global batch "
+         f"{B} ({B / b:.1f}x it)")
+    if B > 2 * b:      # McCandlish et al.: a step of B does the work of B / (1 + B / b_noise)
+        s += (f": each example of a step does about {(1 + 512 / b) / (1 + B / b):.2f} of "
+              f"what it would in a batch of 512; fewer examples a step (a smaller "
+              f"--batch-size) keep more of each (docs/modes.md, 'Scaling with W')")
+    return s
 
 
 def write_metrics(path, rec):

@@ -16,7 +16,8 @@ from mpips.data import bags
 from mpips.data.files import worker_files
 from mpips.data.reader import Batch, DataError
 from mpips.progress import make_progress
-from mpips.report import epoch_record, log_line, summary_line, write_metrics
+from mpips.report import (epoch_record, log_line, noise_fields, noise_line, summary_line,
+                           write_metrics)
 from mpips.resume import start_point
 from mpips.server.admission import AdmittedTable
 from mpips.worker.simulate import Simulator
@@ -106,6 +107,8 @@ class LocalBackend:
         if cfg.simulate_workers:
             st.extra.update(simulate_workers=cfg.simulate_workers, sim_delay=cfg.sim_delay,
                             sim_sparse=cfg.sim_sparse)
+        acc = getattr(self.trainer, "acc", None)     # GEO: none
+        st.extra.update(noise_fields(None if acc is None else acc.noise, W * cfg.batch_size))
         return st
 
     def _simulate(self, readers, epoch, skip):
@@ -232,6 +235,8 @@ def run_epochs(cfg, backend, train_files, test_files):
         rec = epoch_record(cfg, epoch, st, test_m)
         if backend.is_logger:
             log_line(summary_line(rec))
+            if noise_line(rec):
+                log_line(noise_line(rec))
             backend.emit(rec)
         records.append(rec)
     return records

@@ -78,6 +78,14 @@ def test_sync_equals_local_workers(tiny_data, tmp_path, opt):
     # test files scored per worker in both, states added as a + b in both: exact
     assert dist[0]["test_auc"] == local[0]["test_auc"]
     assert dist[0]["test_logloss"] == local[0]["test_logloss"]
+    # the dense gradient noise scale: two workers' shards summed against one whole vector
+    # (the same gradients; only float32 dot products split differently)
+    assert dist[0]["global_batch"] == local[0]["global_batch"] == 64
+    if opt[0] == "adam":
+        assert dist[0]["dense_noise_scale"] == pytest.approx(local[0]["dense_noise_scale"],
+                                                             rel=1e-3)
+    else:                       # Adagrad's run here: no signal above the noise in either
+        assert dist[0]["dense_noise_scale"] is local[0]["dense_noise_scale"] is None
 
 
 def test_resume_equals_uninterrupted(tiny_data, tmp_path):

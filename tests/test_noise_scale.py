@@ -49,3 +49,50 @@ def test_prediction_matches_the_closed_form_at_a_constant_noise_scale(bnoise):
         assert p["fraction"] == pytest.approx(frac, rel=1e-3)
         assert p["auc"] == pytest.approx(-0.3 * (1 - frac), abs=1e-3)
         assert p["logloss"] == pytest.approx(0.2 * (1 - frac), abs=1e-3)
+
+
+# ---- the noise scale a training job reports (mpips.worker.dense_sync.DenseStep) ----------
+def reference_noise(steps, decay):
+    """Plain numpy float64: the decayed sums of the two estimates over the steps whose
+    parts all have the same size (a step: a list of (n, summed gradient))."""
+    out = np.zeros(2)
+    for parts in steps:
+        ns = {n for n, _ in parts}
+        if len(parts) < 2 or len(ns) != 1:
+            continue
+        b = ns.pop()
+        B = b * len(parts)
+        small = np.mean([np.sum((g.astype(np.float64) / b) ** 2) for _, g in parts])
+        tot = np.sum([g.astype(np.float64) for _, g in parts], axis=0) / B
+        big = np.sum(tot ** 2)
+        out = out * decay + [(B * big - b * small) / (B - b), (small - big) / (1 / b - 1 / B)]
+    return out
+
+
+def test_dense_step_noise_sums_match_numpy_and_shards_add_up():
+    from mpips.report import noise_scale
+    from mpips.server.dense_table import DenseTable
+    from mpips.server.optim import OptimizerConfig
+    from mpips.worker.dense_sync import NOISE_DECAY, DenseStep
+    rng = np.random.default_rng(1)
+    P = 101
+    mean = rng.normal(size=P)                       # the gradient: mean + per-part noise
+    steps = [[(32, ((mean + rng.normal(size=P)) * 32).astype(np.float32)) for _ in range(4)]
+             for _ in range(5)]
+    steps.insert(2, [(32, steps[0][0][1]), (7, steps[0][1][1])])   # a short part: skipped
+    steps.insert(4, [(32, steps[1][0][1])])                          # one part: skipped
+    whole = DenseStep(DenseTable(np.zeros(P), OptimizerConfig("sgd", lr=0.1)))
+    shards = [DenseStep(DenseTable(np.zeros(P), OptimizerConfig("sgd", lr=0.1)), lo, hi)
+              for lo, hi in ((0, 40), (40, P))]
+    for parts in steps:
+        for acc in [whole] + shards:
+            acc.reset()
+            for n, g in parts:
+                acc.add(n, g[acc.lo:acc.hi])
+            acc.apply()
+    ref = reference_noise(steps, NOISE_DECAY)
+    np.testing.assert_allclose(whole.noise, ref, rtol=1e-5)
+    np.testing.assert_allclose(shards[0].noise + shards[1].noise, ref, rtol=1e-5)
+    assert ref[0] > 0 and noise_scale(whole.noise) == pytest.approx(ref[1] / ref[0], rel=1e-5)
+    assert noise_scale(np.array([-1.0, 5.0])) is None        # no signal above the noise
+    assert noise_scale(np.zeros(2)) is None                  # nothing counted

@@ -35,6 +35,9 @@ from mpips.backoff import SPIN
 from mpips.liveness import wait_collective, wait_requests
 
 
+NOISE_DECAY = 0.99      # DenseStep.noise: sums over about the last 1 / (1 - 0.99) steps
+
+
 def shard_bounds(n, W):
     """Bounds of W contiguous shards of n weights: shard k is [b[k], b[k+1])."""
     return [n * k // W for k in range(W + 1)]
@@ -42,17 +45,32 @@ def shard_bounds(n, W):
 
 class DenseStep:
     """Accumulates one step's dense gradient sums on weights [lo, hi) in a fixed order,
-    then applies them to that range of the table (the whole table by default)."""
+    then applies them to that range of the table (the whole table by default).
+
+    It also measures the gradient noise scale (McCandlish et al. 2018, appendix A; why it
+    matters: docs/modes.md, "Scaling with W") at no extra message: a step of k >= 2 parts
+    of b examples each gives the parts' mean gradients (batch b) and the step's (batch
+    B = k b), and from their squared norms the unbiased estimates
+    ``|G|^2 = (B |G_B|^2 - b mean|G_b|^2) / (B - b)`` and
+    ``tr(Sigma) = (mean|G_b|^2 - |G_B|^2) / (1/b - 1/B)``.  ``noise`` sums the two over the
+    steps (parts of unequal size skipped) on [lo, hi), each step's sums first decayed by
+    NOISE_DECAY (so they follow about the last 100 steps: the early steps' large gradients
+    would hold an epoch's plain sum near its first steps' small noise scale); both are
+    sums over the weights, so the workers' shards add up to the whole vector's.  B_noise = tr(Sigma) / |G|^2
+    (:func:`mpips.report.noise_scale`): the batch beyond which more examples per step buy little."""
 
     def __init__(self, table, lo=0, hi=None):
         self.table = table                      # DenseTable of all dense weights
         self.lo, self.hi = lo, table.size if hi is None else hi
         self.total = np.zeros(self.hi - self.lo, np.float32)
         self.examples = 0
+        self.noise = np.zeros(2, np.float64)    # sums over steps: |G|^2, tr(Sigma) estimates
+        self._parts = []                        # this step's (n, |mean gradient|^2)
 
     def reset(self):
         self.total[:] = 0.0
         self.examples = 0
+        self._parts = []
 
     def add(self, n, grad_sum):
         """Add one part's gradient (on [lo, hi)) of its summed loss over n examples
@@ -60,12 +78,24 @@ class DenseStep:
         if n:
             self.total += grad_sum
             self.examples += int(n)
+            self._parts.append((int(n), float(np.dot(grad_sum, grad_sum)) / float(n) ** 2))
 
     def apply(self):
         """One optimizer step from the mean gradient; returns the step's examples."""
         if self.examples:
+            self._count_noise()
             self.table.push_range(self.total, 1.0 / self.examples, self.lo, self.hi)
         return self.examples
+
+    def _count_noise(self):
+        k, b = len(self._parts), self._parts[0][0] if self._parts else 0
+        if k < 2 or any(n != b for n, _ in self._parts):
+            return
+        B = k * b
+        small = sum(sq for _, sq in self._parts) / k
+        big = float(np.dot(self.total, self.total)) / float(B) ** 2
+        self.noise *= NOISE_DECAY
+        self.noise += ((B * big - b * small) / (B - b), (small - big) / (1.0 / b - 1.0 / B))
 
 
 class DenseExchange:
