@@ -35,7 +35,7 @@ from mpips.backoff import SPIN
 from mpips.liveness import wait_collective, wait_requests
 
 
-NOISE_DECAY = 0.99      # DenseStep.noise: sums over about the last 1 / (1 - 0.99) steps
+NOISE_DECAY = 0.95      # DenseStep.noise: sums over about the last 1 / (1 - 0.95) steps
 
 
 def shard_bounds(n, W):
@@ -54,10 +54,11 @@ class DenseStep:
     ``|G|^2 = (B |G_B|^2 - b mean|G_b|^2) / (B - b)`` and
     ``tr(Sigma) = (mean|G_b|^2 - |G_B|^2) / (1/b - 1/B)``.  ``noise`` sums the two over the
     steps (parts of unequal size skipped) on [lo, hi), each step's sums first decayed by
-    NOISE_DECAY (so they follow about the last 100 steps: the early steps' large gradients
+    NOISE_DECAY (so they follow about the last 20 steps: the early steps' large gradients
     would hold an epoch's plain sum near its first steps' small noise scale); both are
-    sums over the weights, so the workers' shards add up to the whole vector's.  B_noise = tr(Sigma) / |G|^2
-    (:func:`mpips.report.noise_scale`): the batch beyond which more examples per step buy little."""
+    sums over the weights, so the workers' shards add up to the whole vector's.
+    B_noise = tr(Sigma) / |G|^2 (:func:`mpips.report.noise_scale`): the batch beyond which
+    more examples per step buy little."""
 
     def __init__(self, table, lo=0, hi=None):
         self.table = table                      # DenseTable of all dense weights
