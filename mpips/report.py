@@ -65,8 +65,9 @@ def noise_fields(noise, global_batch):
             "global_batch": int(global_batch)}
 
 
-def noise_line(rec):
-    """A line on the dense gradient noise scale against the global batch, or None."""
+def noise_line(rec, batch):
+    """A line on the dense gradient noise scale against the global batch (of workers'
+    batches of ``batch``), or None."""
     if "dense_noise_scale" not in rec:
         return None
     b, B = rec["dense_noise_scale"], rec["global_batch"]
@@ -76,9 +77,9 @@ def noise_line(rec):
     s = (f"NOISE --> dense gradient noise scale: {b:.0f} examples; global batch "
          f"{B} ({B / b:.1f}x it)")
     if B > 2 * b:      # McCandlish et al.: a step of B does the work of B / (1 + B / b_noise)
-        s += (f": each example of a step does about {(1 + 512 / b) / (1 + B / b):.2f} of "
-              f"what it would in a batch of 512; fewer examples a step (a smaller "
-              f"--batch-size) keep more of each (docs/modes.md, 'Scaling with W')")
+        s += (f": each example of a step does about {(1 + batch / b) / (1 + B / b):.2f} of "
+              f"what it would in one process's batch of {batch}; fewer examples a step (a "
+              f"smaller --batch-size) keep more of each (docs/modes.md, 'Scaling with W')")
     return s
 
 
