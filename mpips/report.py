@@ -65,6 +65,9 @@ def noise_fields(noise, global_batch):
             "global_batch": int(global_batch)}
 
 
+ADVISE_BELOW = 0.75    # noise_line: advise a smaller batch when a step's examples do less
+
+
 def noise_line(rec, batch):
     """A line on the dense gradient noise scale against the global batch (of workers'
     batches of ``batch``), or None."""
@@ -74,12 +77,14 @@ def noise_line(rec, batch):
     if b is None:
         return (f"NOISE --> dense gradient noise scale: not measured (over the last steps "
                 f"the mean gradient did not show above the noise); global batch {B}")
-    s = (f"NOISE --> dense gradient noise scale: {b:.0f} examples; global batch "
-         f"{B} ({B / b:.1f}x it)")
-    if B > 2 * b:      # McCandlish et al.: a step of B does the work of B / (1 + B / b_noise)
-        s += (f": each example of a step does about {(1 + batch / b) / (1 + B / b):.2f} of "
-              f"what it would in one process's batch of {batch}; fewer examples a step (a "
-              f"smaller --batch-size) keep more of each (docs/modes.md, 'Scaling with W')")
+    # McCandlish et al.: a step of B examples does the work of B / (1 + B / b_noise)
+    share = (1 + batch / b) / (1 + B / b)
+    s = (f"NOISE --> dense gradient noise scale: {b:.0f} examples; global batch {B} "
+         f"({B / b:.1f}x it): each example of a step does about {share:.2f} of what it "
+         f"would in one process's batch of {batch}")
+    if share < ADVISE_BELOW:
+        s += ("; fewer examples a step (a smaller --batch-size) keep more of each "
+              "(docs/modes.md, 'Scaling with W')")
     return s
 
 

@@ -98,14 +98,16 @@ def test_dense_step_noise_sums_match_numpy_and_shards_add_up():
     assert noise_scale(np.zeros(2)) is None                  # nothing counted
 
 
-def test_noise_line_gives_the_models_share_and_advises_only_past_the_scale():
+def test_noise_line_gives_the_models_share_and_advises_only_below_three_quarters():
     from mpips.report import noise_line
     far = noise_line({"dense_noise_scale": 2000.0, "global_batch": 8192}, 512)
     share = (1 + 512 / 2000) / (1 + 8192 / 2000)           # McCandlish et al.'s B / (1 + B/Bn)
     assert f"about {share:.2f} of what it would in one process's batch of 512" in far
     assert "--batch-size" in far and "(4.1x it)" in far
-    near = noise_line({"dense_noise_scale": 2000.0, "global_batch": 2048}, 512)
-    assert near.startswith("NOISE --> dense gradient noise scale: 2000 examples")
-    assert "--batch-size" not in near
+    mid = noise_line({"dense_noise_scale": 8000.0, "global_batch": 4096}, 512)   # share 0.70
+    assert "about 0.70 of" in mid and "--batch-size" in mid
+    near = noise_line({"dense_noise_scale": 4000.0, "global_batch": 1024}, 512)  # share 0.90
+    assert near.startswith("NOISE --> dense gradient noise scale: 4000 examples")
+    assert "about 0.90 of" in near and "--batch-size" not in near
     assert "not measured" in noise_line({"dense_noise_scale": None, "global_batch": 64}, 32)
     assert noise_line({"test_auc": 0.7}, 512) is None
