@@ -209,16 +209,18 @@ class DistBackend:
             prog.finish(st.examples, st.loss_sum)
         self.client.barrier()                      # every worker's pushes are applied
         span = time.perf_counter() - t0
-        acc = getattr(self.trainer, "acc", None)  # GEO: none
-        noise = np.zeros(2) if acc is None else acc.noise   # this worker's shard's share
         sums = self._sum(np.array([st.examples, st.loss_sum, c.bytes_sent - sent0,
-                                   c.messages - msgs0, noise[0], noise[1]], np.float64))
+                                   c.messages - msgs0], np.float64))
         span = self._max(span)
         metrics = BinaryMetrics.from_state(self._sum(st.metrics.state()))
         extra = {"workers": self.W, "servers": c.n_servers,
                  "bytes_sent_per_example": round(sums[2] / max(sums[0], 1), 1),
                  "messages_sent": int(sums[3])}
-        extra.update(noise_fields(sums[4:6], self.W * self.cfg.batch_size))
+        acc = getattr(self.trainer, "acc", None)  # GEO: none
+        noise = np.zeros((0, 2)) if acc is None else acc.noise()   # my shard's share
+        if len(noise):                  # (every worker counted the same steps: same shape)
+            noise = self._sum(noise.ravel()).reshape(-1, 2)
+        extra.update(noise_fields(noise, self.W * self.cfg.batch_size))
         if self.trainer.replica is not None:
             self._replica_whole()
             extra["dense_crc"] = self._replica_crcs()

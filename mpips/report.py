@@ -47,20 +47,26 @@ def epoch_record(cfg, epoch, st, test_m):
     return rec
 
 
-def noise_scale(noise):
-    """B_noise = tr(Sigma) / |G|^2 from ``DenseStep.noise`` sums (all shards'), or None
-    when no step counted or the signal did not show above the noise (|G|^2 <= 0)."""
-    g2, tr = float(noise[0]), float(noise[1])
-    return tr / g2 if g2 > 0 and tr > 0 else None
+def noise_scale(blocks):
+    """B_noise: the median over blocks (rows [|G|^2, tr(Sigma)] of ``DenseStep.noise()``,
+    all shards' summed) of tr(Sigma) / |G|^2, a block without signal (|G|^2 <= 0) counting
+    as infinite; None when there is no block or the median has no signal."""
+    blocks = np.asarray(blocks, np.float64).reshape(-1, 2)
+    if not len(blocks):
+        return None
+    g2, tr = blocks[:, 0], np.maximum(blocks[:, 1], 0.0)
+    ratios = np.where(g2 > 0, tr / np.where(g2 > 0, g2, 1.0), np.inf)
+    b = float(np.median(ratios))
+    return b if np.isfinite(b) and b > 0 else None
 
 
-def noise_fields(noise, global_batch):
-    """The record's ``dense_noise_scale`` (examples; from ``DenseStep.noise`` summed over
-    the workers' shards; None when the mean gradient did not show above the noise) and
-    ``global_batch``, or {} when no step was counted (one batch a step, or GEO)."""
-    if noise is None or not np.any(noise):
+def noise_fields(blocks, global_batch):
+    """The record's ``dense_noise_scale`` (examples, :func:`noise_scale`; None when the
+    mean gradient did not show above the noise) and ``global_batch``, or {} when no step
+    was counted (one batch a step, or GEO)."""
+    if blocks is None or not len(blocks):
         return {}
-    b = noise_scale(noise)
+    b = noise_scale(blocks)
     return {"dense_noise_scale": None if b is None else round(b, 1),
             "global_batch": int(global_batch)}
 

@@ -108,7 +108,7 @@ class LocalBackend:
             st.extra.update(simulate_workers=cfg.simulate_workers, sim_delay=cfg.sim_delay,
                             sim_sparse=cfg.sim_sparse)
         acc = getattr(self.trainer, "acc", None)     # GEO: none
-        st.extra.update(noise_fields(None if acc is None else acc.noise, W * cfg.batch_size))
+        st.extra.update(noise_fields(None if acc is None else acc.noise(), W * cfg.batch_size))
         return st
 
     def _simulate(self, readers, epoch, skip):

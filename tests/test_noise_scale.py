@@ -52,10 +52,11 @@ def test_prediction_matches_the_closed_form_at_a_constant_noise_scale(bnoise):
 
 
 # ---- the noise scale a training job reports (mpips.worker.dense_sync.DenseStep) ----------
-def reference_noise(steps, decay):
-    """Plain numpy float64: the decayed sums of the two estimates over the steps whose
-    parts all have the same size (a step: a list of (n, summed gradient))."""
-    out = np.zeros(2)
+def reference_blocks(steps, block):
+    """Plain numpy float64: per block of `block` counted steps (a step counts when its
+    parts, (n, summed gradient) each, are >= 2 and all of one size), the sums of the two
+    estimates."""
+    out, count = [], 0
     for parts in steps:
         ns = {n for n, _ in parts}
         if len(parts) < 2 or len(ns) != 1:
@@ -65,20 +66,24 @@ def reference_noise(steps, decay):
         small = np.mean([np.sum((g.astype(np.float64) / b) ** 2) for _, g in parts])
         tot = np.sum([g.astype(np.float64) for _, g in parts], axis=0) / B
         big = np.sum(tot ** 2)
-        out = out * decay + [(B * big - b * small) / (B - b), (small - big) / (1 / b - 1 / B)]
-    return out
+        if count % block == 0:
+            out.append(np.zeros(2))
+        out[-1] += [(B * big - b * small) / (B - b), (small - big) / (1 / b - 1 / B)]
+        count += 1
+    return np.array(out)
 
 
-def test_dense_step_noise_sums_match_numpy_and_shards_add_up():
+def test_dense_step_noise_blocks_match_numpy_and_shards_add_up():
     from mpips.report import noise_scale
     from mpips.server.dense_table import DenseTable
     from mpips.server.optim import OptimizerConfig
-    from mpips.worker.dense_sync import NOISE_DECAY, DenseStep
+    from mpips.worker.dense_sync import NOISE_BLOCK, NOISE_BLOCKS, DenseStep
     rng = np.random.default_rng(1)
     P = 101
     mean = rng.normal(size=P)                       # the gradient: mean + per-part noise
-    steps = [[(32, ((mean + rng.normal(size=P)) * 32).astype(np.float32)) for _ in range(4)]
-             for _ in range(5)]
+    n_steps = NOISE_BLOCK * (NOISE_BLOCKS + 1) + 7  # more blocks than are reported
+    steps = [[(32, ((mean * (1 + t % 3) + rng.normal(size=P)) * 32).astype(np.float32))
+              for _ in range(4)] for t in range(n_steps)]
     steps.insert(2, [(32, steps[0][0][1]), (7, steps[0][1][1])])   # a short part: skipped
     steps.insert(4, [(32, steps[1][0][1])])                          # one part: skipped
     whole = DenseStep(DenseTable(np.zeros(P), OptimizerConfig("sgd", lr=0.1)))
@@ -90,12 +95,23 @@ def test_dense_step_noise_sums_match_numpy_and_shards_add_up():
             for n, g in parts:
                 acc.add(n, g[acc.lo:acc.hi])
             acc.apply()
-    ref = reference_noise(steps, NOISE_DECAY)
-    np.testing.assert_allclose(whole.noise, ref, rtol=1e-5)
-    np.testing.assert_allclose(shards[0].noise + shards[1].noise, ref, rtol=1e-5)
-    assert ref[0] > 0 and noise_scale(whole.noise) == pytest.approx(ref[1] / ref[0], rel=1e-5)
-    assert noise_scale(np.array([-1.0, 5.0])) is None        # no signal above the noise
-    assert noise_scale(np.zeros(2)) is None                  # nothing counted
+    ref = reference_blocks(steps, NOISE_BLOCK)[-NOISE_BLOCKS:]
+    assert len(ref) == NOISE_BLOCKS and np.all(ref[:, 0] > 0)
+    np.testing.assert_allclose(whole.noise(), ref, rtol=1e-5)
+    np.testing.assert_allclose(shards[0].noise() + shards[1].noise(), ref, rtol=1e-5)
+    assert noise_scale(whole.noise()) == pytest.approx(np.median(ref[:, 1] / ref[:, 0]),
+                                                       rel=1e-5)
+    whole.noise_reset()
+    assert whole.noise().shape == (0, 2) and noise_scale(whole.noise()) is None
+
+
+def test_noise_scale_is_a_median_robust_to_a_swing_and_counts_no_signal_as_infinite():
+    from mpips.report import noise_scale
+    blocks = np.array([[1.0, 1000.0], [1.2, 1500.0], [50.0, 900.0]])   # the last: a swing
+    assert noise_scale(blocks) == pytest.approx(1000.0)     # (a ratio of sums: 65.7)
+    no_signal = np.array([[-1.0, 800.0], [-0.5, 900.0], [1.0, 600.0]])
+    assert noise_scale(no_signal) is None                   # median: infinite
+    assert noise_scale(np.array([[-1.0, 800.0], [1.0, 600.0], [2.0, 1000.0]])) == 600.0
 
 
 def test_noise_line_gives_the_models_share_and_advises_only_below_three_quarters():

@@ -35,7 +35,8 @@ from mpips.backoff import SPIN
 from mpips.liveness import wait_collective, wait_requests
 
 
-NOISE_DECAY = 0.95      # DenseStep.noise: sums over about the last 1 / (1 - 0.95) steps
+NOISE_BLOCK = 20        # DenseStep: steps a block of noise-scale sums holds
+NOISE_BLOCKS = 5        # DenseStep.noise(): the last blocks reported (about 100 steps)
 
 
 def shard_bounds(n, W):
@@ -52,20 +53,22 @@ class DenseStep:
     of b examples each gives the parts' mean gradients (batch b) and the step's (batch
     B = k b), and from their squared norms the unbiased estimates
     ``|G|^2 = (B |G_B|^2 - b mean|G_b|^2) / (B - b)`` and
-    ``tr(Sigma) = (mean|G_b|^2 - |G_B|^2) / (1/b - 1/B)``.  ``noise`` sums the two over the
-    steps (parts of unequal size skipped) on [lo, hi), each step's sums first decayed by
-    NOISE_DECAY (so they follow about the last 20 steps: the early steps' large gradients
-    would hold an epoch's plain sum near its first steps' small noise scale); both are
-    sums over the weights, so the workers' shards add up to the whole vector's.
-    B_noise = tr(Sigma) / |G|^2 (:func:`mpips.report.noise_scale`): the batch beyond which
-    more examples per step buy little."""
+    ``tr(Sigma) = (mean|G_b|^2 - |G_B|^2) / (1/b - 1/B)``.  Both are sums over the
+    weights, so the workers' shards add up to the whole vector's.  They are summed over
+    blocks of NOISE_BLOCK counted steps (parts of unequal size skipped) on [lo, hi);
+    :meth:`noise` gives the last NOISE_BLOCKS blocks, and B_noise is the median of the
+    blocks' tr(Sigma) / |G|^2 (:func:`mpips.report.noise_scale`): a median, because a few
+    steps with a large mean gradient (the model's mean prediction off the CTR) would pull a
+    plain ratio of sums far down.  B_noise is the batch beyond which more examples per step
+    buy little."""
 
     def __init__(self, table, lo=0, hi=None):
         self.table = table                      # DenseTable of all dense weights
         self.lo, self.hi = lo, table.size if hi is None else hi
         self.total = np.zeros(self.hi - self.lo, np.float32)
         self.examples = 0
-        self.noise = np.zeros(2, np.float64)    # sums over steps: |G|^2, tr(Sigma) estimates
+        self._blocks = []                       # per block: [|G|^2, tr(Sigma)] estimate sums
+        self._in_block = 0                      # steps counted in the last block
         self._parts = []                        # this step's (n, |mean gradient|^2)
 
     def reset(self):
@@ -95,8 +98,20 @@ class DenseStep:
         B = k * b
         small = sum(sq for _, sq in self._parts) / k
         big = float(np.dot(self.total, self.total)) / float(B) ** 2
-        self.noise *= NOISE_DECAY
-        self.noise += ((B * big - b * small) / (B - b), (small - big) / (1.0 / b - 1.0 / B))
+        if not self._blocks or self._in_block == NOISE_BLOCK:
+            self._blocks.append(np.zeros(2, np.float64))
+            self._in_block = 0
+        self._blocks[-1] += ((B * big - b * small) / (B - b), (small - big) / (1.0 / b - 1.0 / B))
+        self._in_block += 1
+
+    def noise_reset(self):
+        """Forget the noise-scale sums (an epoch starts)."""
+        self._blocks, self._in_block = [], 0
+
+    def noise(self):
+        """The last NOISE_BLOCKS blocks' sums, float64 (k, 2): [|G|^2, tr(Sigma)] on
+        [lo, hi); every worker counts the same steps, so every worker has the same k."""
+        return np.array(self._blocks[-NOISE_BLOCKS:], np.float64).reshape(-1, 2)
 
 
 class DenseExchange:

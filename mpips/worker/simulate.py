@@ -130,7 +130,7 @@ class Simulator:
         """One epoch over ``steps`` (lists of (worker, Batch), worker order); EpochStats."""
         tr, st = self.trainer, EpochStats()
         params, acc = tr.params[0], tr.acc
-        acc.noise[:] = 0.0                         # this epoch's noise scale (DenseStep)
+        acc.noise_reset()                          # this epoch's noise scale (DenseStep)
         t_start = time.perf_counter()
 
         def grad(t, parts):

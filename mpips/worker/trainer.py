@@ -316,7 +316,7 @@ class Trainer:
             next(it, None)
         t_start = time.perf_counter()
         params, sync_d, acc = self.params[0], self.dense_sync, self.acc
-        acc.noise[:] = 0.0                         # this epoch's noise scale (DenseStep)
+        acc.noise_reset()                          # this epoch's noise scale (DenseStep)
         # sync servers sum a step's pushes (rows scaled by the step's examples) unless
         # --sync-sparse-lr each: then each push is a step of its own (rows scaled by the
         # worker's examples), as async pushes are
