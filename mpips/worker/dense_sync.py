@@ -49,7 +49,7 @@ class DenseStep:
     then applies them to that range of the table (the whole table by default).
 
     It also measures the gradient noise scale (McCandlish et al. 2018, appendix A; why it
-    matters: docs/modes.md, "Scaling with W") at no extra message: a step of k >= 2 parts
+    matters: docs/modes.md, "Scaling with W") with no message per step: a step of k >= 2 parts
     of b examples each gives the parts' mean gradients (batch b) and the step's (batch
     B = k b), and from their squared norms the unbiased estimates
     ``|G|^2 = (B |G_B|^2 - b mean|G_b|^2) / (B - b)`` and
@@ -57,10 +57,9 @@ class DenseStep:
     weights, so the workers' shards add up to the whole vector's.  They are summed over
     blocks of NOISE_BLOCK counted steps (parts of unequal size skipped) on [lo, hi);
     :meth:`noise` gives the last NOISE_BLOCKS blocks, and B_noise is the median of the
-    blocks' tr(Sigma) / |G|^2 (:func:`mpips.report.noise_scale`): a median, because a few
-    steps with a large mean gradient (the model's mean prediction off the CTR) would pull a
-    plain ratio of sums far down.  B_noise is the batch beyond which more examples per step
-    buy little."""
+    blocks' tr(Sigma) / |G|^2 (:func:`mpips.report.noise_scale`; a median, so that a few
+    steps with a large mean gradient cannot pull it down).  B_noise is the batch beyond
+    which more examples per step buy little."""
 
     def __init__(self, table, lo=0, hi=None):
         self.table = table                      # DenseTable of all dense weights
@@ -100,6 +99,7 @@ class DenseStep:
         big = float(np.dot(self.total, self.total)) / float(B) ** 2
         if not self._blocks or self._in_block == NOISE_BLOCK:
             self._blocks.append(np.zeros(2, np.float64))
+            del self._blocks[:-NOISE_BLOCKS]        # only the last ones are reported
             self._in_block = 0
         self._blocks[-1] += ((B * big - b * small) / (B - b), (small - big) / (1.0 / b - 1.0 / B))
         self._in_block += 1
