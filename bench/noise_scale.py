@@ -44,20 +44,18 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402,F401  (the repo root on sys.path)
 
-from mpips.build import make_model, make_reader, make_schema, make_tables, resolve_data  # noqa: E402
+from mpips.build import make_reader, resolve_data  # noqa: E402
 from mpips.config import parse_args  # noqa: E402
 from mpips.kernels.embedding import sum_duplicates  # noqa: E402
-from mpips.ownership import plan_keys  # noqa: E402
 from mpips.report import log_line  # noqa: E402
-from mpips.runner import LocalBackend  # noqa: E402
-from mpips.worker.local import LocalPS  # noqa: E402
-from mpips.worker.trainer import Trainer  # noqa: E402
+from mpips.train import local_backend  # noqa: E402
+from mpips.worker.dense_sync import noise_pair  # noqa: E402
 
 
 def estimate(small_sq, big_sq, b, B):
-    """(|G|^2, tr(Sigma), B_noise) from mean |G_b|^2 and |G_B|^2 (B = k b)."""
-    g2 = (B * big_sq - b * small_sq) / (B - b)
-    tr = (small_sq - big_sq) / (1.0 / b - 1.0 / B)
+    """(|G|^2, tr(Sigma), B_noise) from mean |G_b|^2 and |G_B|^2 (B = k b): the pair a
+    training job's DenseStep sums (``noise_pair``), and their ratio."""
+    g2, tr = noise_pair(small_sq, big_sq, b, B)
     return g2, tr, (tr / g2 if g2 > 0 else float("inf"))
 
 
@@ -103,12 +101,12 @@ def probe(trainer, preps, b):
 def run(args, extra):
     cfg = parse_args(["--local", "--train", f"{args.data}/train", "--test", f"{args.data}/test",
                       "--progress-every", "0", "--print-every", "100000"] + extra)
+    if cfg.mode == "geo" or cfg.local_workers > 1 or cfg.simulate_workers:
+        raise SystemExit("noise_scale: one process of one batch a step only (the run the "
+                         "estimates are taken along)")
     train_files, test_files = resolve_data(cfg)
-    model = make_model(cfg, make_schema(cfg))
-    sparse, dense = make_tables(cfg, model, dense_batches=1)
-    ps = LocalPS(sparse, dense)
-    trainer = Trainer(cfg, model, ps, lambda ids: plan_keys(ids, 1), replica=ps.dense)
-    backend = LocalBackend(cfg, trainer, ps)
+    backend = local_backend(cfg)              # what --local trains with
+    trainer = backend.trainer
     reader = make_reader(cfg, test_files, cfg.batch_size, log_line)
     preps = []
     for batch in reader:
@@ -169,12 +167,11 @@ def predict(run_, batches, group="all"):
     g2x, trx = np.interp(xs, x, g2), np.interp(xs, x, tr)
     bn_of_x = np.where(g2x > 0, trx / np.maximum(g2x, 1e-300), 1e9).clip(1.0, 1e9)
     i_ref = np.concatenate([[0.0], np.cumsum(dx / (1.0 + b / bn_of_x[:-1]))])
-    bn_of_i = bn_of_x                                 # on the grid of i_ref
     out = []
     for B in batches:
         i = 0.0
-        for _ in range(len(xs) - 1):
-            i += dx / (1.0 + B / np.interp(i, i_ref, bn_of_i))
+        for _ in range(len(xs) - 1):          # B_noise where one process had progress i
+            i += dx / (1.0 + B / np.interp(i, i_ref, bn_of_x))
         frac = float(np.interp(i, i_ref, xs) / n)
         out.append({"batch": B, "fraction": frac,
                     "auc": float(np.interp(frac * n, x, auc)) - float(auc[-1]),
@@ -190,16 +187,17 @@ def main(argv=None):
         argv, extra = argv[:k], argv[k + 1:]
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", help="a criteo_like directory (train/, test/)")
-    ap.add_argument("--probes", type=int, default=64, help="batches of 512 per estimate")
+    ap.add_argument("--probes", type=int, default=64,
+                    help="test batches (of --batch-size, 512 by default) per estimate")
     ap.add_argument("--every", type=int, default=100, help="steps between estimates")
     ap.add_argument("--json", default="", help="write the records here")
     ap.add_argument("--predict", default="", help="a --json file: predict, do not train")
     ap.add_argument("--batches", default="512,1024,2048,4096,8192,16384,32768")
     ap.add_argument("--group", default="all", choices=("all", "dense", "sparse", "dense_adam"))
     args = ap.parse_args(argv)
-    run_ = json.loads(Path(args.predict).read_text()) if args.predict else run(args, extra)
     if args.data is None and not args.predict:
         ap.error("--data or --predict")
+    run_ = json.loads(Path(args.predict).read_text()) if args.predict else run(args, extra)
     later = [r for r in run_["records"] if r["step"] >= 64]
     print("median B_noise from step 64 on: " + ", ".join(
         f"{g} {np.median([r[f'{g}_bnoise'] for r in later]):.0f}"

@@ -235,8 +235,8 @@ def run_epochs(cfg, backend, train_files, test_files):
         rec = epoch_record(cfg, epoch, st, test_m)
         if backend.is_logger:
             log_line(summary_line(rec))
-            if noise_line(rec, cfg.batch_size):
-                log_line(noise_line(rec, cfg.batch_size))
+            if line := noise_line(rec, cfg.batch_size):
+                log_line(line)
             backend.emit(rec)
         records.append(rec)
     return records

@@ -42,6 +42,23 @@ def run_local(cfg):
     log_line(f"mpips: kernels compiled or loaded from numba's cache in "
              f"{seconds:.1f} s (before training; in no rate)")
     jit0 = signatures()
+    backend = local_backend(cfg)
+    trainer, ps = backend.trainer, backend.ps
+    if cfg.stream:
+        records = run_stream(cfg, backend, log_line)
+    else:
+        records = run_epochs(cfg, backend, train_files, test_files)
+    log_line(trainer.times_line("local"))
+    log_line(f"PROFILE --> local compute_s={trainer.compute_s:.2f} rows={len(ps.sparse)} "
+             f"peak_rss_mb={peak_rss_mb():.0f}")
+    report_new(jit0, "local")
+    return records
+
+
+def local_backend(cfg):
+    """The one-process LocalBackend of ``cfg`` (its Trainer, LocalPS and tables), loaded from
+    the checkpoint to resume when there is one: what ``--local`` trains with."""
+    W = cfg.simulate_workers or cfg.local_workers       # one dense step averages W batches
     schema = make_schema(cfg)
     model = make_model(cfg, schema)
     sparse, dense = make_tables(cfg, model, dense_batches=W)
@@ -64,16 +81,7 @@ def run_local(cfg):
     if path:
         ck.load_local(path, inner_table(ps.sparse), ps.dense, admission_of(ps.sparse))
         log_line(resume_line(path, ck.read_manifest(path)))
-    backend = LocalBackend(cfg, trainer, ps, path)
-    if cfg.stream:
-        records = run_stream(cfg, backend, log_line)
-    else:
-        records = run_epochs(cfg, backend, train_files, test_files)
-    log_line(trainer.times_line("local"))
-    log_line(f"PROFILE --> local compute_s={trainer.compute_s:.2f} rows={len(ps.sparse)} "
-             f"peak_rss_mb={peak_rss_mb():.0f}")
-    report_new(jit0, "local")
-    return records
+    return LocalBackend(cfg, trainer, ps, path)
 
 
 def precheck(cfg, comm=None):

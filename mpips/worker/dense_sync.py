@@ -44,6 +44,17 @@ def shard_bounds(n, W):
     return [n * k // W for k in range(W + 1)]
 
 
+def sq_mean(grad_sum, n):
+    """|grad_sum / n|^2: the squared norm of a mean gradient, from its sum over n examples."""
+    return float(np.dot(grad_sum, grad_sum)) / float(n) ** 2
+
+
+def noise_pair(small, big, b, B):
+    """McCandlish et al.'s unbiased (|G|^2, tr(Sigma)) from mean |G_b|^2 over batches of b
+    examples (``small``) and |G_B|^2 of their union of B examples (``big``)."""
+    return (B * big - b * small) / (B - b), (small - big) / (1.0 / b - 1.0 / B)
+
+
 class DenseStep:
     """Accumulates one step's dense gradient sums on weights [lo, hi) in a fixed order,
     then applies them to that range of the table (the whole table by default).
@@ -79,9 +90,12 @@ class DenseStep:
         """Add one part's gradient (on [lo, hi)) of its summed loss over n examples
         (n = 0: nothing)."""
         if n:
+            if len(self._parts) == 1:    # a second part: the total so far is the first one
+                self._parts[0] = (self._parts[0][0], sq_mean(self.total, self._parts[0][0]))
             self.total += grad_sum
             self.examples += int(n)
-            self._parts.append((int(n), float(np.dot(grad_sum, grad_sum)) / float(n) ** 2))
+            # (a step of one part, as every step of one process, takes no dot product)
+            self._parts.append((int(n), sq_mean(grad_sum, n) if self._parts else None))
 
     def apply(self):
         """One optimizer step from the mean gradient; returns the step's examples."""
@@ -96,12 +110,12 @@ class DenseStep:
             return
         B = k * b
         small = sum(sq for _, sq in self._parts) / k
-        big = float(np.dot(self.total, self.total)) / float(B) ** 2
+        big = sq_mean(self.total, B)
         if not self._blocks or self._in_block == NOISE_BLOCK:
             self._blocks.append(np.zeros(2, np.float64))
             del self._blocks[:-NOISE_BLOCKS]        # only the last ones are reported
             self._in_block = 0
-        self._blocks[-1] += ((B * big - b * small) / (B - b), (small - big) / (1.0 / b - 1.0 / B))
+        self._blocks[-1] += noise_pair(small, big, b, B)
         self._in_block += 1
 
     def noise_reset(self):
