@@ -25,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mpips import checkpoint as ck
 from mpips.models.ctr_dnn import CTRDNN
 from mpips.schema import Schema
-from mpips.server.dense_table import DenseTable
-from mpips.server.optim import OptimizerConfig
-from mpips.server.sparse_table import SparseTable
-from mpips.ownership import dense_bounds
+from mpips.tables.dense import DenseTable
+from mpips.tables.optim import OptimizerConfig
+from mpips.tables.sparse import SparseTable
+from mpips.tables.ownership import dense_bounds
 
 PUSH_CHUNK = 1 << 18    # rows per push while filling the table
 

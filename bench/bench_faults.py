@@ -60,9 +60,9 @@ def first_error(text):
 def checkpoint_state(root):
     """'ckpt-... loads (N rows)' for the newest committed checkpoint, or the reason it fails."""
     from mpips import checkpoint as ck
-    from mpips.server.dense_table import DenseTable
-    from mpips.server.optim import OptimizerConfig
-    from mpips.server.sparse_table import SparseTable
+    from mpips.tables.dense import DenseTable
+    from mpips.tables.optim import OptimizerConfig
+    from mpips.tables.sparse import SparseTable
     import numpy as np
     try:
         path = ck.resolve(str(root), warn=lambda m: None)

@@ -48,8 +48,8 @@ def rss_mb(pid="self"):
 
 
 def new_table():
-    from mpips.server.optim import OptimizerConfig
-    from mpips.server.sparse_table import SparseTable
+    from mpips.tables.optim import OptimizerConfig
+    from mpips.tables.sparse import SparseTable
     return SparseTable(DIM, OptimizerConfig(name="adam", lr=1e-3), seed=0)
 
 
@@ -69,7 +69,7 @@ def fill(table, n_rows, seed):
 def build(rows):
     """Part 1: memory per row and build time."""
     import gc
-    from mpips.server.sparse_table import SparseTable  # noqa: F401 - warm imports first
+    from mpips.tables.sparse import SparseTable  # noqa: F401 - warm imports first
     warm = new_table()
     fill(warm, 10_000, 99)                       # compile the kernels outside the timing
     del warm
@@ -115,10 +115,10 @@ def local_throughput(table, n, rounds=200):
 def mpi_main(a):
     from mpi4py import MPI
 
-    from mpips.server.dense_table import DenseTable
+    from mpips.tables.dense import DenseTable
     from mpips.server.loop import Server
-    from mpips.server.optim import OptimizerConfig
-    from mpips.ownership import plan_keys
+    from mpips.tables.optim import OptimizerConfig
+    from mpips.tables.ownership import plan_keys
     from mpips.worker.client import PSClient
     comm = MPI.COMM_WORLD
     pid = np.array([os.getpid()], np.int64)
@@ -152,7 +152,7 @@ def mpi_main(a):
         if comm.rank == 1 and r % a.sample_every == 0:
             samples.append(round(rss_mb(int(pid[0])), 1))
     seconds = time.perf_counter() - t0
-    from mpips.protocol import Op
+    from mpips.comm.protocol import Op
     client.control(Op.FINISH)
     table = np.zeros((comm.size, 2)) if comm.rank == 1 else None
     comm.Gather(np.array([keys_done, seconds], np.float64), table, root=1)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import ensure_data  # noqa: E402
 from common import ENV, ROOT, mpiexec  # noqa: E402
 
-from mpips.progress import Progress  # noqa: E402
+from mpips.job.progress import Progress  # noqa: E402
 
 VARIANTS = (("off", ["--progress-every", "0"], {}),
             ("default (10 s)", ["--progress-every", "10"], {}),

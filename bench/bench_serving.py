@@ -46,13 +46,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_checkpoint import build, dir_bytes  # noqa: E402
 from common import ENV, ROOT, mpiexec  # noqa: E402
 
-from mpips import bundle as bd  # noqa: E402
+from mpips.serving import bundle as bd  # noqa: E402
 from mpips import checkpoint as ck  # noqa: E402
 from mpips.data.files import resolve_paths  # noqa: E402
 from mpips.metrics import BinaryMetrics  # noqa: E402
-from mpips.server.dense_table import DenseTable  # noqa: E402
-from mpips.server.sparse_table import SparseTable  # noqa: E402
-from mpips.scoring import ServingModel  # noqa: E402
+from mpips.tables.dense import DenseTable  # noqa: E402
+from mpips.tables.sparse import SparseTable  # noqa: E402
+from mpips.serving.model import ServingModel  # noqa: E402
 from mpips.serving import Predictor, parse_lines  # noqa: E402
 
 

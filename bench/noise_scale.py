@@ -44,10 +44,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402,F401  (the repo root on sys.path)
 
-from mpips.build import make_reader, resolve_data  # noqa: E402
+from mpips.job.build import make_reader, resolve_data  # noqa: E402
 from mpips.config import parse_args  # noqa: E402
 from mpips.kernels.embedding import sum_duplicates  # noqa: E402
-from mpips.report import log_line  # noqa: E402
+from mpips.job.report import log_line  # noqa: E402
 from mpips.train import local_backend  # noqa: E402
 from mpips.worker.dense_sync import noise_pair  # noqa: E402
 

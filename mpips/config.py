@@ -9,7 +9,6 @@ import argparse
 import dataclasses
 import difflib
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 
@@ -18,10 +17,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from mpips.checkpoint.manifest import UNKNOWN, CheckpointError, run_settings, saved_settings
 from mpips.schema import load_schema
-from mpips.server.admission import parse_entry
-from mpips.server.staleness import CHOICES as STALE_CHOICES
 
 MODES = ("async", "sync", "geo", "ssp")
 OPTIMIZERS = ("adam", "adagrad", "sgd")
@@ -31,6 +27,31 @@ SHRINK_EVERY = ("day", "pass", "never")
 LATE_PASS = ("warn", "fail")
 MODELS = ("dnn", "wide_deep", "deepfm")     # mpips.models.zoo.MODELS
 SIM_SPARSE = ("async", "sync")              # mpips.worker.simulate.SPARSE
+
+
+STALE_RULES = ("none", "inverse", "sqrt")     # --stale-lr: learning-rate factor by staleness s
+STALE_CHOICES = STALE_RULES + ("auto",)       # what --stale-lr takes
+MAX_COUNT = 1 << 24       # float32 counts are exact integers up to here
+
+
+def parse_entry(spec):
+    """'' | 'count:N' | 'probability:P' -> (kind, value); ValueError with the forms."""
+    if not spec:
+        return None, 0.0
+    kind, _, raw = spec.partition(":")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if kind == "count" and value >= 1 and value == int(value):
+        if value > MAX_COUNT:
+            raise ValueError(f"--entry count:{raw}: at most {MAX_COUNT} (sightings are counted "
+                             f"in float32, whose integers end there)")
+        return "count", int(value)
+    if kind == "probability" and 0.0 < value <= 1.0:
+        return "probability", value
+    raise ValueError(f"--entry must be count:N (N >= 1) or probability:P (0 < P <= 1); got {spec!r}")
+
 
 
 def _f(default, help_text, **kw):
@@ -397,144 +418,3 @@ def _fc(value):
 
 
 ORDER_KEYS = ("shuffle", "shuffle_window", "seed", "batch_size", "local_workers")
-
-
-# Settings that change what the numbers in a checkpoint mean (a row's id, a weight's place,
-# an optimizer state's kind): a checkpoint is resumed, scored and exported only with the
-# values it was saved with.  (key, flag, what it decides).  A key that is a Config field
-# is compared as stored in the manifest's config (a field missing there is one saved
-# before the field existed, i.e. with its default); the others are derived and stored in
-# the manifest's "settings" (mpips.checkpoint.run_settings).  `model` (--model) is one:
-# a checkpoint saved before it existed is a dnn's (the default).
-MEANING = (
-    ("model", "--model", "the network the weights belong to"),
-    ("hash_bucket", "--hash-bucket", "which row each feature value maps to"),
-    ("ids", "feature-id hashing", "which row each feature value maps to"),
-    ("norm", "--stats", "the dense inputs the weights were trained on"),
-    ("embedding_dim", "--embedding-dim", "the width of every row"),
-    ("fc", "--fc", "the layout of the dense weights"),
-    ("optimizer", "--optimizer", "the optimizer state stored with every row"),
-)
-_NORMALISE = {"model": str, "hash_bucket": int, "embedding_dim": int, "fc": _fc, "optimizer": str}
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
-
-
-def _meaning(config, settings):
-    """{key: value} of the MEANING keys for a config dict and its derived settings."""
-    out = {}
-    for key, _, _ in MEANING:
-        if key in settings:
-            out[key] = settings[key]
-        else:
-            value = config.get(key, _DEFAULTS.get(key))
-            out[key] = _NORMALISE.get(key, lambda v: v)(value)
-    return out
-
-
-def saved_meaning(manifest):
-    """The MEANING values a checkpoint was saved with."""
-    config = dict(manifest["config"])
-    config.setdefault("embedding_dim", manifest["embedding_dim"])
-    config.setdefault("optimizer", manifest["optimizer"]["name"])
-    return _meaning(config, saved_settings(manifest))
-
-
-def run_meaning(cfg, skip=(), schema=None):
-    """The MEANING values of a run config (a Config or its dict); reads its --stats file
-    unless "norm" is in ``skip`` (keys in ``skip`` read UNKNOWN: never compared), with as
-    many values as ``schema`` (default: the config's --schema file, else Criteo's) has
-    dense inputs."""
-    config = cfg if isinstance(cfg, dict) else json.loads(cfg.to_json())
-    if "norm" in skip or not config.get("stats"):
-        settings = run_settings(dict(config, stats=""))
-    else:
-        if schema is None and config.get("schema"):
-            schema = load_schema(config["schema"])
-        settings = run_settings(config, schema)
-    return dict(_meaning(config, settings), **dict.fromkeys(skip, UNKNOWN))
-
-
-def _show(key, flag, value, config, other):
-    """One setting's value for a message; the normalisation by its first differing value."""
-    if key != "norm":
-        return f"{flag} {','.join(map(str, value)) if key == 'fc' else value}"
-    if value is None:
-        return "no --stats"
-    where = config.get("stats") or "?"
-    if not isinstance(other, dict):
-        return f"--stats {where}"
-    if len(value["cont_min"]) != len(other["cont_min"]):
-        return f"--stats {where} ({len(value['cont_min'])} dense values)"
-    k = next((i for i in range(len(value["cont_min"])) if (value["cont_min"][i],
-              value["cont_diff"][i]) != (other["cont_min"][i], other["cont_diff"][i])), 0)
-    criteo = not config.get("schema") and len(value["cont_min"]) == 13    # I1..I13
-    name = f"I{k + 1}" if criteo else f"dense value {k + 1}"
-    return (f"--stats {where} ({name}: cont_min {value['cont_min'][k]:g}, cont_diff "
-            f"{value['cont_diff'][k]:g})")
-
-
-def _fix(key, flag, value, config):
-    """How to run with the saved value of a setting."""
-    if key == "ids":
-        return "use the mpips version that saved it, or train a new model"
-    if key == "norm":
-        use = ("run without --stats" if value is None else
-               f"run with --stats {config.get('stats')} (or a file of the same values)")
-    else:
-        use = f"run with {_show(key, flag, value, config, None)}"
-    return use + ", or do not resume from it"
-
-
-def first_difference(saved, now):
-    """The first MEANING row (key, flag, what) where two value dicts differ, or None."""
-    for key, flag, what in MEANING:
-        a, b = saved[key], now[key]
-        if a != b and UNKNOWN not in (a, b):
-            return key, flag, what
-    return None
-
-
-def check_compatible(manifest, cfg, fix=None, skip=(), schema=None):
-    """Raise CheckpointError naming the first setting where ``cfg`` (a Config or a config
-    dict) cannot use the checkpoint: one line with the setting, both values and ``fix``
-    (default: run with the saved value, or do not resume).  ``skip``: MEANING keys not
-    to compare (scoring and export use the stored normalisation values, not the file's);
-    ``schema``: the one to read ``cfg``'s --stats for (default: its --schema file's)."""
-    now = cfg if isinstance(cfg, dict) else json.loads(cfg.to_json())
-    saved = dict(manifest["config"])
-    s_val, n_val = saved_meaning(manifest), run_meaning(now, skip, schema)
-    diff = first_difference(s_val, n_val)
-    if diff is not None:
-        key, flag, what = diff
-        was = _show(key, flag, s_val[key], saved, n_val[key])
-        fix = fix or _fix(key, flag, s_val[key], saved)
-        raise CheckpointError(
-            f"checkpoint seq {manifest['seq']} was saved with {was}; this run has "
-            f"{_show(key, flag, n_val[key], now, s_val[key])} (it decides {what}): {fix}")
-    if (manifest.get("meta") or {}).get("complete", True):
-        return
-    for key in ORDER_KEYS:      # a mid-epoch resume skips batches: their order must match
-        if key in saved and key in now and saved[key] != now[key]:
-            flag = "--" + key.replace("_", "-")
-            raise CheckpointError(
-                f"checkpoint seq {manifest['seq']} was saved mid-epoch with {flag} "
-                f"{saved[key]}; this run has {flag} {now[key]}, so skipping the batches "
-                f"done would skip other rows (use the same {flag})")
-
-
-def check_chain(elements):
-    """Raise CheckpointError if the elements [(dir, manifest)] of a base..delta chain were
-    saved with different MEANING values (one would be read with the other's meaning)."""
-    last_dir, last = elements[-1]
-    want = saved_meaning(last)
-    for d, m in elements[:-1]:
-        diff = first_difference(saved_meaning(m), want)
-        if diff is not None:
-            key, flag, _ = diff
-            raise CheckpointError(
-                f"{last_dir}: its chain mixes settings: {os.path.basename(d)} was saved with "
-                f"{_show(key, flag, saved_meaning(m)[key], m['config'], want[key])}, "
-                f"{os.path.basename(last_dir)} with "
-                f"{_show(key, flag, want[key], last['config'], saved_meaning(m)[key])} "
-                "(use a checkpoint whose base and deltas come from one run)")
-

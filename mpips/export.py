@@ -7,7 +7,7 @@
 ``--model`` is a checkpoint directory or a root (its latest committed checkpoint).  The
 bundle holds the dense weights, the sparse ids and their embeddings (no optimizer
 state), the model config, the data settings (format, ``hash_bucket``, normalisation)
-and a CRC-32 per dataset (format: ``mpips.bundle``).  ``--since BUNDLE`` writes a patch
+and a CRC-32 per dataset (format: ``mpips.serving.bundle``).  ``--since BUNDLE`` writes a patch
 instead: the rows changed and ids evicted in the delta checkpoints after the one BUNDLE
 was made from.  The normalisation is the values the checkpoint recorded from its run's
 ``--stats``; ``--stats`` is needed only for a checkpoint from before they were recorded
@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-from mpips import bundle as bd
+import mpips.serving.bundle as bd
 from mpips.checkpoint import read_manifest, resolve
 from mpips.config import MODELS
 from mpips.models.zoo import check_model

@@ -7,11 +7,11 @@
 verifies, chosen by the first rank; one that does not is passed over with a warning).  The
 table is read straight from the checkpoint's shard files — keys, embedding values and
 dense weights, never the optimizer state — and the base..delta chain is folded into one
-read-only table (``mpips.scoring.ServingModel``; ids the checkpoint does not hold read
+read-only table (``mpips.serving.model.ServingModel``; ids the checkpoint does not hold read
 zeros).  The data are read as the run read them: its hash bucket, and the normalisation
 values the checkpoint recorded from the run's ``--stats`` (not the file as it is now).  A
 chain whose elements disagree on a setting that changes what the numbers mean
-(``mpips.config.MEANING``) is refused.  No server ranks: scoring needs no messages.
+(``mpips.checkpoint.compat.MEANING``) is refused.  No server ranks: scoring needs no messages.
 Under mpirun the first rank of each node loads the table into MPI shared memory and the
 node's other ranks map it, so a node holds one copy whatever N is (``--table-per-rank``:
 every rank loads its own; docs/serving.md has the measurements).
@@ -45,18 +45,18 @@ import traceback
 
 import numpy as np
 
-from mpips.backoff import COLLECTIVE, Backoff
-from mpips.build import make_reader
-from mpips.bundle import Snapshot, bundle_info, schema_of_manifest
+from mpips.comm.backoff import COLLECTIVE, Backoff
+from mpips.job.build import make_reader
+from mpips.serving.bundle import Snapshot, bundle_info, schema_of_manifest
 from mpips.checkpoint import read_manifest, resolve, saved_settings
 from mpips.config import MODELS, Config
 from mpips.data.files import resolve_paths, split_files
 from mpips.metrics import BinaryMetrics
 from mpips.models.zoo import check_model
-from mpips.resume import first_rank_decides
+from mpips.job.resume import first_rank_decides
 from mpips.schema import check_same, load_schema, stored_schema
-from mpips.scoring import ServingModel, hash_slots
-from mpips.server.sparse_table import slots_for
+from mpips.serving.model import ServingModel, hash_slots
+from mpips.tables.sparse import slots_for
 
 PROG = "python -m mpips.infer"
 MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")

@@ -15,21 +15,22 @@ import time
 import traceback
 
 from mpips import checkpoint as ck
-from mpips.backoff import COLLECTIVE, Backoff
-from mpips.build import make_model, make_schema, make_tables, resolve_data
-from mpips.cluster import check_servers, default_servers
+from mpips.comm.backoff import COLLECTIVE, Backoff
+from mpips.job.build import make_model, make_schema, make_tables, resolve_data
+from mpips.comm.cluster import check_servers, default_servers
 from mpips.checkpoint.manifest import chain_manifests
-from mpips.config import check_chain, check_compatible, parse_args
-from mpips.report import log_line, model_note, peak_rss_mb
+from mpips.checkpoint.compat import check_chain, check_compatible
+from mpips.config import parse_args
+from mpips.job.report import log_line, model_note, peak_rss_mb
 from mpips.data.files import resolve_paths
-from mpips.resume import (check_kind, choose, first_rank_decides, pin, resume_line, resume_point,
+from mpips.job.resume import (check_kind, choose, first_rank_decides, pin, resume_line, resume_point,
                           start_point)
-from mpips.ownership import plan_keys
-from mpips.runner import LocalBackend, admission_of, inner_table, run_epochs
+from mpips.tables.ownership import plan_keys
+from mpips.job.loop import LocalBackend, admission_of, inner_table, run_epochs
 from mpips.schema import check_same, stored_schema
-from mpips.server.staleness import StalenessTracker, stale_rule
-from mpips.stream import install_sigterm, run_stream
-from mpips.warmup import report_new, signatures, warm
+from mpips.tables.staleness import StalenessTracker, stale_rule
+from mpips.job.stream import install_sigterm, run_stream
+from mpips.job.warmup import report_new, signatures, warm
 from mpips.worker.local import LocalPS
 from mpips.worker.trainer import GeoTrainer, Trainer
 
@@ -146,7 +147,7 @@ def main(argv=None):
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     if comm.size == 1:
         return _guarded(None, lambda: run_local(cfg))
-    from mpips.distributed import run_distributed     # imports mpi4py.MPI (see above)
+    from mpips.job.distributed import run_distributed     # imports mpi4py.MPI (see above)
     return _guarded(comm, lambda: run_distributed(cfg, comm), icomm)
 
 

@@ -18,7 +18,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mpips import runner, warmup  # noqa: E402
+from mpips.job import loop as runner  # noqa: E402
+from mpips.job import warmup  # noqa: E402
 from mpips.data.reader import Batch  # noqa: E402
 
 
@@ -86,7 +87,7 @@ def main(argv):
         return infer.main(argv[1:])
     runner.make_reader = warmup.make_reader = NpzBags
     if "--local" not in argv:
-        from mpips import distributed      # under mpiexec: imports mpi4py.MPI
+        from mpips.job import distributed      # under mpiexec: imports mpi4py.MPI
         distributed.make_reader = NpzBags
     from mpips.train import main as train_main
     return train_main(argv)

@@ -2,7 +2,7 @@
 `mpiexec -n 4 python -m tests.mpi_wire_audit SAVE_DIR` (tests/test_wire.py).
 
 Ranks 0 and 1 are the two servers of one sync job (shard 0 and 1 of 2: each owns the ids
-``mpips.ownership.owners`` gives it), rank 0 with Adagrad, rank 1 with Adam (lr 0.1), both
+``mpips.tables.ownership.owners`` gives it), rank 0 with Adagrad, rank 1 with Adam (lr 0.1), both
 saving into SAVE_DIR.  Ranks 2 (A) and 3 (B) are its two workers, scripted with raw
 messages so that each crafted request can be sent exactly as the audit did.  After the
 requests of a scenario a worker sends STATS and takes every message the server sent
@@ -37,15 +37,15 @@ import numpy as np
 from mpi4py import MPI
 
 from mpips import checkpoint as ck
-from mpips.liveness import WATCH, RequestRefused
-from mpips.ownership import owners, plan_keys
-from mpips.protocol import (F_CREATE, STATS_DTYPE, STATS_LEN, TAG_CONTROL, TAG_DUMP,
+from mpips.comm.liveness import WATCH, RequestRefused
+from mpips.tables.ownership import owners, plan_keys
+from mpips.comm.protocol import (F_CREATE, STATS_DTYPE, STATS_LEN, TAG_CONTROL, TAG_DUMP,
                             TAG_DUMP_REPLY, TAG_ERROR, TAG_REPLY_DENSE, TAG_REPLY_SPARSE,
                             TAG_REQUEST, Op, encode, message_nbytes)
-from mpips.server.dense_table import DenseTable
+from mpips.tables.dense import DenseTable
 from mpips.server.loop import Server
-from mpips.server.optim import OptimizerConfig
-from mpips.server.sparse_table import SparseTable
+from mpips.tables.optim import OptimizerConfig
+from mpips.tables.sparse import SparseTable
 from mpips.worker.client import PSClient
 from tests.mpi_verdict import check as verdict_check, verdict
 

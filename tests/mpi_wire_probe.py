@@ -36,14 +36,14 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 from mpips import checkpoint as ck
-from mpips.protocol import (F_CREATE, F_DENSE, HEADER_BYTES, STATS_DTYPE, STATS_LEN, TAG_CONTROL,
+from mpips.comm.protocol import (F_CREATE, F_DENSE, HEADER_BYTES, STATS_DTYPE, STATS_LEN, TAG_CONTROL,
                             TAG_ERROR, TAG_REPLY_DENSE, TAG_REPLY_SPARSE, TAG_REQUEST, Op, encode,
                             message_nbytes)
-from mpips.server.admission import AdmittedTable
-from mpips.server.dense_table import DenseTable
+from mpips.tables.admission import AdmittedTable
+from mpips.tables.dense import DenseTable
 from mpips.server.loop import Server
-from mpips.server.optim import OptimizerConfig
-from mpips.server.sparse_table import SparseTable
+from mpips.tables.optim import OptimizerConfig
+from mpips.tables.sparse import SparseTable
 from tests.mpi_verdict import check as verdict_check, verdict
 
 DIM, DENSE = 4, 8

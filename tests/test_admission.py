@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from mpips.server.admission import AdmittedTable, parse_entry
-from mpips.server.optim import OptimizerConfig
-from mpips.server.sparse_table import SparseTable
+from mpips.tables.admission import AdmittedTable, parse_entry
+from mpips.tables.optim import OptimizerConfig
+from mpips.tables.sparse import SparseTable
 
 
 def table(spec, seed=1):

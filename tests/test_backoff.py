@@ -1,7 +1,7 @@
-"""mpips.backoff.Backoff: the sleeps of every poll loop (doubling, ceiling, reset, busy-poll)."""
+"""mpips.comm.backoff.Backoff: the sleeps of every poll loop (doubling, ceiling, reset, busy-poll)."""
 import pytest
 
-from mpips import backoff
+from mpips.comm import backoff
 
 
 @pytest.fixture

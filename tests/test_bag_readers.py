@@ -689,7 +689,7 @@ def test_bag_ops_match_row_by_row():
 
 # ---------------------------------------------------------------- config and build
 def test_schema_and_pipe_command_flags_resolve_the_readers_schema(tmp_path):
-    from mpips.build import make_schema
+    from mpips.job.build import make_schema
     from mpips.config import parse_args
     toml = str(DATA / "multislot_criteo.toml")
     cfg = parse_args(["--schema", toml, "--pipe-command", "python gen.py"])

@@ -13,11 +13,12 @@ import pytest
 
 from mpips import checkpoint as ck
 from mpips.checkpoint.manifest import seal
-from mpips.config import Config, check_compatible
-from mpips.server.dense_table import DenseTable
-from mpips.server.optim import OptimizerConfig
-from mpips.server.sparse_table import SparseTable
-from mpips.ownership import dense_bounds, owners
+from mpips.checkpoint.compat import check_compatible
+from mpips.config import Config
+from mpips.tables.dense import DenseTable
+from mpips.tables.optim import OptimizerConfig
+from mpips.tables.sparse import SparseTable
+from mpips.tables.ownership import dense_bounds, owners
 
 DIM, P = 4, 37
 OPT = OptimizerConfig(name="adam", lr=0.05)
@@ -208,9 +209,9 @@ KILL_SCRIPT = r"""
 import os, sys, threading
 import numpy as np
 from mpips import checkpoint as ck
-from mpips.server.dense_table import DenseTable
-from mpips.server.optim import OptimizerConfig
-from mpips.server.sparse_table import SparseTable
+from mpips.tables.dense import DenseTable
+from mpips.tables.optim import OptimizerConfig
+from mpips.tables.sparse import SparseTable
 root, marker, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 opt = OptimizerConfig("adam")
 sp = SparseTable(10, opt, seed=1, capacity=n)

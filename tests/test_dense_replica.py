@@ -25,9 +25,9 @@ def checkpoint_dense_crc(root):
     """CRC-32 of the dense values and optimizer state of the latest checkpoint in root,
     in the order a worker reports its replica's (DenseTable.export_state)."""
     from mpips import checkpoint as ck
-    from mpips.server.dense_table import DenseTable
-    from mpips.server.optim import OptimizerConfig
-    from mpips.server.sparse_table import SparseTable
+    from mpips.tables.dense import DenseTable
+    from mpips.tables.optim import OptimizerConfig
+    from mpips.tables.sparse import SparseTable
     m = ck.read_manifest(ck.resolve(str(root)))
     opt = OptimizerConfig(name=m["optimizer"]["name"])
     dense = DenseTable(np.zeros(m["n_params"], np.float32), opt)
@@ -109,7 +109,7 @@ def test_dense_lr_scales_with_the_batches_of_a_dense_step():
     dense weights learn at W x --lr up to 4 workers and sqrt(W) x --lr beyond
     (--dense-lr-rule auto), or as --dense-lr-rule linear|sqrt or --dense-lr-scale say; GEO
     workers step on their own batches (x 1); the sparse rows keep --lr."""
-    from mpips.build import make_model, make_tables
+    from mpips.job.build import make_model, make_tables
     from mpips.config import parse_args
     for argv, batches, want in [(["--lr", "0.002"], 1, 0.002),
                                 (["--lr", "0.002"], 3, 0.006),
@@ -127,7 +127,7 @@ def test_dense_lr_scales_with_the_batches_of_a_dense_step():
 
 
 def test_stale_rule_auto_damps_only_beyond_four_workers():
-    from mpips.server.staleness import stale_rule
+    from mpips.tables.staleness import stale_rule
     assert [stale_rule("auto", w) for w in (1, 2, 4, 5, 8, 64)] == ["none"] * 3 + ["sqrt"] * 3
     assert [stale_rule(r, 2) for r in ("none", "inverse", "sqrt")] == ["none", "inverse", "sqrt"]
 

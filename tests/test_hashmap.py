@@ -4,8 +4,8 @@ import pytest
 
 from mpips.kernels.hashmap import (INIT_SALT, age_rows, init_rows, insert_missing,
                                    lookup_rows, read_rows, rebuild_slots, touch_rows)
-from mpips.server.optim import OptimizerConfig
-from mpips.server.sparse_table import SparseTable
+from mpips.tables.optim import OptimizerConfig
+from mpips.tables.sparse import SparseTable
 
 M64 = (1 << 64) - 1
 I64_MIN, I64_MAX = -2**63, 2**63 - 1

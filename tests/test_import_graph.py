@@ -1,4 +1,5 @@
-"""The import graph of mpips/: no cycle, no module imports an entry point, imports at the top.
+"""The import graph of mpips/: no cycle, no module imports an entry point, imports at the top,
+no arrow up the layers (LAYERS below; docs/architecture.md draws them).
 
 The graph is read from the source with ``ast`` (nothing is imported): an edge A -> B for
 every ``import B`` / ``from B import x`` in A, and A -> B.x when x is a submodule, at any
@@ -10,12 +11,26 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENTRY_POINTS = {"mpips.train", "mpips.infer", "mpips.export"}
+ENTRY_POINTS = {"mpips.train", "mpips.infer", "mpips.export", "mpips.serve", "mpips.plot"}
+# Each top-level module or folder of mpips/ and its layer: a module imports only from a lower
+# layer, or from its own folder (or, for a leaf module, nothing of a peer at its own layer).
+LAYERS = {
+    "kernels": 0,
+    "schema": 1, "metrics": 1,
+    "config": 2,
+    "data": 3, "models": 3, "tables": 3,
+    "comm": 4,
+    "worker": 5, "server": 5,
+    "checkpoint": 6,
+    "serving": 7,
+    "job": 8,
+    "train": 9, "infer": 9, "export": 9, "serve": 9, "plot": 9,
+}
 # Imports allowed inside functions, each for a reason other than dodging a cycle.
 LAZY_OK = {
     ("mpips.train", "mpi4py"),             # --local runs without MPI
-    ("mpips.train", "mpips.distributed"),  # imports mpi4py.MPI at its top (same reason)
-    ("mpips.cluster", "mpi4py"),           # role arithmetic is used (and tested) without MPI
+    ("mpips.train", "mpips.job.distributed"),  # imports mpi4py.MPI at its top (same reason)
+    ("mpips.comm.cluster", "mpi4py"),           # role arithmetic is used (and tested) without MPI
     ("mpips.infer", "mpi4py"),             # one-process scoring runs without MPI
 }
 
@@ -140,3 +155,49 @@ def test_imports_at_module_top(mpips_graph):
         return any((m, ".".join(parts[:k])) in LAZY_OK for k in range(1, len(parts) + 1))
     bad = [(m, t, line) for m, t, line in lazy if not allowed(m, t)]
     assert bad == []
+
+
+def layer_violations(graph):
+    """[(a, b)] of edges a -> b that point up the layers or sideways between two folders."""
+    bad = []
+    for a, targets in graph.items():
+        for b in targets:
+            pa, pb = a.split("."), b.split(".")
+            if len(pb) < 2:             # `from mpips import checkpoint`: the (empty) package root
+                continue
+            if pa[1] == pb[1]:          # within one folder
+                continue
+            if LAYERS[pb[1]] >= LAYERS[pa[1]]:
+                bad.append((a, b))
+    return sorted(bad)
+
+
+def test_layer_check_sees_an_arrow_up():
+    assert layer_violations({"mpips.tables.x": {"mpips.job.y", "mpips.kernels.z"}}) == [("mpips.tables.x", "mpips.job.y")]
+    assert layer_violations({"mpips.data.x": {"mpips.models.y"}}) == [("mpips.data.x", "mpips.models.y")]
+    assert layer_violations({"mpips.job.a": {"mpips.job.b", "mpips.serving.c", "mpips"}}) == []
+
+
+def test_every_top_level_name_has_a_layer(mpips_graph):
+    graph, _ = mpips_graph
+    assert {m.split(".")[1] for m in graph if m != "mpips"} <= set(LAYERS)
+
+
+def test_no_arrow_up_the_layers(mpips_graph):
+    graph, _ = mpips_graph
+    assert layer_violations(graph) == []
+
+
+def test_package_top_holds_only_entry_points_and_leaves():
+    top = {f[:-3] for f in os.listdir(os.path.join(ROOT, "mpips")) if f.endswith(".py")} - {"__init__"}
+    leaves = {"config", "schema", "metrics"}
+    assert top <= {e.split(".")[1] for e in ENTRY_POINTS} | leaves
+
+
+def test_no_module_above_600_lines():
+    long = {}
+    for name, path in module_files(ROOT, "mpips").items():
+        n = sum(1 for _ in open(path, encoding="utf-8"))
+        if n > 600:
+            long[name] = n
+    assert long == {}

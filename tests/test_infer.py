@@ -11,11 +11,11 @@ import pytest
 
 from mpips import checkpoint as ck
 from mpips import infer
-from mpips.bundle import Snapshot
-from mpips.build import make_model, make_reader, make_tables
+from mpips.serving.bundle import Snapshot
+from mpips.job.build import make_model, make_reader, make_tables
 from mpips.config import Config
-from mpips.ownership import plan_keys
-from mpips.scoring import ServingModel
+from mpips.tables.ownership import plan_keys
+from mpips.serving.model import ServingModel
 from mpips.worker.local import LocalPS
 from mpips.worker.trainer import Trainer
 

@@ -1,4 +1,4 @@
-"""The implementations of mpips.interfaces provide every member of their Protocol, with the
+"""The implementations of mpips.worker.interfaces provide every member of their Protocol, with the
 Protocol's parameters in the same order.  Read from the source with ``ast`` (the MPI ones
 are not imported: unit tests never load mpi4py.MPI)."""
 import ast
@@ -7,14 +7,14 @@ import os
 
 import pytest
 
-from mpips import interfaces
+from mpips.worker import interfaces
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMPLEMENTATIONS = [
     (interfaces.ParamStore, "mpips/worker/client.py", "PSClient"),
     (interfaces.ParamStore, "mpips/worker/local.py", "LocalPS"),
-    (interfaces.Backend, "mpips/runner.py", "LocalBackend"),
-    (interfaces.Backend, "mpips/distributed.py", "DistBackend"),
+    (interfaces.Backend, "mpips/job/loop.py", "LocalBackend"),
+    (interfaces.Backend, "mpips/job/distributed.py", "DistBackend"),
 ]
 
 

@@ -13,9 +13,10 @@ import os
 import numpy as np
 import pytest
 
-from mpips import bundle as bd
+from mpips.serving import bundle as bd
 from mpips import checkpoint as ck
-from mpips import export, infer
+from mpips import export
+from mpips import infer
 from mpips.serving import Predictor
 from tests.conftest import run_cmd
 from tests.test_dense_replica import assert_identical
@@ -89,7 +90,8 @@ def test_wrong_model_is_one_clear_line(tiny_data, tmp_path, capsys):
 def test_checkpoint_without_a_model_name_is_a_dnn(tiny_data, tmp_path):
     """A manifest written before --model (no config.model) resumes as a dnn, and refuses
     --model deepfm."""
-    from mpips.config import check_compatible, parse_args
+    from mpips.checkpoint.compat import check_compatible
+    from mpips.config import parse_args
     train(tiny_data, tmp_path, "old", "--local", "--max-steps", "2", *SMALL)
     m = ck.read_manifest(ck.resolve(str(tmp_path / "old")))
     del m["config"]["model"]

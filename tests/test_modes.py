@@ -18,9 +18,9 @@ from tests.conftest import run_cmd
 def load_params(ckpt_root):
     """(sorted keys, values, dense) of the latest checkpoint under ckpt_root, in one table."""
     from mpips import checkpoint as ck
-    from mpips.server.dense_table import DenseTable
-    from mpips.server.optim import OptimizerConfig
-    from mpips.server.sparse_table import SparseTable
+    from mpips.tables.dense import DenseTable
+    from mpips.tables.optim import OptimizerConfig
+    from mpips.tables.sparse import SparseTable
     path = ck.resolve(str(ckpt_root))
     m = ck.read_manifest(path)
     opt = OptimizerConfig(name=m["optimizer"]["name"])

@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from mpips import bundle as bd
+from mpips.serving import bundle as bd
 from mpips import checkpoint as ck
 from mpips.metrics import BinaryMetrics
 from mpips.schema import Schema, load_schema, stored_schema
@@ -137,7 +137,8 @@ def test_other_schema_fails_resume_infer_export(bags, local_run, tmp_path, capsy
                schema=bags[3], ok=False)
     assert proc.returncode == 2
     one_line_error(proc.stderr, "another feature schema", "schema sparse", '"mean"', '"sum"')
-    from mpips import export, infer
+    from mpips import export
+    from mpips import infer
     assert export.main(["--model", str(out / "local"), "--out", str(tmp_path / "x.h5"),
                         "--schema", bags[3]]) == 1
     one_line_error(capsys.readouterr().err, "another feature schema", "schema sparse")
@@ -157,7 +158,7 @@ def test_old_checkpoint_loads_as_criteo(tmp_path):
     assert p.model.schema.is_criteo and (p.model.n_dense, p.model.n_sparse) == (13, 26)
     manifest, arrays = bd.read_bundle(bundle)      # a bundle written before schemas: no key
     manifest.pop("schema")
-    from mpips.scoring import ServingModel
+    from mpips.serving.model import ServingModel
     assert ServingModel.from_arrays(manifest, arrays).schema.is_criteo
 
 
@@ -177,10 +178,10 @@ def test_bad_offsets_are_one_clear_error(local_run, tmp_path):
 def test_bag_sightings_are_occurrences_and_bad_offsets_fail(bags):
     """Admission counts of a CSR batch: one per occurrence of an id (a repeat inside a bag
     counts twice), as for one-hot batches; offsets that do not fit give one clear error."""
-    from mpips.build import make_model, make_tables
+    from mpips.job.build import make_model, make_tables
     from mpips.config import Config
     from mpips.data.reader import Batch
-    from mpips.ownership import plan_keys
+    from mpips.tables.ownership import plan_keys
     from mpips.worker.local import LocalPS
     from mpips.worker.trainer import Trainer
     cfg = Config(local=True, fc="4", embedding_dim=2, entry="count:2")

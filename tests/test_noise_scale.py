@@ -74,9 +74,9 @@ def reference_blocks(steps, block):
 
 
 def test_dense_step_noise_blocks_match_numpy_and_shards_add_up():
-    from mpips.report import noise_scale
-    from mpips.server.dense_table import DenseTable
-    from mpips.server.optim import OptimizerConfig
+    from mpips.job.report import noise_scale
+    from mpips.tables.dense import DenseTable
+    from mpips.tables.optim import OptimizerConfig
     from mpips.worker.dense_sync import NOISE_BLOCK, NOISE_BLOCKS, DenseStep
     rng = np.random.default_rng(1)
     P = 101
@@ -106,7 +106,7 @@ def test_dense_step_noise_blocks_match_numpy_and_shards_add_up():
 
 
 def test_noise_scale_is_a_median_robust_to_a_swing_and_counts_no_signal_as_infinite():
-    from mpips.report import noise_scale
+    from mpips.job.report import noise_scale
     blocks = np.array([[1.0, 1000.0], [1.2, 1500.0], [50.0, 900.0]])   # the last: a swing
     assert noise_scale(blocks) == pytest.approx(1000.0)     # (a ratio of sums: 65.7)
     no_signal = np.array([[-1.0, 800.0], [-0.5, 900.0], [1.0, 600.0]])
@@ -115,7 +115,7 @@ def test_noise_scale_is_a_median_robust_to_a_swing_and_counts_no_signal_as_infin
 
 
 def test_noise_line_gives_the_models_share_and_advises_only_below_three_quarters():
-    from mpips.report import noise_line
+    from mpips.job.report import noise_line
     far = noise_line({"dense_noise_scale": 2000.0, "global_batch": 8192}, 512)
     share = (1 + 512 / 2000) / (1 + 8192 / 2000)           # McCandlish et al.'s B / (1 + B/Bn)
     assert f"about {share:.2f} of what it would in one process's batch of 512" in far

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from mpips.kernels.optim import adagrad_rows, adam_rows, add_rows, sgd_rows
-from mpips.server.optim import OptimizerConfig, apply_rows, new_state, state_arrays
+from mpips.tables.optim import OptimizerConfig, apply_rows, new_state, state_arrays
 
 R, DIM = 12, 5
 

@@ -4,8 +4,8 @@ import pytest
 
 from mpips.kernels.hashmap import init_rows
 from mpips.kernels.pages import PagedColumns
-from mpips.server.optim import OptimizerConfig
-from mpips.server.sparse_table import SparseTable
+from mpips.tables.optim import OptimizerConfig
+from mpips.tables.sparse import SparseTable
 
 DIM, SEED, LR = 3, 5, 0.5
 

@@ -3,7 +3,7 @@
 import json
 import re
 
-from mpips.progress import Progress, fmt_rate, fmt_seconds
+from mpips.job.progress import Progress, fmt_rate, fmt_seconds
 from tests.conftest import run_cmd
 
 LINE = re.compile(r"PROGRESS --> epoch (\d+) (~?)(\d+)% \(([\d,]+) / ~?([\d,]+) rows")
@@ -75,7 +75,7 @@ def test_formats():
 
 
 def test_passes_behind(tmp_path):
-    from mpips.stream import passes_behind
+    from mpips.job.stream import passes_behind
     for h in ("00", "01", "02", "03"):
         d = tmp_path / "20260101" / h
         d.mkdir(parents=True)

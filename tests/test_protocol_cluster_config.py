@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from mpips.cluster import assign_servers, check_servers, default_servers
+from mpips.comm.cluster import assign_servers, check_servers, default_servers
 from mpips.config import parse_args
-from mpips.protocol import HEADER_BYTES, Op, ProtocolError, decode, encode, message_nbytes
+from mpips.comm.protocol import HEADER_BYTES, Op, ProtocolError, decode, encode, message_nbytes
 
 
 def test_encode_decode_round_trip():

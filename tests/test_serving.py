@@ -11,16 +11,18 @@ import h5py
 import numpy as np
 import pytest
 
-from mpips import bundle as bd
+from mpips.serving import bundle as bd
 from mpips import checkpoint as ck
-from mpips import export, exports, infer
-from mpips.build import make_model, make_reader, make_tables
+from mpips import export
+from mpips.serving import exports
+from mpips import infer
+from mpips.job.build import make_model, make_reader, make_tables
 from mpips.config import Config
-from mpips.ownership import plan_keys
-from mpips.scoring import ServingModel
-from mpips.server.dense_table import DenseTable
-from mpips.server.optim import OptimizerConfig
-from mpips.server.sparse_table import SparseTable
+from mpips.tables.ownership import plan_keys
+from mpips.serving.model import ServingModel
+from mpips.tables.dense import DenseTable
+from mpips.tables.optim import OptimizerConfig
+from mpips.tables.sparse import SparseTable
 from mpips.serving import LineError, Predictor
 from mpips.worker.local import LocalPS
 from mpips.worker.trainer import Trainer

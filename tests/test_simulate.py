@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from mpips.config import parse_args
-from mpips.ownership import plan_keys
-from mpips.server.dense_table import DenseTable
-from mpips.server.optim import OptimizerConfig
-from mpips.server.sparse_table import SparseTable
-from mpips.server.staleness import StalenessTracker
+from mpips.tables.ownership import plan_keys
+from mpips.tables.dense import DenseTable
+from mpips.tables.optim import OptimizerConfig
+from mpips.tables.sparse import SparseTable
+from mpips.tables.staleness import StalenessTracker
 from mpips.worker.local import LocalPS
 from mpips.worker.simulate import SparseSchedule, run_schedule
 from tests.test_dense_replica import assert_identical

@@ -1,4 +1,4 @@
-"""Staleness of async pushes (mpips.server.staleness) and the --stale-lr rules.
+"""Staleness of async pushes (mpips.tables.staleness) and the --stale-lr rules.
 
 - the tracker against a plain-Python model (a dict of per-key update counts and a dict of
   pull records) on scripted sequences: two workers interleaving, a step pulled twice, a
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from mpips.kernels.optim import N_HYPER, adagrad_rows, adam_rows, sgd_rows
-from mpips.server.admission import AdmittedTable
-from mpips.server.optim import OptimizerConfig
-from mpips.server.sparse_table import SparseTable
-from mpips.server.staleness import (HIST_BINS, MAX_PULLS, StalenessTracker, lr_factors,
+from mpips.tables.admission import AdmittedTable
+from mpips.tables.optim import OptimizerConfig
+from mpips.tables.sparse import SparseTable
+from mpips.tables.staleness import (HIST_BINS, MAX_PULLS, StalenessTracker, lr_factors,
                                     summarize)
 from tests.conftest import run_cmd
 
@@ -353,8 +353,8 @@ def test_push_lr_scale_follows_dropped_keys():
 
 def test_local_ps_tracks_and_damps():
     """LocalPS with a tracker: the staleness of worker 0's push damps its lr (inverse)."""
-    from mpips.ownership import plan_keys
-    from mpips.server.dense_table import DenseTable
+    from mpips.tables.ownership import plan_keys
+    from mpips.tables.dense import DenseTable
     from mpips.worker.local import LocalPS
     opt = OptimizerConfig("sgd", lr=1.0)
     sparse = SparseTable(2, opt, seed=0, init_range=0.0)
@@ -422,7 +422,7 @@ def test_parts_holding_counts_the_workers_whose_batch_held_each_row():
     unique key lists) that hold it; against a plain-Python count."""
     from collections import Counter
 
-    from mpips.server.staleness import parts_holding
+    from mpips.tables.staleness import parts_holding
     rng = np.random.default_rng(5)
     parts = [np.unique(rng.integers(-50, 50, size=rng.integers(0, 60))) for _ in range(5)]
     every = np.concatenate(parts).astype(np.int64)
@@ -439,9 +439,9 @@ def test_sync_sparse_lr_count_steps_rows_by_the_parts_holding_them():
     lr x the same.  SGD from zero rows, against numpy."""
     from types import SimpleNamespace
 
-    from mpips.ownership import KeyPlan
-    from mpips.server.optim import OptimizerConfig
-    from mpips.server.sparse_table import SparseTable
+    from mpips.tables.ownership import KeyPlan
+    from mpips.tables.optim import OptimizerConfig
+    from mpips.tables.sparse import SparseTable
     from mpips.worker.local import LocalPS
     from mpips.worker.trainer import Trainer
     lr, examples = 0.1, 4
@@ -468,9 +468,9 @@ def test_sync_sparse_lr_each_steps_a_row_once_per_part_holding_it():
     in two parts takes two steps.  Against a numpy Adam from zero rows."""
     from types import SimpleNamespace
 
-    from mpips.ownership import KeyPlan
-    from mpips.server.optim import OptimizerConfig
-    from mpips.server.sparse_table import SparseTable
+    from mpips.tables.ownership import KeyPlan
+    from mpips.tables.optim import OptimizerConfig
+    from mpips.tables.sparse import SparseTable
     from mpips.worker.local import LocalPS
     from mpips.worker.trainer import Trainer
     lr, b1, b2, eps = 0.01, 0.9, 0.999, 1e-8

@@ -115,10 +115,10 @@ def local_ref(small_stream, tmp_path_factory):
 def final_state(root):
     """Every field of the latest checkpoint under root (chain loaded into one table)."""
     from mpips import checkpoint as ck
-    from mpips.server.admission import AdmittedTable
-    from mpips.server.dense_table import DenseTable
-    from mpips.server.optim import OptimizerConfig
-    from mpips.server.sparse_table import SparseTable
+    from mpips.tables.admission import AdmittedTable
+    from mpips.tables.dense import DenseTable
+    from mpips.tables.optim import OptimizerConfig
+    from mpips.tables.sparse import SparseTable
     path = ck.resolve(str(root))
     m = ck.read_manifest(path)
     opt = OptimizerConfig(name=m["optimizer"]["name"])
@@ -279,7 +279,7 @@ def test_late_pass_is_reported_counted_or_fails(tmp_path):
     """A pass whose _SUCCESS lands after a later pass was taken: a warning and a count
     (never trained, never silently), or LatePass with policy 'fail'; a resumed run does
     not report again the passes ready before its last pass."""
-    from mpips.stream import LatePass, PassFeed
+    from mpips.job.stream import LatePass, PassFeed
 
     def land(name):
         d = tmp_path / name

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from mpips.kernels.hashmap import init_rows
-from mpips.server.dense_table import DenseTable
-from mpips.server.optim import OptimizerConfig
-from mpips.server.sparse_table import SparseTable
+from mpips.tables.dense import DenseTable
+from mpips.tables.optim import OptimizerConfig
+from mpips.tables.sparse import SparseTable
 
 DIM = 4
 SEED = 11
@@ -241,7 +241,7 @@ def test_dense_shards_updated_apart_equal_one_whole_update(name, W):
 
 
 def test_row_count_beyond_the_int32_slots_fails_clearly(monkeypatch):
-    from mpips.server import sparse_table
+    from mpips.tables import sparse as sparse_table
     monkeypatch.setattr(sparse_table, "MAX_ROWS", 100)    # the real limit is 2**31 - 1 rows
     t = SparseTable(2, OptimizerConfig(name="sgd"), seed=1)
     out = np.empty((100, 2), np.float32)

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from mpips import bundle as bd
+from mpips.serving import bundle as bd
 from mpips import checkpoint as ck
 from mpips.metrics import BinaryMetrics
 from mpips.serving import LineError, Predictor

@@ -38,7 +38,7 @@ def check_run(proc, tmp_path, n_train):
 
 def check_warmed(proc, ranks):
     """Every kernel signature the run used was compiled (or loaded) by the warm-up before
-    training (mpips.warmup; MPIPS_DEBUG_JIT makes each rank list any compiled later)."""
+    training (mpips.job.warmup; MPIPS_DEBUG_JIT makes each rank list any compiled later)."""
     first_train = proc.stdout.index("TRAIN -->")
     assert 0 <= proc.stdout.find("mpips: kernels compiled or loaded") < first_train
     counts = [x for x in proc.stderr.splitlines() if x.startswith("JIT --> ") and "after" in x]

@@ -23,16 +23,17 @@ from mpips import checkpoint as ck
 from mpips import export as export_cli
 from mpips import infer as infer_cli
 from mpips import train as train_cli
-from mpips.bundle import read_bundle
-from mpips.build import make_reader
+from mpips.serving.bundle import read_bundle
+from mpips.job.build import make_reader
 from mpips.checkpoint.manifest import seal
-from mpips.config import MEANING, Config, check_compatible
+from mpips.checkpoint.compat import MEANING, check_compatible
+from mpips.config import Config
 from mpips.data.criteo import ID_HASH
 from mpips.data.files import resolve_paths
-from mpips.resume import max_batches
-from mpips.server.dense_table import DenseTable
-from mpips.server.optim import OptimizerConfig
-from mpips.server.sparse_table import SparseTable
+from mpips.job.resume import max_batches
+from mpips.tables.dense import DenseTable
+from mpips.tables.optim import OptimizerConfig
+from mpips.tables.sparse import SparseTable
 
 OLD_CKPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "ckpt-v1-async")
 STATS = {"cont_min": [0.0] * 13, "cont_diff": [10.0] * 13}

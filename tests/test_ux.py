@@ -34,7 +34,7 @@ def _cfg(**kw):
 
 def test_check_kind_refuses_the_other_kind_unless_named(tmp_path):
     from mpips.checkpoint import CheckpointError
-    from mpips.resume import check_kind
+    from mpips.job.resume import check_kind
     path = str(tmp_path / "ck" / "ckpt-000001-full")
     # a stream finding a batch checkpoint in its own --save-dir
     stream = _cfg(stream="s", save_dir=str(tmp_path / "ck"))
@@ -90,7 +90,7 @@ def test_stream_after_batch_in_one_dir_refused_then_named_resumes(tiny_data, tin
 def test_waiting_line_once_per_interval(tmp_path, monkeypatch):
     """No pass ready: one line on entering the wait, none more within WAIT_REPORT_EVERY,
     one when the timeout ends it; none at all without a timeout."""
-    from mpips import stream
+    from mpips.job import stream
     lines = []
     feed = stream.PassFeed(str(tmp_path), say=lines.append)
     assert feed.next(None, 0) is None and lines == []

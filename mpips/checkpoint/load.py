@@ -18,7 +18,7 @@ import numpy as np
 from mpips.checkpoint.manifest import (_DIR_RE, MANIFEST, SKIPPED_FIELDS, CheckpointError,
                                        chain_manifests, list_checkpoints, read_manifest,
                                        stderr_warn)
-from mpips.ownership import owners
+from mpips.tables.ownership import owners
 
 LOAD_ROWS = 1 << 16                    # rows per read + import_rows call (its np.unique
                                        # is ~4x faster per row on cache-sized pieces)

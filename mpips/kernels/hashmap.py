@@ -1,6 +1,6 @@
 """Numba kernels for the sparse table's open-addressing hash map and row init.
 
-Layout (owned by :class:`mpips.server.sparse_table.SparseTable`):
+Layout (owned by :class:`mpips.tables.sparse.SparseTable`):
 
 * ``slots``    int32 (S,), S a power of two; ``-1`` marks an empty slot, any other
   value is a row index. Ids span the whole int64 range, so there is no sentinel key.

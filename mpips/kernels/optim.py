@@ -10,7 +10,7 @@ only the per-row bias correction (``b1p``, ``b2p``, ``lr_t``) in float64. Rows l
 are updated twice (callers pass unique rows).
 
 ``lr_scale`` (float32 (n,), optional) multiplies the learning rate of each pushed row
-(``lr * lr_scale[i]`` in float64; the staleness rules of :mod:`mpips.server.staleness`);
+(``lr * lr_scale[i]`` in float64; the staleness rules of :mod:`mpips.tables.staleness`);
 without it (None) the kernels compute exactly what they computed before it existed.
 
 Formulas (g = grad * scale), matching PaddlePaddle's operators:

@@ -1,4 +1,4 @@
-"""Numba kernel of the staleness count of a push (see :mod:`mpips.server.staleness`)."""
+"""Numba kernel of the staleness count of a push (see :mod:`mpips.tables.staleness`)."""
 import numpy as np
 from numba import njit
 

@@ -4,19 +4,19 @@
 ``RequestChecks`` is the validating half of ``mpips.server.loop.Server``: ``_validate``
 raises ProtocolError naming the sender for a request that does not fit this server's
 tables, ids or phase.  Every check is vectorised numpy or a numba kernel, O(n) in the
-request: ownership (``mpips.ownership.owners``), value bounds (min/max), whether ids repeat
+request: ownership (``mpips.tables.ownership.owners``), value bounds (min/max), whether ids repeat
 (one comparison of neighbours; workers send each id once, ascending), dense optimizer
-state (``mpips.server.optim.state_violation``).  It reads the server's state (mode,
+state (``mpips.tables.optim.state_violation``).  It reads the server's state (mode,
 phase, held requests, shard) and changes nothing but a request whose repeated ids it sums.
 """
 import numpy as np
 
 from mpips.config import SAVE_MODES
 from mpips.kernels.embedding import sum_duplicates
-from mpips.ownership import owners
-from mpips.protocol import F_CREATE, Op, ProtocolError
-from mpips.server.dense_table import packed_size, unpack_state
-from mpips.server.optim import state_violation
+from mpips.tables.ownership import owners
+from mpips.comm.protocol import F_CREATE, Op, ProtocolError
+from mpips.tables.dense import packed_size, unpack_state
+from mpips.tables.optim import state_violation
 
 MAX_SHRINK_THRESHOLD = np.iinfo(np.uint16).max - 1   # rows age in a uint16 counter
 MAX_COUNT = 2.0 ** 24   # largest occurrence count per id in one pull (float32 integers)
@@ -143,7 +143,7 @@ class RequestChecks:
         req.keys, req.values, req.count = ukeys, usums, len(ukeys)
 
     def _check_owned(self, req, bad):
-        """Every id of a PULL/PUSH/ADD must be this server's (``mpips.ownership.owners``):
+        """Every id of a PULL/PUSH/ADD must be this server's (``mpips.tables.ownership.owners``):
         a row made elsewhere would be saved twice and read from the wrong server."""
         me, n_servers = self.shard
         if n_servers == 1 or not req.count:

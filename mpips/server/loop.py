@@ -15,7 +15,7 @@ server's dense slice is only what checkpoints hold (DENSE_PUT before a save, DEN
 start).  In geo the servers' dense slice is trained by the workers' ADDs.
 - ssp: pushes apply on arrival; a pull of step t waits until every active worker has pushed
   at least t - staleness steps.
-An idle server sleeps with exponential back-off (``mpips.backoff.IDLE``) instead of
+An idle server sleeps with exponential back-off (``mpips.comm.backoff.IDLE``) instead of
 spinning, so that on an oversubscribed node the workers get the cores.
 
 Failure handling (see docs/reliability.md):
@@ -36,7 +36,7 @@ Failure handling (see docs/reliability.md):
 - while a barrier waits for workers that still make progress, the waiting workers get a
   BARRIER_KEEPALIVE now and then, so that their own timeout measures silence, not length;
 - before a rank raises PeerTimeout it asks every rank what it is waiting for
-  (``mpips.liveness.Watch``) and prints the answers; ranks that do not answer are named as
+  (``mpips.comm.liveness.Watch``) and prints the answers; ranks that do not answer are named as
   the ones that stopped.
 """
 import time
@@ -44,17 +44,17 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpips.backoff import IDLE, Backoff
+from mpips.comm.backoff import IDLE, Backoff
 from mpips.kernels.embedding import sum_duplicates
-from mpips.liveness import WATCH, discard, err_line, wait_for
-from mpips.ownership import owners
-from mpips.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, MAX_LINE_BYTES,
+from mpips.comm.liveness import WATCH, discard, err_line, wait_for
+from mpips.tables.ownership import owners
+from mpips.comm.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, MAX_LINE_BYTES,
                             MAX_REQUEST_BYTES, STATS_DTYPE, TAG_CONTROL, TAG_DUMP, TAG_ERROR,
                             TAG_REPLY_DENSE, TAG_REPLY_SPARSE, TAG_REQUEST, Op, ProtocolError,
                             decode)
 from mpips.server.checks import RequestChecks
-from mpips.server.dense_table import pack_state, unpack_state
-from mpips.server.staleness import (RULES, StalenessTracker, counts_staleness, lr_factors,
+from mpips.tables.dense import pack_state, unpack_state
+from mpips.tables.staleness import (RULES, StalenessTracker, counts_staleness, lr_factors,
                                     parts_holding)
 
 CHECK_EVERY = 0.05  # seconds between liveness checks of an idle server
@@ -67,9 +67,9 @@ class Server(RequestChecks):
     timeout: seconds a worker that holds others up may stay silent (--peer-timeout);
     idle_timeout: seconds without any request before failing (default: timeout);
     shard: (this server's index, number of servers): the ids it owns
-    (``mpips.ownership.owners``); requests for other ids are refused.
+    (``mpips.tables.ownership.owners``); requests for other ids are refused.
     stale_lr: async / ssp: each pushed row's learning rate is damped by its staleness
-    (``mpips.server.staleness``), which these modes always count (sync: 0 by construction).
+    (``mpips.tables.staleness``), which these modes always count (sync: 0 by construction).
     """
 
     def __init__(self, comm, worker_ranks, sparse, dense, mode="async", staleness=0,

@@ -1,6 +1,6 @@
 """Worker side of the PS: pull/push with non-blocking MPI.
 
-A batch's keys come planned by ``mpips.ownership.plan_keys`` (deduplicated, grouped by
+A batch's keys come planned by ``mpips.tables.ownership.plan_keys`` (deduplicated, grouped by
 owning server), so each server's rows are one contiguous slice of the pulled (u, dim)
 array: replies land in place, gradients leave from place.  Every call returns a
 :class:`Handle`; ``h.wait()`` polls with back-off (an oversubscribed core is left to the
@@ -12,13 +12,13 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpips.backoff import REPLY, Backoff
-from mpips.liveness import WATCH, discard, wait_for, wait_requests
-from mpips.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, MAX_CONFIRM_BYTES,
+from mpips.comm.backoff import REPLY, Backoff
+from mpips.comm.liveness import WATCH, discard, wait_for, wait_requests
+from mpips.comm.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, MAX_CONFIRM_BYTES,
                             MAX_REQUEST_BYTES, STATS_DTYPE, STATS_LEN, TAG_CONTROL,
                             TAG_REPLY_DENSE, TAG_REPLY_SPARSE, TAG_REQUEST, Op, ProtocolError,
                             encode, message_nbytes)
-from mpips.server.dense_table import pack_state, packed_size, unpack_state
+from mpips.tables.dense import pack_state, packed_size, unpack_state
 
 WORKER_GRACE = 1.0  # s a worker waits beyond --peer-timeout: a server, which knows which
                     # worker holds the others up, gets to report first

@@ -31,8 +31,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpips.backoff import SPIN
-from mpips.liveness import wait_collective, wait_requests
+from mpips.comm.backoff import SPIN
+from mpips.comm.liveness import wait_collective, wait_requests
 
 
 NOISE_BLOCK = 20        # DenseStep: steps a block of noise-scale sums holds
@@ -68,7 +68,7 @@ class DenseStep:
     weights, so the workers' shards add up to the whole vector's.  They are summed over
     blocks of NOISE_BLOCK counted steps (parts of unequal size skipped) on [lo, hi);
     :meth:`noise` gives the last NOISE_BLOCKS blocks, and B_noise is the median of the
-    blocks' tr(Sigma) / |G|^2 (:func:`mpips.report.noise_scale`; a median, so that a few
+    blocks' tr(Sigma) / |G|^2 (:func:`mpips.job.report.noise_scale`; a median, so that a few
     steps with a large mean gradient cannot pull it down).  B_noise is the batch beyond
     which more examples per step buy little."""
 

@@ -1,16 +1,16 @@
 """In-process stand-in for PSClient: the same tables and optimizers, no MPI messages.
 
-Both follow ``mpips.interfaces.ParamStore``; here every call is complete on return.
+Both follow ``mpips.worker.interfaces.ParamStore``; here every call is complete on return.
 
 `python -m mpips.train --local` trains through this object; it is the yardstick that
 distributed runs are compared with.  Built with a
-:class:`mpips.server.staleness.StalenessTracker` (a simulator of asynchronous workers
+:class:`mpips.tables.staleness.StalenessTracker` (a simulator of asynchronous workers
 does), it counts the staleness of every pushed row as the servers do, keyed by the
 ``worker`` and ``step`` given to pull and push, and damps each row's learning rate by
 ``rule`` (``--stale-lr``).
 """
-from mpips.protocol import Op
-from mpips.server.staleness import RULES, lr_factors
+from mpips.comm.protocol import Op
+from mpips.tables.staleness import RULES, lr_factors
 
 
 class _Done:
@@ -22,7 +22,7 @@ class LocalPS:
     """Holds the whole sparse table and the whole dense vector (one 'server').
 
     tracker: a StalenessTracker of ``sparse`` or None (no counting); rule: one of
-    ``mpips.server.staleness.RULES``, applied to the counted staleness of each push.
+    ``mpips.tables.staleness.RULES``, applied to the counted staleness of each push.
     """
     n_servers = 1
 

@@ -8,7 +8,7 @@ gives the figures of W workers (16, 32, 64, ...) that one machine cannot run.  T
   worker that still has one (a worker that ran out contributes nothing, as a real one).
 - **Dense weights**: as in the real modes: one dense step per global step from the W
   workers' dense gradients added in worker order, at the dense learning rate of W workers
-  (``mpips.build.dense_lr``); this is the Trainer's own ``DenseStep``.
+  (``mpips.job.build.dense_lr``); this is the Trainer's own ``DenseStep``.
 - **Sparse rows**, ``--sim-sparse async`` (default): each worker's row gradients are scaled
   by 1 / its own examples and applied as a separate push, in worker order (an async server
   applies pushes on arrival).  Delay D (default 0: a real async worker sends its pull of

@@ -1,7 +1,7 @@
 """The worker's training and evaluation loops, the same for local and distributed runs.
 
 `ps` is a PSClient (MPI) or a LocalPS (one process); the loop does not know which: both
-follow ``mpips.interfaces.ParamStore``.
+follow ``mpips.worker.interfaces.ParamStore``.
 
 A step takes one *group* of batches: a distributed worker's own batch (or none, when it ran
 out of data before the others), or, in one process with ``--local-workers W``, the W
@@ -32,12 +32,12 @@ import numpy as np
 from mpips.kernels.embedding import gather_rows, scatter_add_rows, sum_duplicates
 from mpips.kernels.pooling import pool_backward, pool_forward
 from mpips.metrics import BinaryMetrics
-from mpips.ownership import KeyPlan
-from mpips.protocol import Op
-from mpips.server.dense_table import DenseTable
-from mpips.server.optim import OptimizerConfig
-from mpips.server.sparse_table import SparseTable
-from mpips.server.staleness import parts_holding
+from mpips.tables.ownership import KeyPlan
+from mpips.comm.protocol import Op
+from mpips.tables.dense import DenseTable
+from mpips.tables.optim import OptimizerConfig
+from mpips.tables.sparse import SparseTable
+from mpips.tables.staleness import parts_holding
 from mpips.worker.dense_sync import DenseStep
 
 
@@ -149,7 +149,7 @@ class Trainer:
         self.step_delay = 0.0      # seconds slept per step: slows one worker in tests
         self.stretch = 0.0         # benchmarks: sleep this fraction of each step's compute
         self.on_step = None        # callable(done, phase_steps) after each step (mid-epoch saves)
-        self.progress = None       # mpips.progress.Progress of this phase (first worker) or None
+        self.progress = None       # mpips.job.progress.Progress of this phase (first worker) or None
         self._emb = self._grad_emb = None
         self._empty = None
         self.clipped = [0, 0]      # --row-clip: rows clipped, rows pushed

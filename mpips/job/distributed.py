@@ -1,6 +1,6 @@
 """Distributed run: split roles, serve or train, gather a per-rank profile at the end.
 
-`DistBackend` is the worker side of `mpips.runner`'s backend interface for one of W
+`DistBackend` is the worker side of `mpips.job.loop`'s backend interface for one of W
 workers: results are reduced over the worker communicator, and the first worker talks to
 the servers for saves and shrinks.
 """
@@ -13,22 +13,22 @@ import numpy as np
 from mpi4py import MPI
 
 from mpips import checkpoint as ck
-from mpips.build import make_model, make_reader, make_schema, make_tables, resolve_data
-from mpips.cluster import Cluster, default_servers
+from mpips.job.build import make_model, make_reader, make_schema, make_tables, resolve_data
+from mpips.comm.cluster import Cluster, default_servers
 from mpips.config import SAVE_MODES
 from mpips.data.files import worker_files
-from mpips.liveness import wait_collective
+from mpips.comm.liveness import wait_collective
 from mpips.metrics import BinaryMetrics
-from mpips.ownership import dense_bounds, plan_keys
-from mpips.progress import make_progress
-from mpips.protocol import Op
-from mpips.report import log_line, model_note, noise_fields, peak_rss_mb, write_metrics
-from mpips.resume import resume_line, resume_point
-from mpips.runner import admission_of, inner_table, run_epochs
+from mpips.tables.ownership import dense_bounds, plan_keys
+from mpips.job.progress import make_progress
+from mpips.comm.protocol import Op
+from mpips.job.report import log_line, model_note, noise_fields, peak_rss_mb, write_metrics
+from mpips.job.resume import resume_line, resume_point
+from mpips.job.loop import admission_of, inner_table, run_epochs
 from mpips.server.loop import Server
-from mpips.server.staleness import counts_staleness, stale_rule, summarize
-from mpips.stream import Pass, run_stream
-from mpips.warmup import cache_misses, report_new, signatures, warm
+from mpips.tables.staleness import counts_staleness, stale_rule, summarize
+from mpips.job.stream import Pass, run_stream
+from mpips.job.warmup import cache_misses, report_new, signatures, warm
 from mpips.worker.client import PSClient
 from mpips.worker.dense_sync import DenseExchange
 from mpips.worker.trainer import EpochStats, GeoTrainer, Trainer

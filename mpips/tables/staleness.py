@@ -29,9 +29,10 @@ a row made by the push itself, an id that has no row) get staleness 0 and are co
 """
 import numpy as np
 
+from mpips.config import STALE_CHOICES, STALE_RULES
 from mpips.kernels.staleness import count_push
 
-RULES = ("none", "inverse", "sqrt")     # --stale-lr: learning-rate factor by staleness s
+RULES = STALE_RULES                     # --stale-lr: learning-rate factor by staleness s
 HIST_BINS = 65          # staleness 0 .. 63, and [64] = 64 or more
 MAX_PULLS = 2           # pull records kept per worker (async: steps t and t+1)
 MAX_RECORD_ROWS = 1 << 22   # a step pulled again past this many rows keeps its newest pull
@@ -175,7 +176,7 @@ def counts_staleness(mode, staleness):
 SMALL_W = 4     # "auto" rules: up to this many workers the rules before issue 22 measured best
 
 
-CHOICES = RULES + ("auto",)     # what --stale-lr takes
+CHOICES = STALE_CHOICES         # what --stale-lr takes
 
 
 def stale_rule(rule, n_workers):

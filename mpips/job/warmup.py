@@ -12,14 +12,14 @@ none yet, e.g. a stream with no ready pass; other schemas then compile at their 
 step), so every kernel the run calls is compiled, or loaded from the
 cache, for exactly the types the run calls it with (``MPIPS_DEBUG_JIT=1`` makes each rank
 list any kernel compiled after it; the end-to-end tests expect none).  Under mpirun
-``mpips.distributed.staged`` runs it on rank 0 first and, if that found the cache cold, on
+``mpips.job.distributed.staged`` runs it on rank 0 first and, if that found the cache cold, on
 one rank per node next, then on the others: a cold cache directory is compiled once and
 read by the rest, instead of every rank compiling the same code on the same cores at once.
 (numba writes each cache file to a temporary name and renames it into place, so concurrent
 writers never leave a torn file; the stages also keep two processes from giving the same
 file number to different signatures of one kernel, which numba's index does not guard.)
 
-    python -m mpips.warmup [train flags]     # the same, ahead of time (e.g. after install)
+    python -m mpips.job.warmup [train flags]     # the same, ahead of time (e.g. after install)
 """
 import dataclasses
 import importlib
@@ -33,12 +33,12 @@ import numpy as np
 from numba.core.registry import CPUDispatcher
 
 import mpips.kernels
-from mpips.build import make_model, make_reader, make_schema, make_tables, resolve_data
+from mpips.job.build import make_model, make_reader, make_schema, make_tables, resolve_data
 from mpips.config import parse_args
 from mpips.data.reader import DataError
-from mpips.ownership import plan_keys
-from mpips.server.staleness import StalenessTracker, counts_staleness, stale_rule
-from mpips.stream import ready_passes
+from mpips.tables.ownership import plan_keys
+from mpips.tables.staleness import StalenessTracker, counts_staleness, stale_rule
+from mpips.job.stream import ready_passes
 from mpips.worker.local import LocalPS
 from mpips.worker.trainer import GeoTrainer, Trainer
 
@@ -150,9 +150,9 @@ def report_new(before, label):
 
 
 def main(argv=None):
-    """``python -m mpips.warmup [train flags]``: warm the numba cache for that run."""
+    """``python -m mpips.job.warmup [train flags]``: warm the numba cache for that run."""
     try:
-        cfg = parse_args(sys.argv[1:] if argv is None else argv, prog="python -m mpips.warmup")
+        cfg = parse_args(sys.argv[1:] if argv is None else argv, prog="python -m mpips.job.warmup")
     except ValueError as e:
         print(f"mpips: error: {e}", file=sys.stderr)
         return 2

@@ -19,10 +19,10 @@ so after an error the caller still has its model.
 import json
 import os
 
-from mpips import bundle as bd
+import mpips.serving.bundle as bd
 from mpips.checkpoint.load import resolve
 from mpips.checkpoint.manifest import fsync, read_manifest
-from mpips.scoring import ServingModel
+from mpips.serving.model import ServingModel
 
 INDEX = "EXPORTS.json"
 FORMAT = "mpips-exports"

@@ -5,7 +5,7 @@ waiting for (``WATCH.waiting(...)``), answers other ranks' status requests while
 (``WATCH.poll()``), and when a peer stops answering within ``--peer-timeout`` it asks every
 rank for its line, prints the dump to stderr and raises ``PeerTimeout`` naming the ranks
 that did not answer (``WATCH.fail(text)``).  ``wait_for`` is that wait loop (with
-back-off, ``mpips.backoff``); ``wait_requests`` and ``wait_collective`` complete MPI
+back-off, ``mpips.comm.backoff``); ``wait_requests`` and ``wait_collective`` complete MPI
 requests with it.  See docs/reliability.md.
 
 The status channels are checked before anything is received: a status request must be
@@ -21,8 +21,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpips.backoff import COLLECTIVE, REPLY, Backoff
-from mpips.protocol import DUMP_BYTES, MAX_LINE_BYTES, TAG_DUMP, TAG_DUMP_REPLY, TAG_ERROR
+from mpips.comm.backoff import COLLECTIVE, REPLY, Backoff
+from mpips.comm.protocol import DUMP_BYTES, MAX_LINE_BYTES, TAG_DUMP, TAG_DUMP_REPLY, TAG_ERROR
 
 POLL_EVERY = 5e-3   # seconds between looks for a status request (TAG_DUMP)
 DUMP_WAIT = 1.0     # seconds a failing rank waits for the others' status lines

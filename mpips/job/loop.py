@@ -2,24 +2,24 @@
 
 A *backend* does one step of the job — train on files, evaluate on files, save, shrink,
 report table statistics — either in one process (`LocalBackend`, tables in-process) or as
-one of W workers (`mpips.distributed.DistBackend`, results reduced over the worker
+one of W workers (`mpips.job.distributed.DistBackend`, results reduced over the worker
 communicator, the first worker talking to the servers for saves and shrinks).
-`run_epochs` (batch training) and `mpips.stream.run_stream` (online training) are written
-once against that interface, ``mpips.interfaces.Backend``.
+`run_epochs` (batch training) and `mpips.job.stream.run_stream` (online training) are written
+once against that interface, ``mpips.worker.interfaces.Backend``.
 """
 import sys
 import time
 
 from mpips import checkpoint as ck
-from mpips.build import make_reader, make_schema
+from mpips.job.build import make_reader, make_schema
 from mpips.data import bags
 from mpips.data.files import worker_files
 from mpips.data.reader import Batch, DataError
-from mpips.progress import make_progress
-from mpips.report import (epoch_record, log_line, noise_fields, noise_line, summary_line,
+from mpips.job.progress import make_progress
+from mpips.job.report import (epoch_record, log_line, noise_fields, noise_line, summary_line,
                            write_metrics)
-from mpips.resume import start_point
-from mpips.server.admission import AdmittedTable
+from mpips.job.resume import start_point
+from mpips.tables.admission import AdmittedTable
 from mpips.worker.simulate import Simulator
 
 

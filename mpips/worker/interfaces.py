@@ -6,9 +6,9 @@ the training loops ask of a backend.
   MPI) or ``mpips.worker.local.LocalPS`` (the tables in this process).  Both return a
   ``Waitable`` from every call, so the loop is the same: ``h = ps.pull(...); ...; h.wait()``
   (ps-lite's ``Push``/``Pull`` + ``Wait(ts)``; for LocalPS the work is done on return).
-* ``Backend``: ``mpips.runner.run_epochs`` (batch training) and ``mpips.stream.run_stream``
-  (online training) drive a job step by step through it, either ``mpips.runner.LocalBackend``
-  (one process) or ``mpips.distributed.DistBackend`` (one of W workers; results are reduced
+* ``Backend``: ``mpips.job.loop.run_epochs`` (batch training) and ``mpips.job.stream.run_stream``
+  (online training) drive a job step by step through it, either ``mpips.job.loop.LocalBackend``
+  (one process) or ``mpips.job.distributed.DistBackend`` (one of W workers; results are reduced
   over the workers, and the first worker logs, saves and shrinks for all).
 
 Nothing here runs; the classes are ``typing.Protocol`` s (structural: the implementations
@@ -21,8 +21,8 @@ from typing import Callable, Optional, Protocol
 import numpy as np
 
 from mpips.metrics import BinaryMetrics
-from mpips.ownership import KeyPlan
-from mpips.protocol import Op
+from mpips.tables.ownership import KeyPlan
+from mpips.comm.protocol import Op
 
 
 class Waitable(Protocol):

@@ -13,33 +13,12 @@ pulls (create=False) never count, never create.
 """
 import numpy as np
 
+from mpips.config import parse_entry
 from mpips.kernels.hashmap import init_rows
-from mpips.server.optim import OptimizerConfig
-from mpips.server.sparse_table import SparseTable
+from mpips.tables.optim import OptimizerConfig
+from mpips.tables.sparse import SparseTable
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-MAX_COUNT = 1 << 24       # float32 counts are exact integers up to here
-
-
-def parse_entry(spec):
-    """'' | 'count:N' | 'probability:P' -> (kind, value); ValueError with the forms."""
-    if not spec:
-        return None, 0.0
-    kind, _, raw = spec.partition(":")
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if kind == "count" and value >= 1 and value == int(value):
-        if value > MAX_COUNT:
-            raise ValueError(f"--entry count:{raw}: at most {MAX_COUNT} (sightings are counted "
-                             f"in float32, whose integers end there)")
-        return "count", int(value)
-    if kind == "probability" and 0.0 < value <= 1.0:
-        return "probability", value
-    raise ValueError(f"--entry must be count:N (N >= 1) or probability:P (0 < P <= 1); got {spec!r}")
-
-
 class AdmittedTable:
     """A SparseTable that creates rows only for admitted ids."""
 

@@ -12,13 +12,13 @@ import threading
 
 import numpy as np
 
-from mpips import bundle as bd
+import mpips.serving.bundle as bd
 from mpips.data.criteo import make_norm
 from mpips.kernels.hashmap import lookup_rows, read_rows, rebuild_slots
 from mpips.kernels.pooling import pool_forward
 from mpips.models.zoo import emb_dim, make_net
 from mpips.schema import Schema
-from mpips.server.sparse_table import slots_for
+from mpips.tables.sparse import slots_for
 
 CHUNK_ROWS = 8192        # rows scored per forward pass in predict (bounds memory)
 

@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 from mpips import checkpoint as ck
-from mpips.backoff import COLLECTIVE, Backoff
+from mpips.comm.backoff import COLLECTIVE, Backoff
 from mpips.data.binary import part_rows
 from mpips.data.sources import is_gzip
 from mpips.schema import load_schema

@@ -15,11 +15,11 @@ from mpips.data.reader import DataReader
 from mpips.data.binary import load_stats
 from mpips.models.zoo import make_net
 from mpips.schema import Schema, load_schema
-from mpips.server.admission import AdmittedTable
-from mpips.server.dense_table import DenseTable
-from mpips.server.optim import OptimizerConfig
-from mpips.server.sparse_table import SparseTable
-from mpips.server.staleness import SMALL_W
+from mpips.tables.admission import AdmittedTable
+from mpips.tables.dense import DenseTable
+from mpips.tables.optim import OptimizerConfig
+from mpips.tables.sparse import SparseTable
+from mpips.tables.staleness import SMALL_W
 
 
 def resolve_data(cfg):

@@ -22,7 +22,7 @@ server counts it and drops it without a reply (it answered the original).
 Sizes are checked before anything is received: a message is taken off the wire with
 ``Mprobe``/``Improbe`` first, and its byte count must fit its tag (``MAX_REQUEST_BYTES``,
 ``DUMP_BYTES``, ``MAX_LINE_BYTES``); one that does not is discarded unread
-(:func:`mpips.liveness.discard`) with a line naming the sender.
+(:func:`mpips.comm.liveness.discard`) with a line naming the sender.
 """
 from enum import IntEnum
 
@@ -64,7 +64,7 @@ STATS_DTYPE = np.dtype([
     ("rejected", np.int64),           # malformed requests rejected
     ("replies_in_flight", np.int64),  # replies sent, not yet taken by the workers
     ("duplicates", np.int64),         # duplicate requests (a request id seen before) dropped
-    # async / ssp (mpips.server.staleness; 0 in other modes), since the start:
+    # async / ssp (mpips.tables.staleness; 0 in other modes), since the start:
     ("staleness_hist", np.int64, (65,)),  # pushed rows by staleness 0..63, [64] = 64 or more
     ("staleness_sum", np.int64),      # sum of the pushed rows' staleness (exact)
     ("staleness_max", np.int64),      # largest staleness of a pushed row
@@ -86,7 +86,7 @@ class Op(IntEnum):
                   # reply: the shard's manifest entry as UTF-8 JSON on TAG_CONTROL
     SHRINK = 8    # age rows, evict those unseen for > step shrinks; reply int64[1] removed
     DENSE_PUT = 9   # a worker's dense replica for this server's slice, to be checkpointed:
-                    # dense = values then optimizer state (server.dense_table.pack_state)
+                    # dense = values then optimizer state (tables.dense.pack_state)
     DENSE_GET = 10  # reply this server's dense slice and its optimizer state (same packing)
                     # on TAG_REPLY_DENSE: what workers start their replicas from
 

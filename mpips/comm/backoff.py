@@ -4,7 +4,7 @@ On an oversubscribed node (4 ranks on 2 cores) a rank that spins on ``Test``/``I
 takes a core from the ranks that compute, so each poll loop sleeps between looks:
 ``b = Backoff(*REPLY)``; after a look that found nothing, ``b.sleep()`` sleeps the current
 delay and doubles it up to the ceiling; after one that found work, ``b.reset()``.  (The
-shape of mpi4py.futures' ``Backoff``.)  ``mpips.liveness.wait_for`` is the loop itself
+shape of mpi4py.futures' ``Backoff``.)  ``mpips.comm.liveness.wait_for`` is the loop itself
 for waits that also answer status requests and can time out.
 
 The (first, longest) sleeps in seconds of every wait, in one place:

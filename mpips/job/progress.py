@@ -10,7 +10,7 @@ within an epoch and reach 100 only at its end, where a last line gives the exact
 With W workers, ex/s is this worker's rate (the EPOCH line gives the job's).  On a stream
 the line names the pass and how many ready passes wait behind it.  The rate and ETA count
 from the end of the first step (the numba kernels are compiled before training starts,
-``mpips.warmup``); a line due before a second step shows no rate yet.
+``mpips.job.warmup``); a line due before a second step shows no rate yet.
 
 Lines go through `write` (print); on a terminal in local mode (`redraw=True`) the line is
 redrawn in place instead and cleared before any other line.  The cost per step is one

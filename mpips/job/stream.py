@@ -13,7 +13,7 @@ ready when its ``_SUCCESS`` file exists; passes are taken in name order.  For ea
    the others; the checkpoint records the pass, so a restart with the same command resumes
    after the last saved pass (no pass trained twice, none skipped); with ``--export-dir``
    also export it for serving (a full bundle after a base, a patch after a delta;
-   ``mpips.exports``), so a following predictor is at most one pass behind;
+   ``mpips.serving.exports``), so a following predictor is at most one pass behind;
 5. log and write the audit record (ids admitted / waiting / evicted, table rows and bytes).
 When no pass is ready it polls with back-off for ``--stream-timeout`` seconds, then ends;
 while it waits it says so (a ``STREAM --> waiting ...`` line naming the pass it waits for
@@ -29,11 +29,11 @@ import time
 from dataclasses import dataclass
 
 from mpips import checkpoint as ck
-from mpips.backoff import PASS, Backoff
+from mpips.comm.backoff import PASS, Backoff
 from mpips.data.files import resolve_paths
-from mpips.exports import export_checkpoint
-from mpips.report import epoch_record, pass_line
-from mpips.resume import resume_point
+from mpips.serving.exports import export_checkpoint
+from mpips.job.report import epoch_record, pass_line
+from mpips.job.resume import resume_point
 
 KILL_AT = "MPIPS_DEBUG_KILL_AT"     # test aid: "PASS:N" SIGKILLs the logging worker (or the
                                     # local process) after its N-th batch of that pass

@@ -38,13 +38,13 @@ from mpips.checkpoint.load import _schema as shard_schema
 from mpips.checkpoint.load import resolve
 from mpips.checkpoint.manifest import CheckpointError, chain_manifests, fsync, saved_settings
 from mpips.checkpoint.save import _write_whole
-from mpips.config import check_chain, check_compatible
+from mpips.checkpoint.compat import check_chain, check_compatible
 from mpips.data.criteo import make_norm
 from mpips.data.binary import load_stats
 from mpips.schema import SchemaError, stored_schema
-from mpips.server.dense_table import DenseTable
-from mpips.server.optim import OptimizerConfig
-from mpips.server.sparse_table import SparseTable
+from mpips.tables.dense import DenseTable
+from mpips.tables.optim import OptimizerConfig
+from mpips.tables.sparse import SparseTable
 
 FORMAT = "mpips-bundle"
 VERSION = 1
@@ -134,7 +134,7 @@ def read_changes(elements, dim, removed=True):
 
 def check_elements(elements):
     """A chain [(dir, manifest)] must mean one thing throughout (every setting of
-    ``mpips.config.MEANING``), and its ids this mpips's hashing (scoring and export take
+    ``mpips.checkpoint.compat.MEANING``), and its ids this mpips's hashing (scoring and export take
     the rest from the stored config and settings)."""
     check_chain(elements)
     check_compatible(elements[-1][1], elements[-1][1]["config"], skip=("norm",))

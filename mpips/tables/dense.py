@@ -6,7 +6,7 @@ Adam's beta powers are per table.
 """
 import numpy as np
 
-from mpips.server.optim import OptimizerConfig, apply_rows, new_state, state_violation
+from mpips.tables.optim import OptimizerConfig, apply_rows, new_state, state_violation
 
 
 class DenseTable:
@@ -96,7 +96,7 @@ class DenseTable:
 
         ``values`` is required; missing optimizer state is reset to fresh state.  Raises
         ValueError, leaving the table unchanged, when a shape is wrong or the state breaks
-        the optimizer's invariants (``mpips.server.optim.state_violation``: finite values,
+        the optimizer's invariants (``mpips.tables.optim.state_violation``: finite values,
         Adam ``v >= 0`` and beta powers in [0, 1), Adagrad's accumulator >= 0).
         """
         expected = ['values'] + list(self._state)

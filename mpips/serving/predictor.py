@@ -15,7 +15,7 @@
 The lines are parsed by the training parsers (``mpips.data.criteo`` / ``mpips.data.slot``;
 another schema's by ``mpips.data.formats.TextFormat``) with the bundle's data settings
 (format, ``hash_bucket``, normalisation), and scored by
-a ``mpips.scoring.ServingModel`` (the training forward pass).  The predictor holds ONE
+a ``mpips.serving.model.ServingModel`` (the training forward pass).  The predictor holds ONE
 reference to its current model; a scoring call reads it once, and ``apply``/``refresh``
 build the new model aside and then swap the reference, so a concurrent reader sees the
 old model or the new one, never half of each.  When a patch or a followed folder's
@@ -24,11 +24,11 @@ numpy/numba only (no MPI).
 """
 import numpy as np
 
-from mpips import bundle as bd
-from mpips import exports
+import mpips.serving.bundle as bd
+import mpips.serving.exports as exports
 from mpips.data import bags, criteo, slot
 from mpips.data.formats import TextFormat
-from mpips.scoring import ServingModel
+from mpips.serving.model import ServingModel
 
 SLOT_PREFIX = (b"click:", b"dense_feature:")
 

@@ -48,7 +48,7 @@ from mpips.kernels.hashmap import (age_rows, init_rows, insert_missing, lookup_r
                                    read_rows, rebuild_slots, touch_rows)
 from mpips.kernels.optim import add_rows
 from mpips.kernels.pages import PagedColumns
-from mpips.server.optim import OptimizerConfig, apply_rows
+from mpips.tables.optim import OptimizerConfig, apply_rows
 
 LOAD_FACTOR = 0.6      # max live rows / slots
 ROW_GROWTH = 1.25      # growth of the first page while the table is below one page
@@ -203,7 +203,7 @@ class SparseTable:
 
         Ids without a row get one first (create=True) or are dropped (create=False).
         lr_scale: float32 (n,) multiplying each key's learning rate (the staleness
-        rules, :func:`mpips.server.staleness.lr_factors`), or None (exactly 1).
+        rules, :func:`mpips.tables.staleness.lr_factors`), or None (exactly 1).
         """
         keys = _as_keys(keys)
         n = keys.shape[0]
