@@ -47,7 +47,7 @@ import time
 
 import numpy as np
 
-from data_prep.synth import _sigmoid, _split_rows, format_lines
+from mpips.data.synth import _sigmoid, _split_rows, format_lines
 from mpips.metrics import BinaryMetrics
 
 N_INT, N_CAT = 13, 26

@@ -58,7 +58,7 @@ import numpy as np
 from numba import njit
 
 from data_prep.criteo_like import _hash_normal, _mix64, _power_rank, calibrate
-from data_prep.synth import _sigmoid, _split_rows, auc
+from mpips.data.synth import _sigmoid, _split_rows, auc
 
 VERSION = 1
 BLOCK_ROWS = 2048        # rows generated and formatted at a time (~0.9M ids at 450 a row)

@@ -17,7 +17,7 @@ from datetime import date, timedelta
 
 import numpy as np
 
-from data_prep.synth import N_CAT, Model, auc, format_lines
+from mpips.data.synth import N_CAT, Model, auc, format_lines
 
 
 class StreamModel(Model):

@@ -148,6 +148,15 @@ def test_nothing_imports_an_entry_point(mpips_graph):
     assert bad == []
 
 
+def test_mpips_imports_no_tool_folder():
+    """data_prep/ and bench/ are tools over mpips (the embedded dataset's generator lives in
+    mpips.data.synth); nothing in the package reaches up into them."""
+    bad = sorted((name, target) for name, path in module_files(ROOT, "mpips").items()
+                 for target, _, _ in imports_of(name, path, path.endswith("__init__.py"))
+                 if target.split(".")[0] in ("data_prep", "bench", "tests"))
+    assert bad == []
+
+
 def test_imports_at_module_top(mpips_graph):
     _, lazy = mpips_graph
     def allowed(m, t):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
 
-from data_prep import synth
+from data_prep import synth as synth_cli
+from mpips.data import synth
 from mpips.data.reader import DataReader
 
 ROWS = 40_000
@@ -126,7 +127,7 @@ def test_stale_lock_is_recovered(tmp_path):
 
 def test_cli(tmp_path):
     out = str(tmp_path / "cli")
-    assert synth.main(["--rows", "1000", "--out", out, "--parts", "2", "--test-rows", "100"]) == 0
+    assert synth_cli.main(["--rows", "1000", "--out", out, "--parts", "2", "--test-rows", "100"]) == 0
     assert json.load(open(os.path.join(out, "meta.json")))["test"]["rows"] == 100
     with pytest.raises(SystemExit):
-        synth.main(["--rows", "0", "--out", out])
+        synth_cli.main(["--rows", "0", "--out", out])

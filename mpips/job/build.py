@@ -9,7 +9,7 @@ import dataclasses
 import math
 import os
 
-from data_prep.synth import ensure_default_dataset
+from mpips.data.synth import ensure_default_dataset
 from mpips.data.files import resolve_paths
 from mpips.data.reader import DataReader
 from mpips.data.binary import load_stats
