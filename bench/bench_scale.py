@@ -18,7 +18,7 @@ line of each worker (read, dedup/plan, gather, forward/backward, scatter, AUC, p
 calls, wait), the SERVER lines (rows and bytes per row), the EPOCH line, and
 ``ratio_last_to_first`` = ex/s of the last 1M / ex/s of the first.  Results go to
 bench/out/bench_scale.json and a plot of ex/s and table rows against examples seen to
-docs/scale.png (``--plot``; needs matplotlib, the ``bench`` extra).
+docs/studies/scale.png (``--plot``; needs matplotlib, the ``bench`` extra).
 """
 import argparse
 import json
@@ -186,7 +186,7 @@ def main():
                     "async) and 'local'")
     ap.add_argument("--parts", type=int, default=0, help="train on the first N parts (0 = all)")
     ap.add_argument("--every", type=int, default=1_000_000, help="examples per report line")
-    ap.add_argument("--plot", default=str(ROOT / "docs" / "scale.png"), help="PNG ('' = none)")
+    ap.add_argument("--plot", default=str(ROOT / "docs" / "studies" / "scale.png"), help="PNG ('' = none)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "bench_scale.json"))
     ap.add_argument("--replot", default="", help="comma list of --out JSON files of earlier "
                     "runs: plot their results together to --plot, run nothing")

@@ -13,18 +13,18 @@ yardstick every other run is compared with.  For each rule (``--rule NAME=FLAGS`
 default: one rule ``default`` with no flags) and each W:
 - ``async`` (``--real``): ``mpiexec -n 2+W python -m mpips.train --servers 2`` (mode async);
 - ``sync`` (``--sync``): ``--local --local-workers W``, which equals 2 x W sync bit for bit
-  (docs/modes.md), in one process;
+  (docs/studies/scaling-with-w.md), in one process;
 - ``sim`` (``--sim``): ``--local --simulate-workers W`` (the async simulator).
 ``--seeds 0,1,2`` repeats every run (``local`` included) with ``--seed s`` (the initial
 weights): on some shapes the seed alone moves a run by more than the differences measured
-(docs/modes.md), so each run is compared with ``local`` of its own seed and the table and
+(docs/studies/scaling-with-w.md), so each run is compared with ``local`` of its own seed and the table and
 plot give the mean over seeds (the plot's bars: the lowest and highest seed).
 Each record: AUC, logloss, mean prediction and their differences to ``local``; the servers'
 staleness summary for real runs and the simulator's.  Records go to bench/out/bench_workers.json
 (``--json``), each as soon as it is measured (a stopped bench keeps them; two benches may
 share the file); runs already there with the same name are reused unless ``--force``.  A
 plot of AUC and logloss minus local against W (one line per rule and kind) goes to
-docs/workers.png (``--plot``; matplotlib, the ``bench`` extra).
+docs/studies/workers.png (``--plot``; matplotlib, the ``bench`` extra).
 """
 import argparse
 import json
@@ -162,7 +162,7 @@ def main(argv=None):
                     help="NAME=FLAGS (repeatable): a rule's flags, added to every run")
     ap.add_argument("--json", default=str(ROOT / "bench/out/bench_workers.json"))
     ap.add_argument("--force", action="store_true", help="rerun runs already in --json")
-    ap.add_argument("--plot", default=str(ROOT / "docs/workers.png"))
+    ap.add_argument("--plot", default=str(ROOT / "docs/studies/workers.png"))
     ap.add_argument("--replot", help="only plot and tabulate this JSON")
     ap.add_argument("--seeds", default="0", help="run everything with each --seed in this list")
     a = ap.parse_args(argv)

@@ -3,7 +3,7 @@
     python bench/noise_scale.py --data DATA [--probes 64] [--every 100] [--json F]
     python bench/noise_scale.py --predict F --batches 512,4096,8192,16384,32768
 
-Why (docs/modes.md, "Scaling with W"): on one epoch of 1M rows, 8 to 64 workers of batch
+Why (docs/studies/scaling-with-w.md): on one epoch of 1M rows, 8 to 64 workers of batch
 512 lose to one process of batch 512, sync as much as async, and one process with the
 global batch as much as sync. McCandlish et al., "An empirical model of large-batch
 training" (2018), say when that must happen whatever the learning-rate rule: a step with a

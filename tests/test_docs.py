@@ -1,0 +1,42 @@
+"""The docs' links resolve: every relative link and image of README.md and docs/**/*.md names
+a file of the repository and, with #anchor, a heading of that file; file paths and module
+names quoted in them exist.  (The docs' shell commands are run by `python tools/check_docs.py
+--commands`, minutes long, not part of the suite.)"""
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("check_docs", os.path.join(ROOT, "tools", "check_docs.py"))
+check_docs = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(check_docs)
+
+
+def test_every_doc_link_resolves():
+    problems = check_docs.check_links(ROOT)
+    assert not problems, "\n".join(f"{p}:{n}: {t}: {why}" for p, n, t, why in problems)
+
+
+def test_readme_is_a_front_page():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        assert len(f.read().splitlines()) <= 200
+
+
+def test_the_checker_finds_what_is_broken(tmp_path):
+    """A page with a missing file, a missing anchor, a moved module and a good link: the
+    checker reports exactly the three bad ones (links inside code blocks are not links)."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "mpips").mkdir()
+    (tmp_path / "mpips" / "__init__.py").write_text("")
+    (tmp_path / "mpips" / "config.py").write_text("X = 1\n\ndef parse_args():\n    pass\n")
+    (tmp_path / "docs" / "a.md").write_text(
+        "# Title\n\n## The `--flag` rule, measured (2x)\n\ntext\n")
+    (tmp_path / "README.md").write_text(
+        "# R\n\n[ok](docs/a.md#the---flag-rule-measured-2x) [gone](docs/b.md)\n"
+        "[bad anchor](docs/a.md#nope) `mpips.config.parse_args` `mpips.config.MEANING`\n"
+        "```sh\n[not a link](nowhere.md)\n```\n[web](https://example.org/x)\n")
+    got = [(p, t, why) for p, _, t, why in check_docs.check_links(str(tmp_path))]
+    assert got == [("README.md", "docs/b.md", "no such file"),
+                   ("README.md", "docs/a.md#nope", "no heading with anchor #nope"),
+                   ("README.md", "mpips.config.MEANING", "mpips.config has no MEANING")]
+    assert check_docs.slug("The `--flag` rule, measured (2x)") == "the---flag-rule-measured-2x"
