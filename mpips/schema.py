@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
 import sys
 from dataclasses import asdict, dataclass
@@ -260,16 +261,34 @@ def feasign_salt(name: str) -> int:
 
 
 # --- loading ----------------------------------------------------------------------------
+_LOADED = {}    # absolute path -> (the file's stat identity, Schema): each file read once
+
+
+def _read_toml(path: str) -> dict:
+    """The one place a schema file is read (tests count the calls)."""
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
 def load_schema(path: str) -> Schema:
-    """Read a TOML schema file; errors name the file and the fix."""
+    """Read a TOML schema file; errors name the file and the fix.  A file is read once per
+    process: later calls (config checks, the run plan, resume and checkpoint checks) get the
+    same Schema while the file is unchanged (same inode, size and times)."""
+    key = os.path.abspath(path)
     try:
-        with open(path, "rb") as f:
-            d = tomllib.load(f)
+        st = os.stat(path)
+        ident = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        hit = _LOADED.get(key)
+        if hit is not None and hit[0] == ident:
+            return hit[1]
+        d = _read_toml(path)
     except OSError as e:
         raise SchemaError(f"cannot read schema file {path}: {e.strerror or e}")
     except tomllib.TOMLDecodeError as e:
         raise SchemaError(f"schema file {path} is not valid TOML: {e}")
-    return _build(d, f"schema file {path}")
+    schema = _build(d, f"schema file {path}")
+    _LOADED[key] = (ident, schema)
+    return schema
 
 
 def _suggest(key, known):

@@ -367,7 +367,7 @@ def test_d11_a_flipped_byte_is_passed_over(tmp_path):
 
 def test_stats_message_names_criteo_inputs_only_for_the_default_schema():
     """A 13-wide --schema of its own is not Criteo: its values are not I1..I13."""
-    from mpips.config import _show
+    from mpips.checkpoint.compat import _show
     a = {"cont_min": [0.0] * 13, "cont_diff": [1.0] * 13}
     b = {"cont_min": [0.0] * 13, "cont_diff": [1.0] * 4 + [10.0] + [1.0] * 8}
     criteo = _show("norm", "--stats", b, {"stats": "s.json"}, a)

@@ -11,6 +11,7 @@ recomputes the checksum can forge one).  Its ``settings`` record what the run's 
 mean beyond its config: the feature-id hashing and the normalisation statistics' values.
 Version 1 manifests (before the seal) still load, with a one-line note.
 """
+import copy
 import hashlib
 import json
 import os
@@ -218,22 +219,47 @@ def _check_manifest(path, m):
           and bounds[-1] == m.get("n_params"), where, "dense_bounds do not tile n_params")
 
 
+_READ = {}          # MANIFEST.json path -> (its stat identity, validated manifest)
+_READ_MAX = 4096    # entries kept (a long stream's root holds many checkpoints)
+
+
+def _read_file(mpath):
+    """The one place a MANIFEST.json is read (tests count the calls)."""
+    with open(mpath, "rb") as fh:
+        return fh.read()
+
+
 def read_manifest(path):
-    """The validated manifest of checkpoint directory ``path`` (CheckpointError if none)."""
+    """The validated manifest of checkpoint directory ``path`` (CheckpointError if none).
+
+    A manifest is read, its seal hashed and its fields checked once per process: a
+    committed MANIFEST.json is never rewritten (a new save is a new directory), so later
+    calls get a copy of the first read's result while the file is unchanged (same inode,
+    size and times; an edited file is read and checked again)."""
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory")
     mpath = os.path.join(path, MANIFEST)
-    if not os.path.exists(mpath):
-        raise CheckpointError(f"partial checkpoint {path}: no {MANIFEST} (the save did not "
-                              "finish); use an earlier checkpoint")
     try:
-        with open(mpath, "rb") as fh:
-            m = json.loads(fh.read().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        st = os.stat(mpath)
+    except FileNotFoundError:
+        raise CheckpointError(f"partial checkpoint {path}: no {MANIFEST} (the save did not "
+                              "finish); use an earlier checkpoint") from None
+    except OSError as e:
         raise CheckpointError(f"{path}: unreadable {MANIFEST} ({e})") from None
-    _check_seal(path, m)
-    _check_manifest(path, m)
-    return m
+    ident = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    key = os.path.abspath(mpath)
+    hit = _READ.get(key)
+    if hit is None or hit[0] != ident:
+        try:
+            m = json.loads(_read_file(mpath).decode("utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}: unreadable {MANIFEST} ({e})") from None
+        _check_seal(path, m)
+        _check_manifest(path, m)
+        if len(_READ) >= _READ_MAX:
+            _READ.clear()
+        _READ[key] = hit = (ident, m)
+    return copy.deepcopy(hit[1])
 
 
 def manifest_checksum(m):
