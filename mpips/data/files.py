@@ -10,19 +10,43 @@ mpips ``manifest.json``, e.g. ``OUT/train``) expands to its part directories in 
 order, and a part directory (or a glob such as ``OUT/train/part-000*``) stands for
 itself, so ``split_files`` hands whole parts to workers.  A prep root (``OUT``) is an
 error that names the split directories to use instead.
+
+With fewer files than workers, plain text files are shared by bytes (``worker_files``):
+the files are taken as one run of bytes cut into W equal shares, and worker w reads the
+lines that *start* in its share (``Span``; ``mpips.data.sources.open_span`` aligns the
+cuts to line starts), so every line is read exactly once, by one worker.  A newline
+always ends a line, also inside a CSV quote (the readers never join lines), so the cut
+points agree with how the file is parsed.  Gzip files, binary parts and a pipe
+command's input are not cut: with any of those, a worker reads whole files.
 """
 import glob
 import os
+from dataclasses import dataclass
 
 import numpy as np
 
 from mpips.data import binary
 
 
+@dataclass(frozen=True)
+class Span:
+    """The lines of text file ``path`` that start in bytes [start, stop)."""
+
+    path: str
+    start: int
+    stop: int
+
+    def __str__(self) -> str:
+        return f"{self.path}[bytes {self.start}-{self.stop}]"
+
+
 def _split_spec(spec) -> list[str]:
-    items = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
-    out: list[str] = []
+    items = [spec] if isinstance(spec, (str, os.PathLike, Span)) else list(spec)
+    out: list = []
     for item in items:
+        if isinstance(item, Span):
+            out.append(item)
+            continue
         out.extend(p.strip() for p in os.fspath(item).split(",") if p.strip())
     return out
 
@@ -70,6 +94,9 @@ def resolve_paths(spec) -> list[str]:
     files: list[str] = []
     seen: set[str] = set()
     for part in parts:
+        if isinstance(part, Span):
+            files.append(part)
+            continue
         hits = _resolve_one(part)
         if not hits:
             what = "directory has no data files" if os.path.isdir(part) else \
@@ -105,19 +132,62 @@ def split_files(files: list[str], n_workers: int, index: int) -> list[str]:
     return list(files[start:stop])
 
 
+def splittable(path) -> bool:
+    """Can ``path`` be shared by byte ranges: a plain (not gzip) regular file."""
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        return f.read(2) != b"\x1f\x8b"
+
+
+def byte_share(files: list[str], n_workers: int, index: int) -> list:
+    """Worker ``index``'s share of the bytes of ``files`` taken end to end: whole files
+    (paths) and ``Span``s of the files its share cuts (see the module docstring)."""
+    sizes = [os.path.getsize(p) for p in files]
+    total = sum(sizes)
+    lo, hi = index * total // n_workers, (index + 1) * total // n_workers
+    out: list = []
+    base = 0
+    for path, size in zip(files, sizes):
+        a, b = max(lo, base) - base, min(hi, base + size) - base
+        if a < b:
+            out.append(path if (a, b) == (0, size) else Span(path, a, b))
+        base += size
+    return out
+
+
 def worker_files(files: list[str], n_workers: int, index: int, shuffle_seed=None,
-                 epoch: int = 0) -> list[str]:
+                 epoch: int = 0, split: bool = True) -> list:
     """Worker ``index``'s files for one epoch.
 
-    In file order (``shuffle_seed`` None): ``split_files``, or one file in ``n_workers``
-    (``files[index::n_workers]``) when there are fewer files than workers.  With a seed,
-    the list is first permuted by a generator seeded with ``(shuffle_seed, epoch)`` — the
-    same permutation on every worker, so the blocks still partition the files, and a new
-    one each epoch.
+    In file order (``shuffle_seed`` None): ``split_files``; when there are fewer files
+    than workers, ``byte_share`` if every file is ``splittable`` (and ``split``: False for
+    a pipe command's input), else one file in ``n_workers`` (``files[index::n_workers]``,
+    so some workers have none).  With a seed, the list is first permuted by a generator
+    seeded with ``(shuffle_seed, epoch)`` — the same permutation on every worker, so the
+    blocks still partition the files, and a new one each epoch.
     """
     if shuffle_seed is not None and len(files) > 1:
         order = np.random.default_rng([int(shuffle_seed), int(epoch)]).permutation(len(files))
         files = [files[i] for i in order]
     if len(files) >= n_workers:
         return split_files(files, n_workers, index)
+    if split and files and all(splittable(p) for p in files):
+        return byte_share(files, n_workers, index)
     return list(files[index::n_workers])
+
+
+def eval_files(files: list[str], n_workers: int, index: int, split: bool = True) -> list:
+    """Worker ``index``'s test files: one in ``n_workers`` (``files[index::n_workers]``), or
+    its ``byte_share`` when there are fewer files than workers and they can be shared."""
+    if len(files) < n_workers and split and files and all(splittable(p) for p in files):
+        return byte_share(files, n_workers, index)
+    return list(files[index::n_workers])
+
+
+def readers_for(files: list[str], n_workers: int, split: bool = True) -> int:
+    """How many of ``n_workers`` get data from ``files`` (``worker_files``): all when there
+    are enough files or they can be shared by bytes, else one per file."""
+    if len(files) >= n_workers or (split and files and all(splittable(p) for p in files)):
+        return n_workers
+    return len(files)

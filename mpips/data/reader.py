@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mpips.data import bagparts, bags, binary, criteo, formats, slot, sources
-from mpips.data.files import resolve_paths
+from mpips.data.files import Span, resolve_paths
 from mpips.kernels.tsv_parse import BAD_FIELDS
 from mpips.schema import Schema
 
@@ -337,30 +337,58 @@ class DataReader:
             return self.text.describe(reason, detail)
         return criteo.describe_bad(reason, detail, self.has_label)
 
-    def _report(self, path: str, fst: FileStats, records) -> None:
-        """Count and report bad lines ``records``: iterable of (line0, reason, detail)."""
+    def _report(self, path: str, fst: FileStats, records, base=None) -> None:
+        """Count and report bad lines ``records``: iterable of (line0, reason, detail);
+        ``base()`` gives the line number the line0s count from (a span's first line)."""
         for line0, reason, detail in records:
-            msg = (f"{path}:{line0 + 1}: malformed line skipped: "
-                   f"{self._describe(reason, detail)}")
-            if self.strict:
-                raise ValueError(msg + " (strict mode; run without --strict to skip such lines)")
-            if len(fst.examples) < EXAMPLES_KEPT:
-                fst.examples.append(msg)
-            if fst.bad < self.max_warnings:
-                self.warn(msg)
+            shown = self.strict or len(fst.examples) < EXAMPLES_KEPT or fst.bad < self.max_warnings
+            if shown:
+                line = line0 + (base() if base is not None else 0)
+                msg = (f"{path}:{line + 1}: malformed line skipped: "
+                       f"{self._describe(reason, detail)}")
+                if self.strict:
+                    raise ValueError(msg + " (strict mode; run without --strict to skip such lines)")
+                if len(fst.examples) < EXAMPLES_KEPT:
+                    fst.examples.append(msg)
+                if fst.bad < self.max_warnings:
+                    self.warn(msg)
             fst.bad += 1
             fst.reasons[reason, detail] = fst.reasons.get((reason, detail), 0) + 1
 
-    def iter_parsed(self, path: str, parse=None, stream=None):
-        """Yield ``(ParseResult, nbytes)`` per chunk of text file ``path``.
+    def _open_span(self, span: Span):
+        """(stream, line base function, header line or None) to read ``span``: the file's
+        header when the span does not start at the file's start."""
+        stream = sources.open_span(span.path, span.start, span.stop)
+        begin, cache = stream.begin, []
+
+        def base():
+            if not cache:
+                cache.append(sources.lines_before(span.path, begin))
+            return cache[0]
+        header = None
+        if begin > 0 and self.text is not None and self.text.needs_header:
+            for data, _, _ in iter_chunks(span.path, self.chunk_bytes):
+                header = _split_header(data)[0]
+                break
+        return stream, base, header
+
+    def iter_parsed(self, path, parse=None, stream=None):
+        """Yield ``(ParseResult, nbytes)`` per chunk of text file ``path`` (or ``Span``).
 
         Updates ``stats`` and reports bad lines as the batches do.  ``parse(fmt, data)``
         replaces the default parser (``data_prep.criteo`` uses it for raw values).
         ``stream``: read this file object (a pipe command's stdout) instead of the file.
         """
-        fst = self.stats.files.setdefault(path, FileStats())
-        fmt = None
+        name = str(path)
+        fst = self.stats.files.setdefault(name, FileStats())
+        fmt = base = None
         parse = parse or self._parse
+        if isinstance(path, Span):
+            stream, base, header = self._open_span(path)
+            path = path.path
+            if header is not None:
+                fmt = self.schema.format
+                parse = self.text.with_header(header, path)
         for data, first, too_long in iter_chunks(path, self.chunk_bytes, stream=stream):
             if fmt is None:
                 fmt = self._format(path, data)
@@ -369,17 +397,17 @@ class DataReader:
                     parse = self.text.with_header(header, path)
                     first += 1
             self._report(path, fst, ((ln, criteo.BAD_LINE_TOO_LONG, MAX_LINE_BYTES)
-                                     for ln in too_long))
+                                     for ln in too_long), base)
             data, cut = split_unterminated(data)      # only the file's end can lack LF
             res = parse(fmt, data)
             self._report(path, fst, ((first + int(b[0]), int(b[1]), int(b[2]))
-                                     for b in res.bad))
+                                     for b in res.bad), base)
             unlisted = res.n_bad - res.bad.shape[0]  # beyond the kernel's record capacity
             fst.bad += unlisted
             fst.lines = first + res.n_lines
             if cut:
                 ln = first + data.count(b"\n")
-                self._report(path, fst, [(ln, criteo.BAD_NO_NEWLINE, len(cut))])
+                self._report(path, fst, [(ln, criteo.BAD_NO_NEWLINE, len(cut))], base)
                 fst.lines = ln + 1
                 self.stats.bad_lines += 1
             fst.rows += res.n_rows
@@ -390,9 +418,9 @@ class DataReader:
             self.stats.text_bytes += len(data)
             yield res, len(data)
         if fst.bad > self.max_warnings:
-            self.warn(f"{path}: {fst.bad - self.max_warnings} more malformed lines not shown "
+            self.warn(f"{name}: {fst.bad - self.max_warnings} more malformed lines not shown "
                       f"({fst.bad} in this file)")
-        self._summarise(path, fst)
+        self._summarise(name, fst)
         self._check_bad_share(path, fst, fmt)
 
     def _count(self, fst: FileStats, res) -> None:
@@ -465,7 +493,9 @@ class DataReader:
         """(rows of the binary parts, bytes of the text files) this reader will read."""
         rows = nbytes = 0
         for path in self.files:
-            if os.path.isdir(path):
+            if isinstance(path, Span):
+                nbytes += path.stop - path.start
+            elif os.path.isdir(path):
                 rows += binary.part_rows(path)
             else:
                 nbytes += sources.text_size(path)
@@ -475,11 +505,13 @@ class DataReader:
         """(dense, sparse, label, offsets) pieces of all files in order."""
         pipe = None
         if self.schema.pipe_command:
+            if any(isinstance(p, Span) for p in self.files):
+                raise ValueError("a pipe command reads whole files, not byte spans")
             pipe = sources.PipeRunner(self.schema.pipe_command,
                                       [p for p in self.files if not os.path.isdir(p)])
         try:
             for path in self.files:
-                if os.path.isdir(path):
+                if not isinstance(path, Span) and os.path.isdir(path):
                     yield from self._iter_part(path)
                     continue
                 stream = pipe.open(path) if pipe is not None else None

@@ -8,6 +8,8 @@ stdout as a stream.  Processes are started ``PIPE_AHEAD`` files ahead and draine
 thread each into a bounded queue, so the generators of the next files run while this one
 is parsed.  A command that exits non-zero fails the read with one line naming the file,
 the exit code and the last line it wrote to stderr; ``close()`` kills what is left.
+``open_span(path, start, stop)`` reads the lines of a plain file that start in bytes
+[start, stop) (a worker's share of a file, ``mpips.data.files.Span``).
 """
 import gzip
 import os
@@ -50,6 +52,76 @@ def open_input(path: str):
     if is_gzip(path):
         return gzip.open(path, "rb")
     return open(path, "rb")
+
+
+SCAN_BLOCK = 1 << 16  # bytes per read when looking for a line start or counting lines
+
+
+def line_start(f, pos: int) -> int:
+    """The first line start at or after byte ``pos`` of binary file ``f``: 0, a byte just
+    after a LF, or the file's size."""
+    if pos <= 0:
+        return 0
+    f.seek(pos - 1)
+    at = pos - 1
+    while True:
+        block = f.read(SCAN_BLOCK)
+        if not block:
+            return at
+        i = block.find(b"\n")
+        if i >= 0:
+            return at + i + 1
+        at += len(block)
+
+
+def lines_before(path: str, pos: int) -> int:
+    """Newlines in the first ``pos`` bytes of ``path`` (so the 0-based number of the line
+    starting at a line start ``pos``)."""
+    n = 0
+    with open(path, "rb") as f:
+        while pos > 0:
+            block = f.read(min(pos, 16 * SCAN_BLOCK))
+            if not block:
+                break
+            n += block.count(b"\n")
+            pos -= len(block)
+    return n
+
+
+class SpanFile:
+    """A binary reader of the whole lines of ``path`` that start in bytes [start, stop):
+    ``begin``/``end`` are those bounds moved to line starts (so spans that meet share no
+    line and miss none)."""
+
+    def __init__(self, path: str, start: int, stop: int):
+        self.f = open(path, "rb")
+        try:
+            self.begin = line_start(self.f, start)
+            self.end = max(self.begin, line_start(self.f, stop))
+            self.f.seek(self.begin)
+        except BaseException:
+            self.f.close()
+            raise
+        self.left = self.end - self.begin
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.left if n is None or n < 0 else min(n, self.left)
+        block = self.f.read(n) if n else b""
+        self.left -= len(block)
+        return block
+
+    def close(self):
+        self.f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_span(path: str, start: int, stop: int) -> SpanFile:
+    return SpanFile(path, start, stop)
 
 
 class _PipeStream:

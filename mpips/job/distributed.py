@@ -16,7 +16,7 @@ from mpips import checkpoint as ck
 from mpips.job.build import make_model, make_reader, make_schema, make_tables, resolve_data
 from mpips.comm.cluster import Cluster, default_servers
 from mpips.config import SAVE_MODES
-from mpips.data.files import worker_files
+from mpips.data.files import eval_files, worker_files
 from mpips.comm.liveness import wait_collective
 from mpips.metrics import BinaryMetrics
 from mpips.tables.ownership import dense_bounds, plan_keys
@@ -185,12 +185,14 @@ class DistBackend:
         sent0, msgs0 = c.bytes_sent, c.messages
         t0 = time.perf_counter()
         mine = worker_files(files, self.W, self.wi, self.cfg.seed if self.cfg.shuffle else None,
-                            epoch)
+                            epoch, split=not self.schema.pipe_command)
         if not mine and not self.warned:
             self.warned = True
-            log_line(f"mpips: warning: worker {self.wi} has no training files ({len(files)} "
-                     f"file(s) for {self.W} workers); split the data into at least {self.W} "
-                     f"files (e.g. python -m data_prep.criteo --parts {self.W})")
+            why = ("a --pipe-command reads whole files" if self.schema.pipe_command else
+                   "gzip files and binary parts are not shared by bytes")
+            log_line(f"mpips: warning: worker {self.wi} has no training data ({len(files)} "
+                     f"file(s) for {self.W} workers, and {why}); give at least {self.W} "
+                     f"files, or plain text files")
         reader = make_reader(self.cfg, mine, self.cfg.batch_size, log_line,
                              (epoch, self.wi)) if mine else None
         prog = None
@@ -209,13 +211,16 @@ class DistBackend:
             prog.finish(st.examples, st.loss_sum)
         self.client.barrier()                      # every worker's pushes are applied
         span = time.perf_counter() - t0
-        sums = self._sum(np.array([st.examples, st.loss_sum, c.bytes_sent - sent0,
-                                   c.messages - msgs0], np.float64))
+        mine_rows = np.zeros(self.W)
+        mine_rows[self.wi] = st.examples
+        sums = self._sum(np.concatenate([[st.examples, st.loss_sum, c.bytes_sent - sent0,
+                                          c.messages - msgs0], mine_rows]))
         span = self._max(span)
         metrics = BinaryMetrics.from_state(self._sum(st.metrics.state()))
         extra = {"workers": self.W, "servers": c.n_servers,
                  "bytes_sent_per_example": round(sums[2] / max(sums[0], 1), 1),
-                 "messages_sent": int(sums[3])}
+                 "messages_sent": int(sums[3]),
+                 "worker_examples": [int(x) for x in sums[4:]]}
         acc = getattr(self.trainer, "acc", None)  # GEO: none
         noise = np.zeros((0, 2)) if acc is None else acc.noise()   # my shard's share
         if len(noise):                  # (every worker counted the same steps: same shape)
@@ -256,7 +261,7 @@ class DistBackend:
     def evaluate(self, files):
         if not files:
             return None
-        mine = files[self.wi::self.W]
+        mine = eval_files(files, self.W, self.wi, not self.schema.pipe_command)
         self._replica_ready()
         local = BinaryMetrics()
         if mine:

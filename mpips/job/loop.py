@@ -13,7 +13,7 @@ import time
 from mpips import checkpoint as ck
 from mpips.job.build import make_reader, make_schema
 from mpips.data import bags
-from mpips.data.files import worker_files
+from mpips.data.files import eval_files, readers_for, worker_files
 from mpips.data.reader import Batch, DataError
 from mpips.job.progress import make_progress
 from mpips.job.report import (epoch_record, log_line, noise_fields, noise_line, summary_line,
@@ -86,9 +86,10 @@ class LocalBackend:
 
     def train(self, files, epoch, skip=0, label=None, lag=None):
         cfg = self.cfg
-        W = min(self.W, max(len(files), 1))
+        split = not self.schema.pipe_command
+        W = max(readers_for(files, self.W, split), 1)
         seed = cfg.seed if cfg.shuffle else None
-        parts = [worker_files(files, W, i, seed, epoch) for i in range(W)] if files else []
+        parts = [worker_files(files, W, i, seed, epoch, split) for i in range(W)] if files else []
         readers = [make_reader(cfg, p, cfg.batch_size, log_line, (epoch, i))
                    for i, p in enumerate(parts)]
         prog = self.trainer.progress = make_progress(
@@ -129,7 +130,7 @@ class LocalBackend:
         return sim.train_epoch(zip_batches(readers, tagged=True), epoch, cfg.max_steps)
 
     def evaluate(self, files):
-        """Evaluate as `--local-workers` workers would: worker i reads files[i::W] in its
+        """Evaluate as `--local-workers` workers would: worker i reads its ``eval_files`` in its
         own batches, and the counts are added in worker order.  A row's prediction depends
         on the batch it is scored in (BLAS rounds by the batch's shape on some CPUs), so
         this keeps --local-workers W's test metrics equal to W workers'."""
@@ -137,7 +138,8 @@ class LocalBackend:
             return None
         W = self.W
         total = None
-        for part in (files[i::W] for i in range(W)):
+        split = not self.schema.pipe_command
+        for part in (eval_files(files, W, i, split) for i in range(W)):
             if not part:
                 continue
             reader = make_reader(self.cfg, part, self.cfg.batch_size, log_line)
