@@ -39,11 +39,10 @@ import numpy as np
 
 from mpips.data import bagparts, bags, binary, criteo, formats, slot, sources
 from mpips.data.files import Span, resolve_paths
+from mpips.data.sources import CHUNK_BYTES, MAX_LINE_BYTES, iter_chunks, split_unterminated
 from mpips.kernels.tsv_parse import BAD_FIELDS
 from mpips.schema import Schema
 
-CHUNK_BYTES = 4 << 20  # read size; a chunk is cut at its last newline
-MAX_LINE_BYTES = 1 << 20  # a longer "line" is garbage: reported and skipped
 PREFETCH_DEPTH = 4  # batches queued ahead by the prefetch thread
 PUT_POLL_SECONDS = 0.1  # producer re-checks for close() this often when the queue is full
 GET_POLL_SECONDS = 1.0  # consumer re-checks that the producer is alive this often
@@ -151,62 +150,6 @@ def _split_header(data: bytes):
     """(first line, the rest) of a chunk of whole lines."""
     cut = data.find(b"\n") + 1 or len(data)
     return data[:cut], data[cut:]
-
-
-def iter_chunks(path: str, chunk_bytes: int = CHUNK_BYTES, max_line: int | None = None,
-                stream=None):
-    """Yield ``(data, first_line, too_long)`` for ``path`` (gzip decompressed), or for
-    ``stream`` (a binary file object, e.g. a pipe command's stdout) when given.
-
-    ``data`` holds whole lines (ends with LF except possibly at EOF); ``first_line`` is
-    the 0-based number of its first line.  ``too_long`` lists 0-based numbers of lines
-    longer than ``max_line`` that were dropped before ``data``.
-    """
-    max_line = MAX_LINE_BYTES if max_line is None else max_line
-    line = 0
-    rest = b""
-    too_long: list[int] = []
-    with (stream if stream is not None else sources.open_input(path)) as f:
-        while True:
-            block = f.read(chunk_bytes)
-            if not block:
-                break
-            data = rest + block if rest else block
-            cut = data.rfind(b"\n") + 1
-            if cut == 0:
-                rest = data
-                if len(rest) > max_line:  # no newline in sight: skip to the next one
-                    too_long.append(line)
-                    rest = _skip_to_newline(f, chunk_bytes)
-                    line += 1
-                continue
-            yield data[:cut], line, too_long
-            too_long = []
-            line += data.count(b"\n", 0, cut)
-            rest = data[cut:]
-    if rest or too_long:
-        yield rest, line, too_long
-
-
-def split_unterminated(data: bytes):
-    """(whole lines, last line) of a chunk: the part after its last LF (the end of a file
-    that does not end in a newline), or b"" when there is none or it is a lone CR."""
-    cut = data.rfind(b"\n") + 1
-    tail = data[cut:]
-    if not tail.strip(b"\r"):
-        return data, b""
-    return data[:cut], tail
-
-
-def _skip_to_newline(f, chunk_bytes: int) -> bytes:
-    """Consume ``f`` up to and including the next LF; return what follows it."""
-    while True:
-        block = f.read(chunk_bytes)
-        if not block:
-            return b""
-        i = block.find(b"\n")
-        if i >= 0:
-            return block[i + 1:]
 
 
 class _Batcher:
