@@ -62,6 +62,8 @@ def test_criteo_decimals_stripped_fields_and_gzip_equal_the_plain_file(tiny_data
                       ("stripped", lambda f: "\t".join(f).rstrip("\t"))]:
         _write(tmp_path / f"{kind}.train.txt", train_rows, fmt)
         _write(tmp_path / f"{kind}.test.txt", test_rows, fmt)
+    stripped = tmp_path / "stripped.train.txt"
+    stripped.write_bytes(stripped.read_bytes()[:-1])       # and no final newline (issue 35)
     with open(tmp_path / "plain.train.txt", "rb") as src, \
             gzip.open(tmp_path / "gz.train.txt.gz", "wb") as dst:
         dst.write(src.read())
@@ -73,10 +75,17 @@ def test_criteo_decimals_stripped_fields_and_gzip_equal_the_plain_file(tiny_data
                                  *strict)
         if kind == "stripped":
             assert "missing trailing fields read with them empty" in proc.stdout + proc.stderr
+            assert "has no newline; read as complete" in proc.stdout + proc.stderr
+        assert "malformed" not in proc.stdout + proc.stderr
     keys = ("train_examples", "train_loss", "test_auc", "test_logloss")
     for kind in ("pandas", "stripped", "gz"):
         assert [runs[kind][k] for k in keys] == [runs["plain"][k] for k in keys], kind
     assert runs["plain"]["train_examples"] == len(train_rows)
+    for kind in ("pandas", "stripped"):        # 2x2: one file shared by 2 workers, 0 bad lines
+        rec, proc = train(tmp_path, f"{kind}-2x2", "--train", str(tmp_path / f"{kind}.train.txt"),
+                          "--test", str(tmp_path / f"{kind}.test.txt"), "--mode", "sync", n=4)
+        assert "malformed" not in proc.stdout + proc.stderr
+        assert rec["train_examples"] == len(train_rows) and min(rec["worker_examples"]) > 0
 
 
 # ------------------------------------------------------------------ CSV with a header

@@ -12,10 +12,11 @@ gives CSR batches (``Batch.offsets``) unless its format is one-hot ``criteo``.  
 first ``max_warnings`` of each file individually, then one summary line per file);
 ``strict=True`` raises ``ValueError`` with that message instead.
 
-A file's last line must end in a newline.  One that does not may have been cut by a copy
-or a writer still at work, and a line cut inside its last field still parses (to a wrong
-id or value), so it is a bad line like any other: reported as ``file:line: ... does not
-end in a newline``, counted and skipped, or the error under ``strict``.
+A file's last line need not end in a newline (real files often end so): it is read as a
+line, and when it parses, one line per file notes it (``FileStats.unterminated``).  Under
+``strict`` it is refused (``file:line: ... does not end in a newline``): a file cut by a
+copy or a writer still at work ends so too, and a line cut inside its last field still
+parses, to a wrong id or value.
 
 Binary data parts (directories from ``resolve_paths`` of a ``data_prep.criteo`` output,
 see ``mpips.data.binary``) are read memory-mapped in pieces of ``binary.PIECE_ROWS`` rows
@@ -71,6 +72,7 @@ class FileStats:
     padded: int = 0  # Criteo lines missing trailing fields, read with them empty
     undeclared: int = 0  # tokens of slots the schema does not declare, skipped
     truncated: int = 0  # bags cut to their slot's max_len
+    unterminated: int = 0  # 1: the last line has no newline and was read
     examples: list = field(default_factory=list)  # first few "file:line: reason"
     reasons: dict = field(default_factory=dict)  # (reason, detail) -> bad lines listed with it
 
@@ -324,7 +326,7 @@ class DataReader:
         """
         name = str(path)
         fst = self.stats.files.setdefault(name, FileStats())
-        fmt = base = None
+        fmt = base = last = None
         parse = parse or self._parse
         if isinstance(path, Span):
             stream, base, header = self._open_span(path)
@@ -342,6 +344,8 @@ class DataReader:
             self._report(path, fst, ((ln, criteo.BAD_LINE_TOO_LONG, MAX_LINE_BYTES)
                                      for ln in too_long), base)
             data, cut = split_unterminated(data)      # only the file's end can lack LF
+            if cut and not self.strict:               # read it as a line
+                data, cut, last = data + cut + b"\n", b"", first + data.count(b"\n")
             res = parse(fmt, data)
             self._report(path, fst, ((first + int(b[0]), int(b[1]), int(b[2]))
                                      for b in res.bad), base)
@@ -359,6 +363,8 @@ class DataReader:
             self.stats.bad_lines += len(too_long) + res.n_bad
             self.stats.text_rows += res.n_rows
             self.stats.text_bytes += len(data)
+            if last is not None and not (res.bad[:, 0] == last - first).any():
+                fst.unterminated = 1
             yield res, len(data)
         if fst.bad > self.max_warnings:
             self.warn(f"{name}: {fst.bad - self.max_warnings} more malformed lines not shown "
@@ -383,6 +389,9 @@ class DataReader:
             said.append(f"{fst.undeclared} tokens of slots the schema does not declare skipped")
         if fst.truncated:
             said.append(f"{fst.truncated} bags cut to their max_len")
+        if fst.unterminated:
+            said.append(f"the last line (line {fst.lines}) has no newline; read as complete "
+                        f"(--strict refuses it, as a file cut short ends so)")
         if said:
             self.warn(f"{path}: " + "; ".join(said))
 
