@@ -56,6 +56,7 @@ from mpips.models.zoo import check_model
 from mpips.job.resume import first_rank_decides
 from mpips.schema import check_same, load_schema, stored_schema
 from mpips.serving.model import ServingModel, hash_slots
+from mpips.serving.shared import node_window, table_layout
 from mpips.tables.sparse import slots_for
 
 PROG = "python -m mpips.infer"
@@ -184,16 +185,6 @@ def pss_mb():
     return float("nan")
 
 
-def _carve(mem, layout):
-    """{name: array view} laid out one after the other in the uint8 buffer ``mem``."""
-    out, off = {}, 0
-    for name, dtype, shape in layout:
-        k = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        out[name] = mem[off:off + k].view(dtype).reshape(shape)
-        off += k
-    return out
-
-
 def warm_up(model):
     """Score one row: the kernels' first calls (numba) count as loading, not scoring."""
     dense = np.zeros((1, model.n_dense), np.float32)
@@ -213,7 +204,6 @@ def load_model(path, group, say, share=True):
     if node is None:
         snap = Snapshot(path, warn=say)
         return snap, ServingModel.from_snapshot(snap), None
-    from mpi4py import MPI
     leader = node.rank == 0
     snap = Snapshot(path, warn=say, load=leader)
     info = bundle_info(snap)
@@ -226,12 +216,7 @@ def load_model(path, group, say, share=True):
                              info["data"], schema=schema_of_manifest(info)))
     group._wait(node.Ibcast(sizes, root=0))
     n, n_slots, n_params = (int(x) for x in sizes)
-    layout = [("keys", np.int64, (n,)), ("values", np.float32, (n, snap.dim)),
-              ("slots", np.int32, (n_slots,)), ("params", np.float32, (n_params,))]
-    nbytes = sum(int(np.prod(s)) * np.dtype(d).itemsize for _, d, s in layout)
-    win = MPI.Win.Allocate_shared(nbytes if leader else 0, 1, comm=node)
-    buf, _ = win.Shared_query(0)
-    views = _carve(np.frombuffer(buf, np.uint8, count=nbytes), layout)
+    win, views = node_window(node, table_layout(n, snap.dim, n_slots, n_params), leader)
     if leader:                     # the table goes into shared memory, the hash map is built there
         views["keys"][:], views["values"][:], views["params"][:] = snap.keys, snap.values, \
             snap.dense

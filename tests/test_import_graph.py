@@ -32,6 +32,8 @@ LAZY_OK = {
     ("mpips.train", "mpips.job.distributed"),  # imports mpi4py.MPI at its top (same reason)
     ("mpips.comm.cluster", "mpi4py"),           # role arithmetic is used (and tested) without MPI
     ("mpips.infer", "mpi4py"),             # one-process scoring runs without MPI
+    ("mpips.serving.shared", "mpi4py"),    # one server process runs without MPI
+    ("mpips.serve", "mpips.serving"),      # without the serve extra: one line naming it
 }
 
 

@@ -1,0 +1,89 @@
+"""`python -m mpips.serve`: online prediction over HTTP (docs/serving.md).
+
+    python -m mpips.serve --bundle model.h5 --port 8500 --name ctr
+    python -m mpips.serve --follow exports/ --processes 2
+
+Speaks the Open Inference Protocol (KServe V2), TF-Serving's REST ``:predict`` and raw
+lines, with Prometheus ``/metrics``; ``--follow`` applies the stream's new bundles and
+patches in the background and swaps them in atomically.  Prints one ``mpips.serve:
+ready`` line (URL, model, version, rows, schema) when it answers, and exits 0 on
+SIGTERM/SIGINT after finishing the requests in flight.  ``--processes N`` serves one port
+from N processes (SO_REUSEPORT) that hold the table once, in shared memory
+(``mpips.serving.shared``).  Needs the ``serve`` extra (prometheus-client).
+"""
+import argparse
+import os
+import sys
+import traceback
+
+PROG = "python -m mpips.serve"
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog=PROG, description="Serve a mpips model over HTTP.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--bundle", help="a full bundle (python -m mpips.export)")
+    src.add_argument("--follow", metavar="EXPORT_DIR", help="a stream's --export-dir: serve "
+                     "its newest state and take new bundles and patches as they land")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
+                   "127.0.0.1)")
+    p.add_argument("--port", type=int, default=8500, help="port (0 = a free one; default 8500)")
+    p.add_argument("--name", default="ctr", help="the model's name in the URLs (default ctr)")
+    p.add_argument("--processes", type=int, default=1, help="server processes on the port, "
+                   "sharing one table (default 1)")
+    p.add_argument("--header", default=None, help="CSV schemas with a header: the column "
+                   "names line of the raw lines clients send")
+    p.add_argument("--max-instances", type=int, default=10000, help="instances (or lines) "
+                   "per request (default 10000)")
+    p.add_argument("--max-body-bytes", type=int, default=16 << 20, help="request body limit "
+                   "(default 16 MiB)")
+    p.add_argument("--poll-seconds", type=float, default=0.25, help="--follow: how often the "
+                   "export index is checked (default 0.25)")
+    p.add_argument("--idle-timeout", type=float, default=30.0, help="close a connection idle "
+                   "or stalled this long (seconds; default 30)")
+    return p
+
+
+def check_args(args):
+    """One line naming the first bad flag, or ''."""
+    if not 0 <= args.port <= 65535:
+        return f"--port must be in 0..65535; got {args.port}"
+    if args.processes < 1:
+        return f"--processes must be >= 1; got {args.processes}"
+    for flag in ("max_instances", "max_body_bytes"):
+        if getattr(args, flag) < 1:
+            return f"--{flag.replace('_', '-')} must be >= 1"
+    if args.poll_seconds <= 0 or args.idle_timeout <= 0:
+        return "--poll-seconds and --idle-timeout must be > 0"
+    if not args.name or any(c in args.name for c in "/:? \t"):
+        return f"--name must be a non-empty name without / : ? or spaces; got {args.name!r}"
+    return ""
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    bad = check_args(args)
+    if bad:
+        print(f"mpips.serve: error: {bad}", file=sys.stderr)
+        return 2
+    try:
+        from mpips.serving import server
+    except ImportError as e:
+        print(f"mpips.serve: error: {e}; install the serve extra: pip install 'mpips[serve]'",
+              file=sys.stderr)
+        return 2
+    try:
+        return server.run(args)
+    except KeyboardInterrupt:
+        return 0
+    except Exception as e:  # noqa: BLE001 - the boundary of the program
+        print(f"mpips.serve: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        if os.environ.get("MPIPS_TRACEBACK"):
+            traceback.print_exc()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
