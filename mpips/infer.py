@@ -2,6 +2,7 @@
 
     python -m mpips.infer --model ckpts/ --data data/test --metrics-out m.json
     mpirun -n 4 python -m mpips.infer --model ckpts/ --data data/test --predictions-out p.txt
+    python -m mpips.infer --model ckpts/ --data unlabeled/ --no-label --predictions-out p.txt
 
 ``--model`` is a checkpoint directory or a root (its newest checkpoint whose whole chain
 verifies, chosen by the first rank; one that does not is passed over with a warning).  The
@@ -29,7 +30,10 @@ load_seconds, memory_mb (sum over ranks of the proportional set size), cpu_secon
 (scoring, summed over ranks), ranks,
 checkpoint, meta); ``--predictions-out`` one probability per line,
 files in order and lines in order whatever N is (each rank writes its part, then copies
-it into the file at its offset).  On failure: one line on stderr naming the rank, exit
+it into the file at its offset).  ``--no-label``: the files have no label column (a
+Criteo TSV line of 39 fields; a CSV without the label's column, ...); the scores are
+written, the metrics count examples only (AUC, logloss, mean_pred, ctr are null).
+On failure: one line on stderr naming the rank, exit
 code 1 (2 for usage errors).
 """
 import argparse
@@ -78,6 +82,8 @@ def build_parser():
                    "copy of the table (default: one copy per node, in MPI shared memory)")
     p.add_argument("--network", default="", choices=("",) + MODELS, help="the network the "
                    "checkpoint must hold: dnn, wide_deep or deepfm (default: the one stored in it)")
+    p.add_argument("--no-label", action="store_true", help="the data has no label column: "
+                   "write --predictions-out (metrics count examples only; no AUC or logloss)")
     p.add_argument("--schema", default="", help="feature schema TOML the data is in; it must "
                    "be the checkpoint's (default: the schema stored in the checkpoint)")
     return p
@@ -233,17 +239,19 @@ def _finite(x):
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
-def score_files(cfg, model, files, batch_size, sink, on_batch, norm=None):
-    """Score files one by one (batches from each file's start); return BinaryMetrics.
+def score_files(cfg, model, files, batch_size, sink, on_batch, norm=None, has_label=True):
+    """Score files one by one (batches from each file's start); return BinaryMetrics
+    (without labels: its count only, every example counted as a 0 of probability 0).
     norm: (cont_min, cont_diff) to read with instead of --stats' file."""
     m = BinaryMetrics()
     for path in files:
         with contextlib.closing(make_reader(cfg, [path], batch_size, on_batch.warn,
-                                            norm=norm, schema=model.schema)) as reader:
+                                            norm=norm, schema=model.schema,
+                                            has_label=has_label)) as reader:
             for batch in reader:
                 probs = model.predict(batch.dense, batch.sparse,          # (B,)
                                       offsets=batch.offsets)
-                m.update(probs, batch.label)
+                m.update(probs if has_label else np.zeros_like(probs), batch.label)
                 if sink is not None:
                     sink.write(("%.7g\n" * len(probs)) % tuple(probs.tolist()))
                 on_batch(m)
@@ -251,8 +259,8 @@ def score_files(cfg, model, files, batch_size, sink, on_batch, norm=None):
 
 
 class _Progress:
-    def __init__(self, every, log):
-        self.every, self.log, self.batches = every, log, 0
+    def __init__(self, every, log, has_label=True):
+        self.every, self.log, self.batches, self.has_label = every, log, 0, has_label
 
     def warn(self, msg):
         self.log(msg)
@@ -260,7 +268,9 @@ class _Progress:
     def __call__(self, m):
         self.batches += 1
         if self.batches % self.every == 0:
-            self.log(f"TEST --> batch: {self.batches} loss: {m.logloss():.6f} auc: {m.auc():.6f}")
+            self.log(f"TEST --> batch: {self.batches} loss: {m.logloss():.6f} auc: {m.auc():.6f}"
+                     if self.has_label else
+                     f"SCORE --> batch: {self.batches} examples: {m.count}")
 
 
 def gather_predictions(group, part, out):
@@ -285,6 +295,7 @@ def run(args, log=print, comm=None):
     """Score; return the metrics record (the same on every rank)."""
     group = Group(comm)
     say = log if group.rank == 0 else (lambda s: None)
+    labelled = not getattr(args, "no_label", False)
     t0 = time.perf_counter()
     path = group.agree(lambda: first_rank_decides(comm, lambda: resolve(args.model)))
     files = group.agree(lambda: (Snapshot(path, load=False), resolve_paths(args.data))[1])
@@ -307,7 +318,8 @@ def run(args, log=print, comm=None):
     with contextlib.ExitStack() as stack:
         sink = stack.enter_context(open(part, "w")) if part else None
         local = score_files(cfg, model, mine, batch_size, sink,
-                            _Progress(args.print_every or cfg.print_every, say), norm)
+                            _Progress(args.print_every or cfg.print_every, say, labelled),
+                            norm, labelled)
     score_s, cpu_s = time.perf_counter() - t1, time.process_time() - c1
     m = BinaryMetrics.from_state(group.allreduce(local.state()))
     seconds = float(group.allreduce(np.array([score_s]), op="max")[0])
@@ -325,17 +337,25 @@ def run(args, log=print, comm=None):
             os.replace(part, args.predictions_out)
     if m.count == 0:
         raise ValueError(f"--data {args.data}: no examples")
+    if not labelled:                  # no labels: no metric but the count
+        auc = logloss = mean_pred = ctr = None
+    else:
+        auc, logloss, mean_pred, ctr = (_finite(x) for x in (m.auc(), m.logloss(),
+                                                              m.mean_pred(), m.observed_ctr()))
     rec = {"checkpoint": snap.path, "data": args.data, "ranks": group.size,
-           "test_examples": int(m.count), "test_auc": _finite(m.auc()),
-           "test_logloss": _finite(m.logloss()), "test_mean_pred": _finite(m.mean_pred()),
-           "test_ctr": _finite(m.observed_ctr()), "seconds": round(seconds, 4),
+           "test_examples": int(m.count), "test_auc": auc, "test_logloss": logloss,
+           "test_mean_pred": mean_pred, "test_ctr": ctr, "seconds": round(seconds, 4),
            "load_seconds": round(load_s, 4), "memory_mb": round(pss, 1),
            "cpu_seconds": round(cpu_s, 4),
            "examples_per_sec": round(m.count / seconds, 1) if seconds > 0 else 0.0,
            "meta": snap.manifest["meta"]}
-    say(f"TEST --> examples: {rec['test_examples']} auc: {m.auc():.6f} logloss: "
-        f"{m.logloss():.6f} mean_pred: {m.mean_pred():.6f} ctr: {m.observed_ctr():.6f} "
-        f"seconds: {seconds:.2f} examples/s: {rec['examples_per_sec']:.0f}")
+    if labelled:
+        say(f"TEST --> examples: {rec['test_examples']} auc: {m.auc():.6f} logloss: "
+            f"{m.logloss():.6f} mean_pred: {m.mean_pred():.6f} ctr: {m.observed_ctr():.6f} "
+            f"seconds: {seconds:.2f} examples/s: {rec['examples_per_sec']:.0f}")
+    else:
+        say(f"SCORE --> examples: {rec['test_examples']} (no labels) seconds: {seconds:.2f} "
+            f"examples/s: {rec['examples_per_sec']:.0f}")
     if args.metrics_out and group.rank == 0:
         tmp = args.metrics_out + ".tmp"
         with open(tmp, "w") as fh:
@@ -358,6 +378,10 @@ def main(argv=None):
         if getattr(args, name) < 0:
             print(f"mpips.infer: error: --{name.replace('_', '-')} must be >= 0", file=sys.stderr)
             return 2
+    if args.no_label and not args.predictions_out:
+        print("mpips.infer: error: --no-label scores data without labels: give "
+              "--predictions-out FILE to write the scores", file=sys.stderr)
+        return 2
     comm = _world()
     try:
         run(args, log=lambda s: print(s, flush=True), comm=comm)

@@ -107,3 +107,28 @@ def test_infer_errors_are_one_line(tmp_path, data, trained, capsys):
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mpips.infer: error:") and "nodata" in lines[0]
+
+
+def test_infer_scores_unlabeled_files(trained, data, tmp_path, capsys):
+    """--no-label: the test files without their label column get the labelled run's
+    predictions (the same batches); the metrics count examples only."""
+    root, _ = trained
+    code = infer.main(["--model", root, "--data", data[1], "--predictions-out",
+                       str(tmp_path / "ref.txt")])
+    assert code == 0
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in sorted(glob.glob(os.path.join(data[1], "*"))):
+        lines = open(f, "rb").read().splitlines()
+        (bare / os.path.basename(f)).write_bytes(b"".join(x.split(b"\t", 1)[1] + b"\n"
+                                                          for x in lines))
+    pf, mf = tmp_path / "p.txt", tmp_path / "m.json"
+    code = infer.main(["--model", root, "--data", str(bare), "--no-label", "--predictions-out",
+                       str(pf), "--metrics-out", str(mf)])
+    out = capsys.readouterr().out
+    assert code == 0 and "SCORE --> examples: 3000 (no labels)" in out
+    assert pf.read_text() == (tmp_path / "ref.txt").read_text()
+    rec = json.loads(mf.read_text())
+    assert rec["test_examples"] == 3000 and rec["test_auc"] is None
+    assert infer.main(["--model", root, "--data", str(bare), "--no-label"]) == 2
+    assert "give --predictions-out" in capsys.readouterr().err

@@ -40,9 +40,11 @@ def make_schema(cfg) -> Schema:
     return schema
 
 
-def make_reader(cfg, files, batch_size, warn, shuffle=None, norm=None, schema=None):
+def make_reader(cfg, files, batch_size, warn, shuffle=None, norm=None, schema=None,
+                has_label=True):
     """A DataReader of `files` with the run's schema (or ``schema``: mpips.infer reads with
-    the checkpoint's); shuffle=(epoch, worker) shuffles rows with --shuffle;
+    the checkpoint's; ``has_label=False``: files without the label column, as
+    ``mpips.infer --no-label`` reads); shuffle=(epoch, worker) shuffles rows with --shuffle;
     norm=(cont_min, cont_diff) instead of the --stats file's (the values a checkpoint
     recorded)."""
     cont_min = cont_diff = None
@@ -58,7 +60,7 @@ def make_reader(cfg, files, batch_size, warn, shuffle=None, norm=None, schema=No
                       hash_bucket=cfg.hash_bucket, prefetch=cfg.prefetch, warn=warn,
                       cont_min=cont_min, cont_diff=cont_diff, shuffle_window=window,
                       shuffle_seed=seed, max_bad_fraction=cfg.max_bad_fraction,
-                      schema=schema)
+                      schema=schema, has_label=has_label)
 
 
 def dense_lr(cfg, n_batches):
