@@ -18,6 +18,7 @@ TOML keys (``--schema FILE``)::
     raw_ids = false               # slot/multislot: keep integer feasigns as they are (one
                                   # id space for all slots, as Paddle's single table)
     pipe_command = ""             # feed each data file to this command, read its stdout
+    na_values = ["", "NA", "null", "NaN"]  # csv: dense values read as missing (the fill)
 
     [[dense]]
     names = ["I1", "I2"]          # columns (criteo/csv) or slots (slot/multislot)
@@ -63,7 +64,8 @@ _FNV_OFFSET = 0xCBF29CE484222325
 _FNV_PRIME = 0x100000001B3
 _CRITEO_SLOT = re.compile(r"C([1-9]|1[0-9]|2[0-6])")
 _TOP_KEYS = ("format", "delimiter", "header", "token_order", "label", "fields", "raw_ids",
-             "pipe_command", "dense", "sparse")
+             "pipe_command", "dense", "sparse", "na_values")
+NA_VALUES = ("", "NA", "null", "NaN")  # the default null tokens of dense columns
 
 
 class SchemaError(ValueError):
@@ -104,6 +106,7 @@ class Schema:
     fields: tuple = ()  # multislot: every input in line order
     raw_ids: bool = False
     pipe_command: str = ""
+    na_values: tuple = NA_VALUES  # csv: dense values that are missing (-> the group's fill)
 
     # --- the Criteo default ------------------------------------------------------------
     @staticmethod
@@ -326,9 +329,18 @@ def _build(d: dict, where: str) -> Schema:
                header=bool(d.get("header", defaults["header"])),
                token_order=d.get("token_order", "slot:feasign"),
                fields=tuple(d.get("fields", ())), raw_ids=bool(d.get("raw_ids", False)),
-               pipe_command=d.get("pipe_command", ""))
+               pipe_command=d.get("pipe_command", ""),
+               na_values=_na_values(d.get("na_values", NA_VALUES), where))
     validate(s, where)
     return s
+
+
+def _na_values(raw, where):
+    if isinstance(raw, str) or not all(isinstance(x, str) and not set(x) & set("\r\n")
+                                       for x in raw):
+        raise SchemaError(f"{where}: na_values must be a list of strings without line breaks, "
+                          f"e.g. [\"\", \"NA\"]; got {raw!r}")
+    return tuple(raw)
 
 
 def validate(s: Schema, where: str = "schema") -> None:

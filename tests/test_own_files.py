@@ -11,6 +11,7 @@ plain Python line counts.
   lines numbered as in the whole file) gives the whole file's rows.
 """
 import gzip
+import re
 
 import numpy as np
 import pytest
@@ -180,3 +181,99 @@ def test_one_file_two_workers_sync_equals_local_and_resumes(one_file, tmp_path):
     rec = train(one_file, tmp_path, "resumed", "--mode", "sync", *common, "--resume", mid, n=4)
     assert rec[0]["train_examples"] == 16000 - 2 * 30 * 100
     assert_identical(tmp_path / "sync", tmp_path / "resumed")
+
+
+# ------------------------------------------------------------------ null tokens, messages
+NA_SCHEMA = """format = "csv"
+label = "click"
+{extra}
+[[dense]]
+names = ["price", "age"]
+norm = "none"
+fill = -1.5
+[[sparse]]
+names = ["site"]
+"""
+
+
+def _reader(tmp_path, text, extra="", **kw):
+    (tmp_path / "s.toml").write_text(NA_SCHEMA.format(extra=extra))
+    (tmp_path / "d.csv").write_text(text)
+    msgs = []
+    rd = DataReader(str(tmp_path / "d.csv"), 100, schema=load_schema(str(tmp_path / "s.toml")),
+                    prefetch=False, warn=msgs.append, **kw)
+    return rd, msgs
+
+
+def _expected(cells, na):
+    """The dense values a plain Python reading gives: float() if finite, the fill for a
+    null token (spaces stripped), None (a bad line) otherwise."""
+    out = []
+    for c in cells:
+        c = c.strip()
+        if c in na:
+            out.append(-1.5)
+            continue
+        try:
+            v = float(c)
+        except ValueError:
+            return None
+        if v != v or v in (float("inf"), float("-inf")):
+            return None
+        out.append(v)
+    return out
+
+
+@pytest.mark.parametrize("extra,na", [("", ("", "NA", "null", "NaN")),
+                                      ('na_values = ["-", "?"]', ("-", "?"))])
+def test_null_tokens_take_the_fill(tmp_path, extra, na):
+    cells = ["1.5", "", "NA", "null", "NaN", " NA ", "-", "?", "abc", "nan", "inf", "2e3", "na"]
+    lines, want = ["click,price,age,site"], []
+    for i, a in enumerate(cells):
+        b = cells[(i * 5 + 3) % len(cells)]
+        lines.append(f"{i % 2},{a},{b},s{i}")
+        want.append(_expected([a, b], na))
+    rd, msgs = _reader(tmp_path, "\n".join(lines) + "\n", extra, max_warnings=100)
+    got = np.concatenate([b.dense for b in rd])
+    good = [w for w in want if w is not None]
+    np.testing.assert_array_equal(got, np.array(good, np.float32))
+    assert rd.stats.bad_lines == len(want) - len(good) > 0
+    assert len(msgs) == rd.stats.bad_lines            # each names the bad value
+    for m in msgs:
+        line = int(m.split(":")[1])
+        price, age = lines[line - 1].split(",")[1:3]
+        bad = price if _expected([price], na) is None else age
+        name = "price" if bad is price else "age"
+        assert m.endswith(f"bad value of {name!r}: {bad!r}"), m
+
+
+def test_bad_values_are_shown_criteo_and_slot(tmp_path):
+    from tests.test_reader import open_lines, SAMPLE
+    f = open_lines()[0].split(b"\t")
+    f[5] = b"12x"
+    p = tmp_path / "c.txt"
+    p.write_bytes(b"\t".join(f))
+    msgs = []
+    list(DataReader(str(p), 4, warn=msgs.append, prefetch=False))
+    assert msgs[0].endswith("integer field I5 is not a number: '12x'"), msgs
+    line = open(SAMPLE, "rb").readline().replace(b"dense_feature:0", b"dense_feature:zz", 1)
+    p.write_bytes(line)
+    msgs = []
+    list(DataReader(str(p), 4, fmt="slot", warn=msgs.append, prefetch=False))
+    assert msgs[0].endswith(f"bad value in token 2: {line.split()[1].decode()!r}"), msgs
+
+
+def test_missing_column_and_wrong_delimiter_messages(tmp_path):
+    rd, _ = _reader(tmp_path, "click,prce,age,site\n1,2,3,s\n")
+    with pytest.raises(ValueError, match=r"no column \['price'\] that the schema names "
+                                         r"\('price': did you mean 'prce'\?\)"):
+        list(rd)
+    rd, _ = _reader(tmp_path, "click\tprice\tage\tsite\n1\t2\t3\ts\n")
+    with pytest.raises(ValueError, match=re.escape(
+            "does not split into the schema's columns on delimiter ',', but does on '\\t': "
+            'set delimiter = "\\t" in the schema')):
+        list(rd)
+    rd, _ = _reader(tmp_path, "1;2;3;s\n0;4;5;t\n", "header = false", max_bad_fraction=0.1)
+    with pytest.raises(ValueError, match=r"hint: the lines split into 4 columns on ';', not "
+                                         r"on ',': set delimiter = \";\" in the schema"):
+        list(rd)

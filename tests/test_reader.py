@@ -138,7 +138,7 @@ def test_strict_mode_raises_with_file_line(tmp_path):
     for prefetch in (False, True):
         rd = DataReader(str(p), 2, strict=True, prefetch=prefetch)
         with pytest.raises(ValueError, match=rf"{p}:4: malformed line skipped: integer field "
-                                             r"I1 is not a number \(strict mode"):
+                                             r"I1 is not a number: 'x' \(strict mode"):
             list(rd)
         assert rd._thread is None
 

@@ -15,6 +15,8 @@ The default Criteo schema does not come here: ``mpips.data.criteo`` and ``mpips.
 keep today's one-hot readers and fast paths.
 """
 import csv
+import difflib
+import json
 
 import numpy as np
 
@@ -137,6 +139,55 @@ def describe_bad(reason: int, detail: int, names, fmt: str, has_label=True) -> s
     return criteo.describe_bad(reason, detail, has_label)
 
 
+DELIMITERS = (",", "\t", ";", "|", " ")  # tried when a header does not fit the schema's
+
+
+def other_delimiter(header: str, need, delimiter: str):
+    """A delimiter other than ``delimiter`` on which ``header`` holds every name of ``need``
+    (None if there is none)."""
+    for d in DELIMITERS:
+        if d == delimiter:
+            continue
+        try:
+            cols = next(csv.reader([header], delimiter=d), [])
+        except csv.Error:
+            continue
+        if len(cols) > 1 and all(n in cols for n in need):
+            return d
+    return None
+
+
+def delimiter_for(line: str, n: int, delimiter: str):
+    """A delimiter other than ``delimiter`` that splits ``line`` into ``n`` > 1 fields."""
+    for d in DELIMITERS:
+        if d != delimiter and n > 1 and len(next(csv.reader([line], delimiter=d), [])) == n:
+            return d
+    return None
+
+
+def shown(value) -> str:
+    """A field's bytes as a message shows them: repr of the text, cut at 40 characters."""
+    t = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+    return repr(t if len(t) <= 40 else t[:37] + "...")
+
+
+def field_of(line: bytes, k: int, delim: bytes = b"\t"):
+    """Field ``k`` of a delimited line, or None."""
+    fields = line.split(delim)
+    return fields[k] if 0 <= k < len(fields) else None
+
+
+def slot_value(line: bytes, name: str, value_last: bool = True):
+    """The value of the first token of slot ``name`` in a slot line, or None."""
+    for tok in line.split():
+        key, _, val = tok.rpartition(b":") if not value_last else tok.partition(b":")
+        if not value_last:
+            key, val = val, key
+        if key.decode("utf-8", "replace") == name:
+            return val
+    return None
+
+
 # ---------------------------------------------------------------- the formats
 class TextFormat:
     """Parses buffers of whole lines of a (non-default) schema's text format."""
@@ -155,6 +206,9 @@ class TextFormat:
         self.needs_header = schema.format == "csv" and schema.header
         self.seps = np.array([ord(x) if x else -1 for x in schema.slot_options("separator")],
                              dtype=np.int64)
+        na = [x.encode() for x in schema.na_values]
+        self.na = (np.frombuffer(b"".join(na) or b"\0", dtype=np.uint8).copy(),
+                   np.cumsum([0] + [len(x) for x in na]).astype(np.int64))
         self.entries = entries
         if schema.format == "csv" and not schema.header:  # columns: label, dense, sparse
             self.colinfo, self.names = self._columns(self.names, "(no header)")
@@ -166,8 +220,30 @@ class TextFormat:
                                   dtype=np.int64).reshape(-1, 3)
             self.names = list(schema.fields)
 
-    def describe(self, reason, detail) -> str:
-        return describe_bad(reason, detail, self.names, self.schema.format, self.has_label)
+    def describe(self, reason, detail, line: bytes | None = None) -> str:
+        """Words for a bad-line record; with the ``line``, a bad value is shown."""
+        text = describe_bad(reason, detail, self.names, self.schema.format, self.has_label)
+        value = None if line is None else self.value_of(reason, detail, line)
+        return text if value is None else f"{text}: {shown(value)}"
+
+    def value_of(self, reason, detail, line: bytes):
+        """The offending value of a bad line, when the record names one (else None)."""
+        fmt = self.schema.format
+        if fmt == "csv" and reason == B.BAD_VALUE:
+            text = line.decode("utf-8", "replace")
+            try:
+                cols = next(csv.reader([text], delimiter=self.schema.delimiter), [])
+            except csv.Error:
+                return None
+            return cols[detail] if detail < len(cols) else None
+        if fmt == "slot" and reason == B.BAD_VALUE and 0 <= detail < len(self.names):
+            return slot_value(line, self.names[detail],
+                              self.schema.token_order == "slot:feasign")
+        if fmt == "criteo" and reason in (K.BAD_INT, K.BAD_LABEL):
+            k = detail if reason == K.BAD_INT else 0
+            return field_of(line, k - (0 if self.has_label else 1),
+                            self.schema.delimiter.encode())
+        return None
 
     def parse(self, data) -> criteo.ParseResult:
         buf = criteo.as_uint8(data)
@@ -187,18 +263,29 @@ class TextFormat:
             cols = next(csv.reader([text], delimiter=self.schema.delimiter, strict=True), [])
         except csv.Error as e:
             raise ValueError(f"{path}: header line is not valid delimited text ({e})") from None
-        self.colinfo, self.names = self._columns(cols, path)
+        self.colinfo, self.names = self._columns(cols, path, text)
         return lambda fmt, data: self._csv(criteo.as_uint8(data))
 
-    def _columns(self, cols, where):
-        """(colinfo (C, 3), column names) for the columns ``cols`` of a file."""
+    def _columns(self, cols, where, header=None):
+        """(colinfo (C, 3), column names) for the columns ``cols`` of a file (its ``header``
+        line, to suggest another delimiter when the schema's does not fit)."""
         info = {e[0]: e[1:] for e in self.entries}
         need = [e[0] for e in self.entries if e[1] != B.KIND_LABEL or self.has_label]
         missing = [n for n in need if n not in cols]
         if missing:
+            other = None if header is None else other_delimiter(header, need,
+                                                                 self.schema.delimiter)
+            if other is not None:
+                raise ValueError(
+                    f"{where}: the header does not split into the schema's columns on "
+                    f"delimiter {self.schema.delimiter!r}, but does on {other!r}: set "
+                    f"delimiter = {json.dumps(other)} in the schema")
+            near = {n: difflib.get_close_matches(n, cols, n=1) for n in missing[:5]}
+            means = "; ".join(f"{n!r}: did you mean {m[0]!r}?" for n, m in near.items() if m)
             raise ValueError(f"{where}: the header has no column {missing[:5]} that the schema "
-                             f"names (header: {', '.join(cols[:12])}"
-                             f"{' ...' if len(cols) > 12 else ''}); fix the schema's names")
+                             f"names{f' ({means})' if means else ''} (header: "
+                             f"{', '.join(cols[:12])}{' ...' if len(cols) > 12 else ''}); "
+                             f"fix the schema's names")
         seen = set()
         rows = []
         for c in cols:
@@ -211,8 +298,8 @@ class TextFormat:
         scratch = scratch[:4] + (np.empty(buf.size + 1, dtype=np.uint8),)
         opts = np.array([self.has_label, self.bucket, ord(self.schema.delimiter)],
                         dtype=np.int64)
-        n = CS.parse_csv(buf, self.colinfo, (self.seeds, self.max_len, self.seps), opts, out,
-                         scratch, bad, counts)
+        n = CS.parse_csv(buf, self.colinfo, (self.seeds, self.max_len, self.seps) + self.na,
+                         opts, out, scratch, bad, counts)
         return self._result(n, out, bad, counts)
 
     def _criteo(self, buf):

@@ -42,6 +42,8 @@ from mpips.data import bagparts, bags, binary, criteo, formats, slot, sources
 from mpips.data.files import Span, resolve_paths
 from mpips.data.sources import CHUNK_BYTES, MAX_LINE_BYTES, iter_chunks, split_unterminated
 from mpips.kernels.tsv_parse import BAD_FIELDS
+from mpips.kernels.tsv_parse import BAD_INT as K_BAD_INT
+from mpips.kernels.tsv_parse import BAD_LABEL as K_BAD_LABEL
 from mpips.schema import Schema
 
 PREFETCH_DEPTH = 4  # batches queued ahead by the prefetch thread
@@ -125,6 +127,11 @@ def _hint(path, fmt, reason, detail, has_label):
     return "check the file's format (docs/data.md); --data-format tsv|slot forces one"
 
 
+def _first_line(path) -> str:
+    with sources.open_input(path) as f:
+        return f.readline(MAX_LINE_BYTES).decode("utf-8", "replace").rstrip("\r\n")
+
+
 def _stderr_warn(msg: str) -> None:
     print(f"mpips.data: {msg}", file=sys.stderr, flush=True)
 
@@ -152,6 +159,20 @@ def _split_header(data: bytes):
     """(first line, the rest) of a chunk of whole lines."""
     cut = data.find(b"\n") + 1 or len(data)
     return data[:cut], data[cut:]
+
+
+def _line_text(data: bytes, first: int):
+    """A function: line number ``first + k`` -> the bytes of line k of ``data`` (no EOL)."""
+    ends = []
+
+    def text(line0):
+        if not ends:
+            ends.append(np.flatnonzero(np.frombuffer(data, np.uint8) == 10))
+        nl, k = ends[0], line0 - first
+        a = 0 if k == 0 else int(nl[k - 1]) + 1
+        b = int(nl[k]) if k < len(nl) else len(data)
+        return bytes(data[a:b]).rstrip(b"\r")
+    return text
 
 
 class _Batcher:
@@ -277,20 +298,31 @@ class DataReader:
             return self.schema.format
         return _detect_bytes(head) if self.fmt == "auto" else self.fmt
 
-    def _describe(self, reason: int, detail: int) -> str:
+    def _describe(self, reason: int, detail: int, line: bytes | None = None) -> str:
+        """Words for a bad-line record; with the ``line``, a bad value is shown."""
         if self.text is not None:
-            return self.text.describe(reason, detail)
-        return criteo.describe_bad(reason, detail, self.has_label)
+            return self.text.describe(reason, detail, line)
+        text = criteo.describe_bad(reason, detail, self.has_label)
+        value = None
+        if line is not None and reason == criteo.BAD_SLOT_VALUE:
+            toks = line.split()
+            value = toks[detail] if detail < len(toks) else None
+        elif line is not None and reason in (K_BAD_INT, K_BAD_LABEL) and (
+                self.has_label or reason == K_BAD_INT):
+            value = formats.field_of(line, detail - (0 if self.has_label else 1)
+                                     if reason == K_BAD_INT else 0)
+        return text if value is None else f"{text}: {formats.shown(value)}"
 
-    def _report(self, path: str, fst: FileStats, records, base=None) -> None:
+    def _report(self, path: str, fst: FileStats, records, base=None, text=None) -> None:
         """Count and report bad lines ``records``: iterable of (line0, reason, detail);
-        ``base()`` gives the line number the line0s count from (a span's first line)."""
+        ``base()`` gives the line number the line0s count from (a span's first line),
+        ``text(line0)`` the line's bytes (to show a bad value)."""
         for line0, reason, detail in records:
             shown = self.strict or len(fst.examples) < EXAMPLES_KEPT or fst.bad < self.max_warnings
             if shown:
                 line = line0 + (base() if base is not None else 0)
-                msg = (f"{path}:{line + 1}: malformed line skipped: "
-                       f"{self._describe(reason, detail)}")
+                words = self._describe(reason, detail, None if text is None else text(line0))
+                msg = f"{path}:{line + 1}: malformed line skipped: {words}"
                 if self.strict:
                     raise ValueError(msg + " (strict mode; run without --strict to skip such lines)")
                 if len(fst.examples) < EXAMPLES_KEPT:
@@ -348,7 +380,7 @@ class DataReader:
                 data, cut, last = data + cut + b"\n", b"", first + data.count(b"\n")
             res = parse(fmt, data)
             self._report(path, fst, ((first + int(b[0]), int(b[1]), int(b[2]))
-                                     for b in res.bad), base)
+                                     for b in res.bad), base, _line_text(data, first))
             unlisted = res.n_bad - res.bad.shape[0]  # beyond the kernel's record capacity
             fst.bad += unlisted
             fst.lines = first + res.n_lines
@@ -414,6 +446,13 @@ class DataReader:
             return _hint(path, fmt, reason, detail, self.has_label)
         if reason == criteo.BAD_LINE_TOO_LONG or _looks_binary(path):
             return "binary data? text files (or .gz) in the schema's format are expected"
+        if self.schema.format == "csv" and reason == formats.B.BAD_COLUMNS:
+            other = formats.delimiter_for(_first_line(path), len(self.text.names),
+                                          self.schema.delimiter)
+            if other is not None:
+                return (f"the lines split into {len(self.text.names)} columns on {other!r}, "
+                        f"not on {self.schema.delimiter!r}: set delimiter = "
+                        f"{formats.json.dumps(other)} in the schema")
         return f"check the file against the schema ({self.schema.describe()}; docs/data.md)"
 
     def _iter_part(self, path: str):

@@ -67,6 +67,23 @@ def find_key(buf, s, e, kbytes, koff, tab):
         j = (j + np.uint64(1)) & mask
 
 
+@njit(cache=True, nogil=True)
+def is_token(buf, s, e, tbytes, toff):
+    """Is ``buf[s:e]`` one of the tokens ``tbytes[toff[k]:toff[k + 1]]`` (null tokens)?"""
+    for k in range(toff.shape[0] - 1):
+        a, b = toff[k], toff[k + 1]
+        if b - a != e - s:
+            continue
+        same = True
+        for t in range(b - a):
+            if tbytes[a + t] != buf[s + t]:
+                same = False
+                break
+        if same:
+            return True
+    return False
+
+
 @njit(cache=True, nogil=True, inline="always")
 def feasign_id(u, salt, opts_bucket, raw_ids):
     """Id of integer feasign ``u`` (uint64) of a slot with ``salt`` (see mpips.data.slot)."""

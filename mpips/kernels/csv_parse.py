@@ -8,7 +8,9 @@ the LF is dropped).  A quoted field cannot hold a line break (lines are read one
 Columns, by index (``colinfo[c] = kind, index, dim``, ``bag_common.KIND_*``):
 
 * label: a float() that is 0 or 1;
-* dense: empty = missing (NaN here, the group's fill later), else a finite float();
+* dense: a finite float(), else a null token (``na_values``, by default ``""``, ``NA``,
+  ``null``, ``NaN``; matched after stripping spaces, and only when float() fails, so the
+  common case costs nothing) = missing (NaN here, the group's fill later);
 * sparse: the value's bytes hashed from the slot's seed (FNV-1a + splitmix64, the Criteo
   hash); with a separator byte the value is split on it, each non-empty piece an id of
   the bag in order; an empty value is an empty bag;
@@ -21,7 +23,8 @@ import numpy as np
 from numba import njit
 
 from mpips.kernels.bag_common import (BAD_COLUMNS, BAD_QUOTE, BAD_VALUE, KIND_DENSE,
-                                      KIND_LABEL, KIND_SPARSE, emit_bags, end_line, text_id)
+                                      KIND_LABEL, KIND_SPARSE, emit_bags, end_line, is_token,
+                                      text_id)
 from mpips.kernels.number_parse import parse_float
 from mpips.kernels.tsv_parse import (BAD_CAPACITY, CNT_BAD, CNT_LINES, CNT_ROWS,
                                      FNV1A_PRIME)
@@ -44,6 +47,16 @@ def _number(src, a, b):
     while b > a and _is_space(src[b - 1]):
         b -= 1
     return parse_float(src, a, b)
+
+
+@njit(cache=True, nogil=True)
+def _is_null(src, a, b, tbytes, toff):
+    """Is src[a:b], spaces stripped, a null token?"""
+    while a < b and _is_space(src[a]):
+        a += 1
+    while b > a and _is_space(src[b - 1]):
+        b -= 1
+    return is_token(src, a, b, tbytes, toff)
 
 
 @njit(cache=True, nogil=True)
@@ -123,9 +136,12 @@ def _csv_line(buf, pos, colinfo, slots, opts, out, scratch, r):
             if kind == KIND_SPARSE:
                 k = _bag(src, a, b, seps[at], seeds[at], opts[OPT_BUCKET], at, tmp_slot,
                          tmp_id, k)
-            elif kind == KIND_DENSE and b > a:
+            elif kind == KIND_DENSE:
                 ok, v = _number(src, a, b)
-                dense[r, at] = v
+                if ok:
+                    dense[r, at] = v
+                else:                       # a null token stays NaN (missing)
+                    ok = _is_null(src, a, b, slots[3], slots[4])
             elif kind == KIND_LABEL and opts[OPT_HAS_LABEL] != 0:
                 ok, v = _number(src, a, b)
                 ok = ok and (v == 0.0 or v == 1.0)
@@ -151,7 +167,7 @@ def parse_csv(buf, colinfo, slots, opts, out, scratch, bad, counts):
     colinfo : (C, 3) int64, per column: kind (bag_common.KIND_*), index (dense position or
         slot), dim
     slots : (seeds (S,) uint64 FNV states, max_len (S,) int64, seps (S,) int64 separator
-        byte or -1)
+        byte or -1, null token bytes (uint8), their offsets (T + 1,) int64)
     opts : (3,) int64, [has_label, hash_bucket, delimiter byte]
     out : as ``slot_bags.parse_slot_bags``
     scratch : (tmp_slot (icap,), tmp_id (icap,), cur (S,), lim (S,), unq (nbytes + 1,) uint8)
