@@ -10,7 +10,7 @@ from data_prep.synth import generate
 from mpips.data import reader as R
 from mpips.data.criteo import parse_tsv_bytes
 from mpips.data.files import resolve_paths, split_files
-from mpips.data.reader import Batch, DataError, DataReader, detect_format, iter_chunks
+from mpips.data.reader import Batch, DataReader, detect_format, iter_chunks
 from mpips.data.slot import parse_slot_bytes
 
 SAMPLE = str(Path(__file__).parent / "data" / "paddle_slot_sample.txt")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mpips.data.sources import open_input
 from mpips.kernels import tsv_parse as K
 
 N_DENSE = K.N_DENSE
@@ -181,3 +182,34 @@ def parse_result(n, dense, sparse, label, bad, counts, offsets=None):
     return ParseResult(dense[:n], sparse if offsets is not None else sparse[:n], label[:n],
                        bad[:min(n_bad, MAX_BAD_RECORDS)], int(counts[K.CNT_LINES]), n_bad,
                        offsets, *extra)
+
+
+def looks_binary(path):
+    """Does the start of ``path``'s text look like binary data (not UTF-8, or NUL bytes)?"""
+    with open_input(path) as f:
+        head = f.read(4096)
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.start < len(head) - 3          # (not just a character cut at the end)
+    return b"\0" in head
+
+
+def hint(path, fmt, reason, detail, has_label):
+    """What the user most likely got wrong, from the commonest bad-line reason."""
+    n = N_DENSE + N_SPARSE
+    if reason == BAD_LINE_TOO_LONG or looks_binary(path):
+        return "binary or compressed data? decompress it, or convert it with python -m data_prep.criteo"
+    if reason == K.BAD_FIELDS and has_label and detail == n:
+        return (f"a {n}-field file without labels? training needs the 0/1 label as the first "
+                f"of {n + 1} tab-separated fields")
+    if reason == K.BAD_FIELDS and fmt == "tsv":
+        return ("Paddle slot lines ('click:0 dense_feature:...')? use --data-format slot; "
+                f"Criteo TSV has {n + 1} tab-separated fields (label, 13 integers, 26 hex)")
+    if reason == BAD_NO_NEWLINE:
+        return ("a file cut short? if its last line is complete, end the file with a "
+                "newline (echo >> FILE)")
+    if reason in (BAD_SLOT_TOKENS, BAD_SLOT_KEY, BAD_SLOT_VALUE):
+        return ("Criteo TSV? use --data-format tsv; slot lines are 'click:<0|1>', 13 "
+                "'dense_feature:<x>' and 26 '<slot>:<id>' tokens")
+    return "check the file's format (docs/data.md); --data-format tsv|slot forces one"

@@ -41,7 +41,6 @@ import numpy as np
 from mpips.data import bagparts, bags, binary, criteo, formats, slot, sources
 from mpips.data.files import Span, resolve_paths
 from mpips.data.sources import CHUNK_BYTES, MAX_LINE_BYTES, iter_chunks, split_unterminated
-from mpips.kernels.tsv_parse import BAD_FIELDS
 from mpips.kernels.tsv_parse import BAD_INT as K_BAD_INT
 from mpips.kernels.tsv_parse import BAD_LABEL as K_BAD_LABEL
 from mpips.schema import Schema
@@ -95,41 +94,6 @@ class ReaderStats:
 
 class DataError(ValueError):
     """Input data that is mostly or wholly unusable."""
-
-
-def _looks_binary(path):
-    with sources.open_input(path) as f:
-        head = f.read(4096)
-    try:
-        head.decode("utf-8")
-    except UnicodeDecodeError as e:
-        return e.start < len(head) - 3          # (not just a character cut at the end)
-    return b"\0" in head
-
-
-def _hint(path, fmt, reason, detail, has_label):
-    """What the user most likely got wrong, from the commonest bad-line reason."""
-    n = criteo.N_DENSE + criteo.N_SPARSE
-    if reason == criteo.BAD_LINE_TOO_LONG or _looks_binary(path):
-        return "binary or compressed data? decompress it, or convert it with python -m data_prep.criteo"
-    if reason == BAD_FIELDS and has_label and detail == n:
-        return (f"a {n}-field file without labels? training needs the 0/1 label as the first "
-                f"of {n + 1} tab-separated fields")
-    if reason == BAD_FIELDS and fmt == "tsv":
-        return ("Paddle slot lines ('click:0 dense_feature:...')? use --data-format slot; "
-                f"Criteo TSV has {n + 1} tab-separated fields (label, 13 integers, 26 hex)")
-    if reason == criteo.BAD_NO_NEWLINE:
-        return ("a file cut short? if its last line is complete, end the file with a "
-                "newline (echo >> FILE)")
-    if reason in (criteo.BAD_SLOT_TOKENS, criteo.BAD_SLOT_KEY, criteo.BAD_SLOT_VALUE):
-        return ("Criteo TSV? use --data-format tsv; slot lines are 'click:<0|1>', 13 "
-                "'dense_feature:<x>' and 26 '<slot>:<id>' tokens")
-    return "check the file's format (docs/data.md); --data-format tsv|slot forces one"
-
-
-def _first_line(path) -> str:
-    with sources.open_input(path) as f:
-        return f.readline(MAX_LINE_BYTES).decode("utf-8", "replace").rstrip("\r\n")
 
 
 def _stderr_warn(msg: str) -> None:
@@ -443,11 +407,11 @@ class DataReader:
 
     def _hint(self, path, fmt, reason, detail):
         if self.text is None:
-            return _hint(path, fmt, reason, detail, self.has_label)
-        if reason == criteo.BAD_LINE_TOO_LONG or _looks_binary(path):
+            return criteo.hint(path, fmt, reason, detail, self.has_label)
+        if reason == criteo.BAD_LINE_TOO_LONG or criteo.looks_binary(path):
             return "binary data? text files (or .gz) in the schema's format are expected"
         if self.schema.format == "csv" and reason == formats.B.BAD_COLUMNS:
-            other = formats.delimiter_for(_first_line(path), len(self.text.names),
+            other = formats.delimiter_for(sources.first_line(path), len(self.text.names),
                                           self.schema.delimiter)
             if other is not None:
                 return (f"the lines split into {len(self.text.names)} columns on {other!r}, "

@@ -116,6 +116,12 @@ def _skip_to_newline(f, chunk_bytes: int) -> bytes:
             return block[i + 1:]
 
 
+def first_line(path) -> str:
+    """The first line of ``path``'s text, decoded, without its line end."""
+    with open_input(path) as f:
+        return f.readline(MAX_LINE_BYTES).decode("utf-8", "replace").rstrip("\r\n")
+
+
 def line_start(f, pos: int) -> int:
     """The first line start at or after byte ``pos`` of binary file ``f``: 0, a byte just
     after a LF, or the file's size."""
