@@ -177,8 +177,14 @@ class Config:
                              "folder (a full bundle after a base, a patch after a delta)")
     resume: str = _f("", "continue from this checkpoint, or the newest valid one in this root "
                          "(a checkpoint of the other kind, stream or batch, only if named "
-                         "itself); empty = start afresh (a stream still resumes from its "
-                         "--save-dir)")
+                         "itself); auto = the newest valid one in --save-dir if it holds "
+                         "one, else start afresh (what a requeued job gives); empty = start "
+                         "afresh (a stream still resumes from its --save-dir)")
+    overwrite: bool = _f(False, "start afresh in a --save-dir that holds checkpoints (refused "
+                                "without it): its older checkpoints are removed once this run "
+                                "has saved its first")
+    keep: int = _f(0, "with --save-dir: keep only the newest N checkpoints (and the bases and "
+                      "deltas they are made of); 0 = keep all")
     # --- output and robustness
     print_every: int = _f(100, "log a TRAIN line every N batches (first worker)")
     progress_every: float = _f(10.0, "print a PROGRESS line (position in the epoch or pass, "
@@ -238,6 +244,11 @@ class Config:
         if self.export_dir and not (self.stream and self.save_dir):
             raise ValueError("--export-dir exports the checkpoints of a stream run: give "
                              "--stream and --save-dir too")
+        if self.resume == "auto" and not self.save_dir:
+            raise ValueError("--resume auto continues from the newest checkpoint in --save-dir: "
+                             "give --save-dir too")
+        if self.keep < 0:
+            raise ValueError(f"--keep must be >= 0 (0 = keep every checkpoint); got {self.keep}")
         if self.stream_timeout < 0 or self.shrink_threshold < 0:
             raise ValueError("--stream-timeout and --shrink-threshold must be >= 0")
         if not 0 <= self.max_bad_fraction <= 1:

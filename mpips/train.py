@@ -4,9 +4,11 @@
     python -m mpips.train --local                # one process, same tables and kernels
 
 Only this module touches COMM_WORLD.  A failure on any rank prints one line
-`mpips: rank R: Error: message` and aborts the whole job with a non-zero exit.  Ctrl-C
-(SIGINT, which mpiexec forwards to every rank) prints one line for the job and exits with
-code 130 on every rank, without tracebacks.
+`mpips: rank R: Error: message` and aborts the whole job with a non-zero exit.  SIGTERM,
+SIGINT (Ctrl-C) and SIGUSR1, which mpiexec forwards to every rank, stop a batch run at a
+step boundary with a checkpoint and exit code 75 (mpips.job.stop; docs/resume.md); Ctrl-C
+a second time stops at once: one line for the job and exit code 130 on every rank, without
+tracebacks.
 """
 import os
 import signal
@@ -23,13 +25,15 @@ from mpips.checkpoint.compat import check_chain, check_compatible
 from mpips.config import parse_args
 from mpips.job.report import log_line, model_note, peak_rss_mb
 from mpips.data.files import resolve_paths
-from mpips.job.resume import (check_kind, choose, first_rank_decides, pin, resume_line, resume_point,
+from mpips.job.resume import (check_kind, choose_at_start, first_rank_decides, pin, resume_line, resume_point,
                           start_point)
 from mpips.tables.ownership import plan_keys
 from mpips.job.loop import LocalBackend, admission_of, inner_table, run_epochs
 from mpips.schema import check_same, stored_schema
 from mpips.tables.staleness import StalenessTracker, stale_rule
-from mpips.job.stream import install_sigterm, run_stream
+from mpips.job import stop
+from mpips.job.stop import STOP
+from mpips.job.stream import run_stream
 from mpips.job.warmup import report_new, signatures, warm
 from mpips.worker.local import LocalPS
 from mpips.worker.trainer import GeoTrainer, Trainer
@@ -91,13 +95,10 @@ def precheck(cfg, comm=None):
     The checkpoint to continue from is chosen once (on rank 0 of ``comm``: the newest in a
     root whose whole chain verifies) and pinned as ``cfg.resume``, so every rank loads that
     one; its chain must agree with itself and with this config on every setting that
-    changes what its numbers mean, and its position must lie in this run.  Also: a stream
-    run stops after its current pass on SIGTERM.
+    changes what its numbers mean, and its position must lie in this run.
     """
-    if cfg.stream:
-        install_sigterm()
     schema = make_schema(cfg)                 # a bad --schema file fails here, before any work
-    path = first_rank_decides(comm, lambda: choose(cfg))
+    path = first_rank_decides(comm, lambda: choose_at_start(cfg))
     if path:
         elements = chain_manifests(path)       # read once: its last is path's manifest
         check_kind(cfg, path, elements[-1][1])  # before pinning: --resume naming it allows it
@@ -120,15 +121,31 @@ def _train_files(cfg):
         return None
 
 
+def local_main(cfg):
+    """Train in this process; the exit code (0, or a stop's: mpips.job.stop) after its line."""
+    run_local(cfg)
+    if STOP["stopped"] is not None:
+        print(STOP["stopped"].line(), file=sys.stderr, flush=True)
+    return stop.exit_code()
+
+
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
+    """Run a job; its exit code.  Stop signals are handled while it runs (mpips.job.stop)."""
+    previous = stop.install()
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    finally:
+        stop.restore(previous)
+
+
+def _main(argv):
     if "--local" in argv:       # no MPI at all
         try:
             cfg = precheck(parse_args(argv))
         except ValueError as e:
             print(f"mpips: error: {e}", file=sys.stderr)
             return 2
-        return _guarded(None, lambda: run_local(cfg))
+        return _guarded(None, lambda: local_main(cfg))
     from mpi4py import MPI      # here, not at the top: --local runs without MPI
     comm = MPI.COMM_WORLD
     icomm = comm.Dup()          # for the interrupt barrier only: never out of order
@@ -146,7 +163,7 @@ def main(argv=None):
     finally:
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     if comm.size == 1:
-        return _guarded(None, lambda: run_local(cfg))
+        return _guarded(None, lambda: local_main(cfg))
     from mpips.job.distributed import run_distributed     # imports mpi4py.MPI (see above)
     return _guarded(comm, lambda: run_distributed(cfg, comm), icomm)
 
@@ -187,8 +204,7 @@ def _interrupted(comm, icomm):
 def _guarded(comm, fn, icomm=None):
     """Run fn; on any exception print one line naming the rank and abort every rank."""
     try:
-        fn()
-        return 0
+        return fn() or 0
     except KeyboardInterrupt:
         return _interrupted(comm, icomm)
     except Exception as e:  # noqa: BLE001 - the boundary of the program

@@ -107,7 +107,8 @@ def test_waiting_line_once_per_interval(tmp_path, monkeypatch):
 @pytest.mark.parametrize("n", [None, 3], ids=["local", "mpiexec-3"])
 def test_ctrl_c_one_line_exit_130_no_traceback(tiny_data, n):
     """SIGINT to the launcher's process group (what Ctrl-C in a terminal does) once
-    training runs: exit code 130, one line on stderr, no traceback, no MPICH banner."""
+    training runs: the run stops at a step boundary (no --save-dir: nothing to save), exit
+    code 130, one line on stderr, no traceback, no MPICH banner."""
     cmd = [sys.executable, "-m", "mpips.train", "--train", tiny_data[0], "--epochs", "100",
            "--fc", "16", "--batch-size", "64", "--print-every", "2"]
     if n:
@@ -130,7 +131,8 @@ def test_ctrl_c_one_line_exit_130_no_traceback(tiny_data, n):
             os.killpg(p.pid, signal.SIGKILL)
     assert "Traceback" not in err, err[-3000:]
     ours = [x for x in err.splitlines() if x.startswith("mpips:")]
-    assert len(ours) == 1 and ours[0].startswith("mpips: interrupted (SIGINT)"), ours
+    assert len(ours) == 1 and ours[0].startswith("mpips: stopped by SIGINT at epoch "), ours
+    assert "nothing saved (no --save-dir" in ours[0], ours
     if not n:
         assert p.returncode == 130 and err.strip() == ours[0], (p.returncode, err[-3000:])
         return

@@ -51,11 +51,12 @@ from mpips.checkpoint.manifest import (MANIFEST, MODES, CheckpointError, Lineage
                                        list_checkpoints, new_checkpoint_dir, read_manifest,
                                        run_settings, saved_settings, shard_name,
                                        write_manifest)
+from mpips.checkpoint.prune import prune
 from mpips.checkpoint.save import save_local, save_shard, server_save_hooks
 
 __all__ = ["MANIFEST", "MODES", "CheckpointError", "Lineage", "chain", "latest",
            "list_checkpoints",
-           "load_config", "load_local", "load_shard_into", "new_checkpoint_dir",
+           "load_config", "load_local", "load_shard_into", "new_checkpoint_dir", "prune",
            "read_manifest", "resolve", "run_settings", "save_local", "save_shard",
            "saved_settings", "server_save_hooks", "shard_name", "verify",
            "write_manifest"]

@@ -124,6 +124,7 @@ class Lineage:
 
     def __init__(self, root, loaded=None):
         self.root, self.parent = os.path.normpath(root), None
+        self.first = None           # the first checkpoint this run saved (its seq)
         if loaded and os.path.normpath(os.path.dirname(os.path.normpath(loaded))) == self.root:
             if read_manifest(loaded)["mode"] in ("base", "delta"):
                 self.parent = os.path.basename(os.path.normpath(loaded))
@@ -133,6 +134,8 @@ class Lineage:
         return "base" if mode == "delta" and self.parent is None else mode
 
     def saved(self, path, mode):
+        if self.first is None:
+            self.first = int(_DIR_RE.match(os.path.basename(os.path.normpath(path))).group(1))
         if mode in ("base", "delta"):
             self.parent = os.path.basename(os.path.normpath(path))
 

@@ -6,6 +6,7 @@ the servers for saves and shrinks.
 """
 import json
 import os
+import sys
 import time
 import zlib
 
@@ -24,9 +25,11 @@ from mpips.job.progress import make_progress
 from mpips.comm.protocol import Op
 from mpips.job.report import log_line, model_note, noise_fields, peak_rss_mb, write_metrics
 from mpips.job.resume import resume_line, resume_point
-from mpips.job.loop import admission_of, inner_table, run_epochs
+from mpips.job.loop import admission_of, inner_table, run_epochs, tidy
 from mpips.server.loop import Server
 from mpips.tables.staleness import counts_staleness, stale_rule, summarize
+from mpips.job import stop
+from mpips.job.stop import STOP
 from mpips.job.stream import Pass, run_stream
 from mpips.job.warmup import cache_misses, report_new, signatures, warm
 from mpips.worker.client import PSClient
@@ -45,6 +48,7 @@ PROFILE_DTYPE = np.dtype([
     ("peak_rss_mb", np.float64),
     ("rows", np.float64),            # server: rows in its sparse table
     ("cpu_s", np.float64),           # CPU seconds of this rank, all of the run
+    ("exit", np.float64),            # the exit code this rank asks for (a stop: mpips.job.stop)
 ])
 
 
@@ -86,8 +90,12 @@ def run_distributed(cfg, comm):
     else:
         prof = work(cfg, cluster, model, bounds)
     prof["cpu_s"] = time.process_time()
-    report_profile(comm, first_worker, prof)
+    prof["exit"] = stop.exit_code() if comm.rank == first_worker else 0
+    code = report_profile(comm, first_worker, prof)
     report_new(jit0, f"rank {comm.rank}")
+    if comm.rank == first_worker and STOP["stopped"] is not None:
+        print(STOP["stopped"].line(f" (all {comm.size} ranks)"), file=sys.stderr, flush=True)
+    return code
 
 
 def serve(cfg, cluster, model, bounds):
@@ -164,6 +172,9 @@ class DistBackend:
         self.warned = False         # told the user this worker has no files
         self.fetched = False        # the dense replica holds the servers' values
         self.schema = make_schema(cfg)
+        self.vote = StopVote(wcomm.Dup() if W > 1 else None)
+        lockstep = trainer.replica is not None          # every worker steps together
+        trainer.should_stop = self.vote if lockstep else (lambda: STOP["flag"])
 
     def _replica_ready(self):
         """At first use, start the dense replica from the servers' dense slices: the seed's
@@ -207,6 +218,7 @@ class DistBackend:
         finally:
             if reader is not None:
                 reader.close()
+        self.vote.close()
         if prog is not None:
             prog.finish(st.examples, st.loss_sum)
         self.client.barrier()                      # every worker's pushes are applied
@@ -214,13 +226,13 @@ class DistBackend:
         mine_rows = np.zeros(self.W)
         mine_rows[self.wi] = st.examples
         sums = self._sum(np.concatenate([[st.examples, st.loss_sum, c.bytes_sent - sent0,
-                                          c.messages - msgs0], mine_rows]))
+                                          c.messages - msgs0, st.stopped], mine_rows]))
         span = self._max(span)
         metrics = BinaryMetrics.from_state(self._sum(st.metrics.state()))
         extra = {"workers": self.W, "servers": c.n_servers,
                  "bytes_sent_per_example": round(sums[2] / max(sums[0], 1), 1),
                  "messages_sent": int(sums[3]),
-                 "worker_examples": [int(x) for x in sums[4:]]}
+                 "worker_examples": [int(x) for x in sums[5:]]}
         acc = getattr(self.trainer, "acc", None)  # GEO: none
         noise = np.zeros((0, 2)) if acc is None else acc.noise()   # my shard's share
         if len(noise):                  # (every worker counted the same steps: same shape)
@@ -230,7 +242,7 @@ class DistBackend:
             self._replica_whole()
             extra["dense_crc"] = self._replica_crcs()
         return EpochStats(examples=int(sums[0]), steps=st.steps, loss_sum=sums[1], seconds=span,
-                          metrics=metrics, extra=extra)
+                          metrics=metrics, extra=extra, stopped=bool(sums[4]))
 
     def _replica_whole(self):
         """Every worker's replica holds the whole optimizer state (each worker keeps only
@@ -293,6 +305,7 @@ class DistBackend:
                                  "parent": parent, "schema": self.schema.to_dict()})
         self.lineage.saved(path, mode)
         log_line(f"SAVE --> {path} ({mode}, {sum(x['rows'] for x in infos)} rows)")
+        tidy(self.cfg, self.lineage)
         return path
 
     def shrink(self, threshold):
@@ -334,9 +347,59 @@ class DistBackend:
             return None
         return Pass(name, name[:8], os.path.join(self.cfg.stream, name))
 
+    def stop_now(self):
+        """Has a stop signal come to any worker (mpips.job.stop)?  Every worker asks, in
+        step (between epochs); all get one answer."""
+        return self.vote.now()
+
     def emit(self, rec):
         if self.is_logger:
             write_metrics(self.cfg.metrics_out, rec)
+
+
+class StopVote:
+    """The workers' agreement to stop (mpips.job.stop): every worker calls it at each step
+    boundary, in step, and all get the same answer: has any worker's stop flag been raised?
+
+    A step's vote (an Iallreduce of the flags on a communicator of its own) is answered at
+    the next step boundary, so it never waits on a step's compute: a flag raised before
+    step t's boundary stops every worker after step t + 1.  ``comm`` None (one worker):
+    the flag itself."""
+
+    def __init__(self, comm=None):
+        self.comm, self.req = comm, None
+        self.mine, self.out = np.zeros(1, np.int64), np.zeros(1, np.int64)
+
+    def __call__(self):
+        if self.comm is None:
+            return STOP["flag"]
+        agreed = self._answer()
+        if not agreed:
+            self.mine[0] = STOP["flag"]
+            self.req = self.comm.Iallreduce(self.mine, self.out, op=MPI.MAX)
+        return agreed
+
+    def _answer(self):
+        """The answer of the vote in flight (False when none is)."""
+        if self.req is None:
+            return False
+        wait_collective(self.req, "Iallreduce of the workers' stop flags")
+        self.req = None
+        return bool(self.out[0])
+
+    def close(self):
+        """Complete the vote in flight (at the end of an epoch; its answer is asked again
+        by :meth:`now`, the flags being still raised)."""
+        self._answer()
+
+    def now(self):
+        """A vote answered at once (between epochs)."""
+        if self.comm is None:
+            return STOP["flag"]
+        self._answer()
+        self.mine[0] = STOP["flag"]
+        self.req = self.comm.Iallreduce(self.mine, self.out, op=MPI.MAX)
+        return self._answer()
 
 
 def is_sync(cfg):
@@ -364,13 +427,15 @@ def staged(comm, hosts, fn):
 
 
 def report_profile(comm, root, prof):
-    """Gather each rank's PROFILE_DTYPE record to `root` and print the per-rank profile there."""
+    """Gather each rank's PROFILE_DTYPE record to every rank and print the per-rank profile
+    on `root`; returns the job's exit code (the largest any rank asks for)."""
     n = len(PROFILE_DTYPE.names)
-    table = np.zeros(comm.size, PROFILE_DTYPE) if comm.rank == root else None
-    wait_collective(comm.Igather(prof.view(np.float64), None if table is None else
-                                 table.view(np.float64).reshape(comm.size, n), root=root))
+    table = np.zeros(comm.size, PROFILE_DTYPE)
+    wait_collective(comm.Iallgather(prof.view(np.float64),
+                                    table.view(np.float64).reshape(comm.size, n)))
+    code = int(table["exit"].max())
     if comm.rank != root:
-        return
+        return code
     log_line("PROFILE --> rank role compute_s wait_s server_busy_s requests MB_sent MB_recv "
              "peak_rss_MB rows cpu_s")
     for r, t in enumerate(table):
@@ -378,3 +443,4 @@ def report_profile(comm, root, prof):
         log_line(f"PROFILE --> {r} {role} {t['compute_s']:.2f} {t['wait_s']:.2f} "
                  f"{t['server_busy_s']:.2f} {int(t['requests'])} {t['mb_sent']:.1f} "
                  f"{t['mb_recv']:.1f} {t['peak_rss_mb']:.0f} {int(t['rows'])} {t['cpu_s']:.2f}")
+    return code

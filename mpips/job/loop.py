@@ -19,6 +19,7 @@ from mpips.job.progress import make_progress
 from mpips.job.report import (epoch_record, log_line, noise_fields, noise_line, summary_line,
                            write_metrics)
 from mpips.job.resume import start_point
+from mpips.job.stop import STOP, Stopped, debug_hook
 from mpips.tables.admission import AdmittedTable
 from mpips.worker.simulate import Simulator
 
@@ -39,6 +40,19 @@ def step_saver(cfg, backend, epoch):
             backend.save(cfg.save_mode, {"epoch": epoch, "steps": done, "complete": False},
                          phase_steps)
     return hook
+
+
+def tidy(cfg, lineage):
+    """After a save (by the saving worker): --keep N and --overwrite remove the checkpoints
+    the root no longer needs (mpips.checkpoint.prune), with one line."""
+    if not (cfg.keep or cfg.overwrite):
+        return
+    removed = ck.prune(cfg.save_dir, cfg.keep, lineage.first if cfg.overwrite else None)
+    if removed:
+        why = " and ".join(x for x in (f"--keep {cfg.keep}" if cfg.keep else "",
+                                       "--overwrite" if cfg.overwrite else "") if x)
+        log_line(f"KEEP --> removed {len(removed)} checkpoint(s) ({why}): "
+                 f"{', '.join(sorted(removed))}")
 
 
 def table_hook(cfg, backend, n_workers, then=None):
@@ -76,6 +90,7 @@ class LocalBackend:
 
     def __init__(self, cfg, trainer, ps, loaded=None):
         self.cfg, self.trainer, self.ps = cfg, trainer, ps
+        trainer.should_stop = self.stop_now
         self.lineage = ck.Lineage(cfg.save_dir, loaded) if cfg.save_dir else None
         self.schema = make_schema(cfg)
 
@@ -160,6 +175,7 @@ class LocalBackend:
                              self.schema.to_dict())
         self.lineage.saved(path, mode)
         log_line(f"SAVE --> {path} ({mode}, {len(self.ps.sparse)} rows)")
+        tidy(self.cfg, self.lineage)
         return path
 
     def shrink(self, threshold):
@@ -176,6 +192,10 @@ class LocalBackend:
 
     def decide(self, fn):
         return fn()
+
+    def stop_now(self):
+        """Has a stop signal come (mpips.job.stop)?"""
+        return STOP["flag"]
 
     def emit(self, rec):
         write_metrics(self.cfg.metrics_out, rec)
@@ -217,21 +237,52 @@ def concat_batches(readers):
             yield Batch(*bags.concat([(p.dense, p.sparse, p.label, p.offsets) for p in parts]))
 
 
+def chain(*hooks):
+    """One trainer hook calling the given ones (None: left out) in order, or None."""
+    hooks = [h for h in hooks if h is not None]
+    if len(hooks) <= 1:
+        return hooks[0] if hooks else None
+
+    def hook(done, phase_steps):
+        for h in hooks:
+            h(done, phase_steps)
+    return hook
+
+
+def stop_here(cfg, backend, epoch, steps, complete, saved=None):
+    """Stopped on a signal (mpips.job.stop): save here (unless ``saved``, this point's
+    checkpoint, exists) and record where, for the exit line and code."""
+    path = saved
+    if path is None and cfg.save_dir:
+        path = backend.save(cfg.save_mode, {"epoch": epoch, "steps": steps,
+                                            "complete": complete})
+    STOP["stopped"] = Stopped(STOP["signal"] or "a signal to another rank", epoch, steps,
+                              path or cfg.save_dir or None)   # (other workers: the root)
+
+
 def run_epochs(cfg, backend, train_files, test_files):
-    """Batch training: epochs over the files, evaluation and saves after each."""
+    """Batch training: epochs over the files, evaluation and saves after each.  A stop
+    signal ends it at a step boundary, or after an epoch, with a checkpoint there."""
     records = []
     first, skip = start_point(cfg, train_files)
     for epoch in range(first, cfg.epochs):
         n_workers = getattr(backend, "W", cfg.local_workers)
-        backend.trainer.on_step = table_hook(cfg, backend, n_workers,
-                                             step_saver(cfg, backend, epoch))
-        st = backend.train(train_files, epoch, skip if epoch == first else 0)
+        backend.trainer.on_step = table_hook(
+            cfg, backend, n_workers, chain(step_saver(cfg, backend, epoch),
+                                           debug_hook(epoch) if backend.is_logger else None))
+        skipped = skip if epoch == first else 0
+        st = backend.train(train_files, epoch, skipped)
+        if st.stopped:
+            stop_here(cfg, backend, epoch, skipped + st.steps, False)
+            return records
         if not st.examples and not (skip and epoch == first):
             raise DataError(f"the training data yields no valid example ({len(train_files)} "
                             f"file(s): {', '.join(map(str, train_files[:3]))}"
                             f"{' ...' if len(train_files) > 3 else ''}); nothing to train on")
+        saved = None
         if should_save(cfg, epoch):
-            backend.save(cfg.save_mode, {"epoch": epoch, "steps": st.steps, "complete": True})
+            saved = backend.save(cfg.save_mode, {"epoch": epoch, "steps": st.steps,
+                                                 "complete": True})
         test_m = backend.evaluate(test_files)
         st.extra.update(backend.stats())
         rec = epoch_record(cfg, epoch, st, test_m)
@@ -241,4 +292,7 @@ def run_epochs(cfg, backend, train_files, test_files):
                 log_line(line)
             backend.emit(rec)
         records.append(rec)
+        if epoch + 1 < cfg.epochs and backend.stop_now():
+            stop_here(cfg, backend, epoch, skipped + st.steps, True, saved)
+            return records
     return records

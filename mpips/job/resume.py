@@ -27,17 +27,46 @@ MIN_LINE_BYTES = 2             # no valid text line is shorter: a label and LF (
 
 
 def choose(cfg, warn=None):
-    """The checkpoint directory a run continues from, or None (see the module docstring)."""
+    """The checkpoint directory a run continues from, or None (see the module docstring).
+    ``--resume auto``: the newest in --save-dir whose chain verifies (newer ones that do not
+    are passed over with a line each), or None when it holds none."""
+    if cfg.resume == "auto":
+        return ck.latest(cfg.save_dir, warn) if os.path.isdir(cfg.save_dir) else None
     if cfg.resume:
         return ck.resolve(cfg.resume, warn)
-    if cfg.stream and cfg.save_dir and os.path.isdir(cfg.save_dir):
+    if cfg.stream and cfg.save_dir and not cfg.overwrite and os.path.isdir(cfg.save_dir):
         return ck.latest(cfg.save_dir, warn)
     return None
 
 
+def choose_at_start(cfg, warn=None):
+    """:func:`choose`, and when it finds none, :func:`check_unused` (once, before any work)."""
+    path = choose(cfg, warn)
+    if path is None:
+        check_unused(cfg)
+    return path
+
+
+def check_unused(cfg):
+    """Refuse a batch run without --resume into a --save-dir that holds checkpoints: its
+    fresh model would become the newest there, the one --resume auto, infer and export
+    take (unless --overwrite says so)."""
+    if cfg.stream or not cfg.save_dir or cfg.overwrite:
+        return
+    found = ck.list_checkpoints(cfg.save_dir)
+    if found:
+        raise ValueError(
+            f"--save-dir {cfg.save_dir} already holds {len(found)} checkpoint(s) (newest "
+            f"{found[-1]['name']}): continue from it with --resume auto, give a new "
+            f"--save-dir, or start afresh there with --overwrite")
+
+
 def pin(cfg, path):
-    """``cfg`` with ``--resume`` naming checkpoint directory ``path`` (unchanged if None)."""
-    return dataclasses.replace(cfg, resume=path) if path else cfg
+    """``cfg`` with ``--resume`` naming checkpoint directory ``path`` (unchanged if None;
+    ``--resume auto`` that found none becomes a fresh start)."""
+    if path:
+        return dataclasses.replace(cfg, resume=path)
+    return dataclasses.replace(cfg, resume="") if cfg.resume == "auto" else cfg
 
 
 def _is_int(x):

@@ -20,7 +20,8 @@ while it waits it says so (a ``STREAM --> waiting ...`` line naming the pass it 
 and until when, repeated every ``WAIT_REPORT_EVERY`` seconds).
 A pass that becomes ready after a later one was taken is never trained: it is logged as a
 warning and counted (``passes_late``), or stops the run with ``--late-pass fail``.
-SIGTERM (e.g. from Slurm before a requeue) ends the loop after the current pass.
+SIGTERM, SIGINT or SIGUSR1 (e.g. from Slurm before a requeue) ends the loop after the current
+pass (``mpips.job.stop``), exiting 0.
 """
 import os
 import signal
@@ -34,18 +35,11 @@ from mpips.data.files import resolve_paths
 from mpips.serving.exports import export_checkpoint
 from mpips.job.report import epoch_record, pass_line
 from mpips.job.resume import resume_point
+from mpips.job.stop import STOP
 
 KILL_AT = "MPIPS_DEBUG_KILL_AT"     # test aid: "PASS:N" SIGKILLs the logging worker (or the
                                     # local process) after its N-th batch of that pass
-STOP = {"flag": False}
 WAIT_REPORT_EVERY = 300.0   # seconds between the lines of a stream waiting for its next pass
-
-
-def install_sigterm():
-    """SIGTERM asks the stream loop to stop after the current pass."""
-    def handler(signum, frame):
-        STOP["flag"] = True
-    signal.signal(signal.SIGTERM, handler)
 
 
 @dataclass(frozen=True)
@@ -113,7 +107,7 @@ class PassFeed:
             now = time.monotonic()
             if STOP["flag"] or now - t0 >= timeout:
                 if said is not None:
-                    self.say("STREAM --> stopped waiting (SIGTERM)" if STOP["flag"] else
+                    self.say(f"STREAM --> stopped waiting ({STOP['signal']})" if STOP["flag"] else
                              f"STREAM --> no new pass in {self.root} within --stream-timeout "
                              f"{timeout:g} s; finishing")
                 return None

@@ -50,6 +50,7 @@ class EpochStats:
     compute_s: float = 0.0
     metrics: BinaryMetrics = field(default_factory=BinaryMetrics)
     extra: dict = field(default_factory=dict)   # facts of the run for the record (the backend's)
+    stopped: bool = False          # ended early at a step boundary: should_stop() said so
 
 
 TIMES = ("read", "plan", "gather", "fwd_bwd", "scatter", "metrics", "send", "dense_wait",
@@ -149,6 +150,8 @@ class Trainer:
         self.step_delay = 0.0      # seconds slept per step: slows one worker in tests
         self.stretch = 0.0         # benchmarks: sleep this fraction of each step's compute
         self.on_step = None        # callable(done, phase_steps) after each step (mid-epoch saves)
+        self.should_stop = None    # callable() -> bool after each step with more to come: end
+                                   # the epoch there (every worker of a step gets one answer)
         self.progress = None       # mpips.job.progress.Progress of this phase (first worker) or None
         self._emb = self._grad_emb = None
         self._empty = None
@@ -382,6 +385,10 @@ class Trainer:
                 time.sleep(self.step_delay)
             if self.on_step is not None:           # (batches done in the epoch, in this phase)
                 self.on_step(skip + step + 1, step + 1)
+            if more and self.should_stop is not None and self.should_stop():
+                more, st.stopped = False, True
+                if self.overlap and nxt:           # the next step's rows, pulled ahead
+                    h.wait()
             if not self.overlap and more:
                 h = self._pull_group(nxt, step + 1, more)
             step += 1
@@ -543,6 +550,8 @@ class GeoTrainer(Trainer):
             full = len(round_) == n
             n = self._round_length(skip + step, max_steps) if full else 0
             round_ = self._read_round(it, n) if n else []
+            if round_ and self.should_stop is not None and self.should_stop():
+                round_, st.stopped = [], True      # this worker's own stop (GEO: no vote)
             self._sync(step, self._new_ids(round_))
             if self.on_step is not None:           # a save sees this round's deltas
                 self.on_step(skip + step, step)
