@@ -8,6 +8,7 @@ whether a stored one can be resumed or evaluated with this one.
 import argparse
 import dataclasses
 import difflib
+import importlib.util
 import json
 import sys
 from dataclasses import dataclass, field
@@ -192,7 +193,10 @@ class Config:
     table_every: int = _f(0, "log a TABLE line (examples, seconds, worker compute/wait, table "
                              "rows and bytes per row) every N examples (first worker; 0 = off)")
     metrics_out: str = _f("", "append JSON lines (one per epoch, or per pass of a stream) to "
-                              "this file")
+                              "this file; each names its run (id, start, settings)")
+    tensorboard: str = _f("", "write TensorBoard scalars (loss, AUC, logloss, examples/s, table "
+                              "rows, staleness) into a folder of this run under this folder "
+                              "(needs tensorboardX: pip install 'mpips[tensorboard]')")
     peer_timeout: float = _f(120.0, "seconds without an answer from a peer before failing")
     prefetch: bool = _f(True, "parse data in a background thread")
     idle_sleep: float = _f(5e-4, "longest sleep (s) of an idle server between polls; 0 = "
@@ -247,6 +251,9 @@ class Config:
         if self.resume == "auto" and not self.save_dir:
             raise ValueError("--resume auto continues from the newest checkpoint in --save-dir: "
                              "give --save-dir too")
+        if self.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+            raise ValueError("--tensorboard needs tensorboardX: pip install "
+                             "'mpips[tensorboard]' (or pip install tensorboardX)")
         if self.keep < 0:
             raise ValueError(f"--keep must be >= 0 (0 = keep every checkpoint); got {self.keep}")
         if self.stream_timeout < 0 or self.shrink_threshold < 0:

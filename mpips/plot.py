@@ -5,7 +5,11 @@ extra: `pip install 'mpips[plot]'`):
 - epoch runs: train/test AUC, train/test logloss and examples/s per epoch;
 - stream runs (records with a `pass`): progressive AUC per pass (evaluated before the
   pass trains), table rows, ids admitted / waiting / evicted per pass, examples/s;
-- several files: the runs overlaid (one colour each), to compare modes or configs.
+- several runs, in one file or several: overlaid, one colour and one labelled line each, to
+  compare modes or configs.  Records carry their run's id (``run_id``): a file that several
+  runs appended to (a stopped run and its resumes, or runs of other settings) is drawn as one
+  line per run, labelled with the run's id and settings; records without an id (written
+  before runs had one) are one run per file.
 The default output is the first file with `.png` instead of its suffix.  An empty file,
 a file that is not mpips metrics, or epoch and stream files mixed is an error that says
 which file and line.
@@ -64,8 +68,28 @@ def run_label(path, recs, paths):
     stem = os.path.splitext(os.path.basename(path))[0]
     if sum(os.path.splitext(os.path.basename(p))[0] == stem for p in paths) > 1:
         stem = path
+    if "run_id" in recs[0]:
+        return f"{stem}: {label_of(recs[0])}"
     modes = {r.get("mode") for r in recs} - {None}
     return f"{stem} ({modes.pop()})" if len(modes) == 1 else stem
+
+
+def label_of(rec):
+    """A run's short name from a record: its id's first 6 digits, model, mode, workers x
+    servers (or local), batch and lr."""
+    where = (f"{rec['workers']}x{rec.get('servers', 0)}" if rec.get("workers")
+             else f"local x{rec.get('local_workers') or 1}")
+    return (f"{str(rec['run_id'])[:6]} {rec.get('model', '')} {rec.get('mode', '')} {where} "
+            f"b{rec.get('batch_size', '?')} lr{rec.get('lr', '?')}")
+
+
+def split_runs(recs):
+    """The records of one file as runs, in order of first appearance: by ``run_id`` (one
+    run for records without one)."""
+    runs = {}
+    for r in recs:
+        runs.setdefault(r.get("run_id"), []).append(r)
+    return list(runs.values())
 
 
 def _series(ax, x, recs, key, **kw):
@@ -132,14 +156,15 @@ def plot_files(paths, out, title="", labels=None):
     if plt is None:
         raise PlotError("mpips.plot needs matplotlib: pip install 'mpips[plot]' "
                         "(or pip install matplotlib)")
-    loaded = [(p, load_run(p)) for p in paths]
+    loaded = [(p, run) for p in paths for run in split_runs(load_run(p))]
     kinds = {"pass" in recs[0] for _, recs in loaded}
     if len(kinds) > 1:
         raise PlotError("cannot overlay epoch runs and stream runs: "
                         + ", ".join(f"{p} ({'stream' if 'pass' in r[0] else 'epochs'})"
                                     for p, r in loaded))
-    if labels and len(labels) != len(paths):
-        raise PlotError(f"{len(labels)} labels for {len(paths)} files")
+    if labels and len(labels) != len(loaded):
+        raise PlotError(f"{len(labels)} labels for {len(loaded)} runs (in {len(paths)} "
+                        f"file(s))")
     runs = [(labels[i] if labels else run_label(p, recs, paths), recs)
             for i, (p, recs) in enumerate(loaded)]
     fig = plot_stream(runs) if kinds.pop() else plot_epochs(runs)

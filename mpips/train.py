@@ -34,6 +34,7 @@ from mpips.tables.staleness import StalenessTracker, stale_rule
 from mpips.job import stop
 from mpips.job.stop import STOP
 from mpips.job.stream import run_stream
+from mpips.job.tracking import new_run
 from mpips.job.warmup import report_new, signatures, warm
 from mpips.worker.local import LocalPS
 from mpips.worker.trainer import GeoTrainer, Trainer
@@ -132,6 +133,7 @@ def local_main(cfg):
 def main(argv=None):
     """Run a job; its exit code.  Stop signals are handled while it runs (mpips.job.stop)."""
     previous = stop.install()
+    new_run()
     try:
         return _main(sys.argv[1:] if argv is None else argv)
     finally:

@@ -34,6 +34,7 @@ LAZY_OK = {
     ("mpips.infer", "mpi4py"),             # one-process scoring runs without MPI
     ("mpips.serving.shared", "mpi4py"),    # one server process runs without MPI
     ("mpips.serve", "mpips.serving"),      # without the serve extra: one line naming it
+    ("mpips.job.tracking", "tensorboardX"),  # optional extra, ~0.5 s: only with --tensorboard
 }
 
 

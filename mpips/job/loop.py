@@ -20,6 +20,7 @@ from mpips.job.report import (epoch_record, log_line, noise_fields, noise_line, 
                            write_metrics)
 from mpips.job.resume import start_point
 from mpips.job.stop import STOP, Stopped, debug_hook
+from mpips.job.tracking import open_tensorboard
 from mpips.tables.admission import AdmittedTable
 from mpips.worker.simulate import Simulator
 
@@ -263,6 +264,11 @@ def stop_here(cfg, backend, epoch, steps, complete, saved=None):
 def run_epochs(cfg, backend, train_files, test_files):
     """Batch training: epochs over the files, evaluation and saves after each.  A stop
     signal ends it at a step boundary, or after an epoch, with a checkpoint there."""
+    with open_tensorboard(cfg, backend) as tb:
+        return _epochs(cfg, backend, train_files, test_files, tb)
+
+
+def _epochs(cfg, backend, train_files, test_files, tb):
     records = []
     first, skip = start_point(cfg, train_files)
     for epoch in range(first, cfg.epochs):
@@ -291,6 +297,8 @@ def run_epochs(cfg, backend, train_files, test_files):
             if line := noise_line(rec, cfg.batch_size):
                 log_line(line)
             backend.emit(rec)
+            if tb is not None:
+                tb.record(rec, st.steps)
         records.append(rec)
         if epoch + 1 < cfg.epochs and backend.stop_now():
             stop_here(cfg, backend, epoch, skipped + st.steps, True, saved)

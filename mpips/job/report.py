@@ -2,13 +2,16 @@
 
 ``epoch_record`` builds the record of one epoch or pass (the fields DESIGN.md lists under
 ``--metrics-out``); ``summary_line`` / ``pass_line`` render it for the log;
-``write_metrics`` appends it to the metrics file.  Only the first worker calls these.
+``write_metrics`` appends it to the metrics file.  Only the first worker calls these.  Every
+record starts with the run's identity (``mpips.job.tracking.identity``).
 """
 import json
 import resource
 import sys
 
 import numpy as np
+
+from mpips.job.tracking import identity
 
 
 def log_line(text):
@@ -31,7 +34,7 @@ def peak_rss_mb():
 def epoch_record(cfg, epoch, st, test_m):
     """The record of one epoch/pass from its EpochStats ``st`` (all workers') and test metrics."""
     n_ex, seconds = st.examples, st.seconds
-    rec = {"epoch": epoch, "mode": cfg.mode, "train_examples": int(n_ex),
+    rec = identity(cfg) | {"epoch": epoch, "mode": cfg.mode, "train_examples": int(n_ex),
            "train_seconds": round(seconds, 4),
            "examples_per_sec": round(n_ex / seconds, 1) if seconds > 0 else 0.0,
            "train_loss": st.loss_sum / max(n_ex, 1), "train_auc": st.metrics.auc()}

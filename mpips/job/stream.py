@@ -36,6 +36,7 @@ from mpips.serving.exports import export_checkpoint
 from mpips.job.report import epoch_record, pass_line
 from mpips.job.resume import resume_point
 from mpips.job.stop import STOP
+from mpips.job.tracking import open_tensorboard
 
 KILL_AT = "MPIPS_DEBUG_KILL_AT"     # test aid: "PASS:N" SIGKILLs the logging worker (or the
                                     # local process) after its N-th batch of that pass
@@ -151,6 +152,11 @@ def passes_behind(root, name):
 
 def run_stream(cfg, backend, log):
     """The loop above; `backend` does the work (local or distributed). Returns records."""
+    with open_tensorboard(cfg, backend) as tb:
+        return _passes(cfg, backend, log, tb)
+
+
+def _passes(cfg, backend, log, tb):
     path, done = resume_point(cfg)
     prev_day = None if done is None else done[:8]
     feed = None
@@ -194,6 +200,8 @@ def run_stream(cfg, backend, log):
         if backend.is_logger:
             log(pass_line(rec))
             backend.emit(rec)
+            if tb is not None:
+                tb.record(rec, st.steps)
         records.append(rec)
         done, prev_day = p.name, p.day
     return records

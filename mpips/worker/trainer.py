@@ -153,6 +153,7 @@ class Trainer:
         self.should_stop = None    # callable() -> bool after each step with more to come: end
                                    # the epoch there (every worker of a step gets one answer)
         self.progress = None       # mpips.job.progress.Progress of this phase (first worker) or None
+        self.on_report = None      # callable(step, loss, auc) at each TRAIN line (TensorBoard)
         self._emb = self._grad_emb = None
         self._empty = None
         self.clipped = [0, 0]      # --row-clip: rows clipped, rows pushed
@@ -171,6 +172,8 @@ class Trainer:
                 self.progress.clear()
             self.log(f"TRAIN --> pass: {epoch} batch: {step} loss: {st.loss_sum / st.examples:.6f}"
                      f" auc: {st.metrics.auc():.6f}")
+            if self.on_report is not None:
+                self.on_report(step, st.loss_sum / st.examples, st.metrics.auc())
 
     def _prepare(self, batch):
         if batch is None:
