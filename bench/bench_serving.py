@@ -75,7 +75,7 @@ def infer_run(path, data, n, extra, tmp, key):
     """(record, wall seconds) of one `mpirun -n n python -m mpips.infer` run."""
     out = os.path.join(tmp, "infer.json")
     pred = os.path.join(tmp, f"p{key.replace(' ', '')}.txt")
-    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpips.infer", "--model", path,
+    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpips.infer", "--checkpoint", path,
            "--data", data, "--metrics-out", out, "--predictions-out", pred] + extra
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, env=dict(os.environ, **ENV), cwd=str(ROOT),

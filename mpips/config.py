@@ -436,3 +436,35 @@ def _fc(value):
 
 
 ORDER_KEYS = ("shuffle", "shuffle_window", "seed", "batch_size", "local_workers")
+
+
+# --- mpips.infer / mpips.export: the checkpoint to read ---------------------------------
+class _ModelAlias(argparse.Action):
+    """``--model`` in infer/export: the old name of ``--checkpoint`` (recorded, to note)."""
+
+    def __call__(self, parser, ns, values, option_string=None):
+        ns.checkpoint, ns.model_alias = values, True
+
+
+def add_checkpoint_option(p):
+    """``--checkpoint DIR`` (required), with ``--model`` kept as an alias."""
+    p.add_argument("--checkpoint", default="", help="checkpoint directory, or a root holding "
+                   "ckpt-* directories (its newest checkpoint whose chain verifies)")
+    p.add_argument("--model", action=_ModelAlias, dest="checkpoint", metavar="CHECKPOINT",
+                   help="the old name of --checkpoint (in mpips.train --model is the network)")
+
+
+def checkpoint_arg(p, args, warn):
+    """The --checkpoint path; errors (``p.error``) when missing or when ``--model`` names
+    a network, and ``warn``s once when the alias was used."""
+    if not args.checkpoint:
+        p.error("--checkpoint DIR is required (a checkpoint directory or a --save-dir root)")
+    if getattr(args, "model_alias", False):
+        if args.checkpoint in MODELS:
+            p.error(f"--model {args.checkpoint} names a network, but here --model is the old "
+                    f"name of --checkpoint: give --checkpoint DIR (the network is stored in "
+                    f"the checkpoint; --network {args.checkpoint} checks it)")
+        warn(f"{p.prog}: note: --model is the old name of --checkpoint here (in mpips.train "
+             f"--model is the network); use --checkpoint {args.checkpoint}")
+    return args.checkpoint
+

@@ -1,10 +1,11 @@
 """`python -m mpips.export`: turn a checkpoint into a serving bundle or a patch.
 
-    python -m mpips.export --model ckpts/ --out model.h5
-    python -m mpips.export --model ckpts/ --out model16.h5 --dtype float16
-    python -m mpips.export --model ckpts/ckpt-000005-delta --since model.h5 --out p5.h5
+    python -m mpips.export --checkpoint ckpts/ --out model.h5
+    python -m mpips.export --checkpoint ckpts/ --out model16.h5 --dtype float16
+    python -m mpips.export --checkpoint ckpts/ckpt-000005-delta --since model.h5 --out p5.h5
 
-``--model`` is a checkpoint directory or a root (its latest committed checkpoint).  The
+``--checkpoint`` (old name ``--model``, still taken, with a note) is a checkpoint directory
+or a root (its latest committed checkpoint).  The
 bundle holds the dense weights, the sparse ids and their embeddings (no optimizer
 state), the model config, the data settings (format, ``hash_bucket``, normalisation)
 and a CRC-32 per dataset (format: ``mpips.serving.bundle``).  ``--since BUNDLE`` writes a patch
@@ -21,7 +22,7 @@ import time
 
 import mpips.serving.bundle as bd
 from mpips.checkpoint import read_manifest, resolve
-from mpips.config import MODELS
+from mpips.config import MODELS, add_checkpoint_option, checkpoint_arg
 from mpips.models.zoo import check_model
 from mpips.schema import check_same, load_schema, stored_schema
 
@@ -30,7 +31,7 @@ PROG = "python -m mpips.export"
 
 def build_parser():
     p = argparse.ArgumentParser(prog=PROG, description="Export a mpips checkpoint for serving.")
-    p.add_argument("--model", required=True, help="checkpoint directory or root")
+    add_checkpoint_option(p)
     p.add_argument("--out", required=True, help="bundle (or patch) file to write")
     p.add_argument("--dtype", default="float32", choices=bd.DTYPES,
                    help="storage type of the embedding values (default: float32; float16 halves "
@@ -48,7 +49,7 @@ def build_parser():
 
 def run(args, log=print):
     t0 = time.perf_counter()
-    path = resolve(args.model)       # a root: its newest checkpoint that verifies, chosen once
+    path = resolve(args.checkpoint)       # a root: its newest checkpoint that verifies, chosen once
     if getattr(args, "network", "") or args.schema:
         manifest = read_manifest(path)
         if getattr(args, "network", ""):
@@ -67,7 +68,9 @@ def run(args, log=print):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    checkpoint_arg(parser, args, lambda s: print(s, file=sys.stderr, flush=True))
     try:
         run(args, log=lambda s: print(s, flush=True))
         return 0

@@ -1,11 +1,12 @@
 """`python -m mpips.infer`: score a data set with a checkpoint, in one process or under mpirun.
 
-    python -m mpips.infer --model ckpts/ --data data/test --metrics-out m.json
-    mpirun -n 4 python -m mpips.infer --model ckpts/ --data data/test --predictions-out p.txt
-    python -m mpips.infer --model ckpts/ --data unlabeled/ --no-label --predictions-out p.txt
+    python -m mpips.infer --checkpoint ckpts/ --data data/test --metrics-out m.json
+    mpirun -n 4 python -m mpips.infer --checkpoint ckpts/ --data data/test --predictions-out p.txt
+    python -m mpips.infer --checkpoint ckpts/ --data unlabeled/ --no-label --predictions-out p.txt
 
-``--model`` is a checkpoint directory or a root (its newest checkpoint whose whole chain
-verifies, chosen by the first rank; one that does not is passed over with a warning).  The
+``--checkpoint`` (old name ``--model``, still taken, with a note) is a checkpoint
+directory or a root (its newest checkpoint whose whole chain verifies, chosen by the first
+rank; one that does not is passed over with a warning).  The
 table is read straight from the checkpoint's shard files — keys, embedding values and
 dense weights, never the optimizer state — and the base..delta chain is folded into one
 read-only table (``mpips.serving.model.ServingModel``; ids the checkpoint does not hold read
@@ -53,7 +54,7 @@ from mpips.comm.backoff import COLLECTIVE, Backoff
 from mpips.job.build import make_reader
 from mpips.serving.bundle import Snapshot, bundle_info, schema_of_manifest
 from mpips.checkpoint import read_manifest, resolve, saved_settings
-from mpips.config import MODELS, Config
+from mpips.config import MODELS, Config, add_checkpoint_option, checkpoint_arg
 from mpips.data.files import resolve_paths, split_files
 from mpips.metrics import BinaryMetrics
 from mpips.models.zoo import check_model
@@ -69,8 +70,7 @@ MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
 
 def build_parser():
     p = argparse.ArgumentParser(prog=PROG, description="Score data with a mpips checkpoint.")
-    p.add_argument("--model", required=True, help="checkpoint directory, or a root holding "
-                   "ckpt-* directories (the latest committed one is used)")
+    add_checkpoint_option(p)
     p.add_argument("--data", required=True, help="data: file, folder, glob or comma list")
     p.add_argument("--metrics-out", default="", help="write the metrics as JSON to this file")
     p.add_argument("--predictions-out", default="", help="write one probability per line")
@@ -297,7 +297,7 @@ def run(args, log=print, comm=None):
     say = log if group.rank == 0 else (lambda s: None)
     labelled = not getattr(args, "no_label", False)
     t0 = time.perf_counter()
-    path = group.agree(lambda: first_rank_decides(comm, lambda: resolve(args.model)))
+    path = group.agree(lambda: first_rank_decides(comm, lambda: resolve(args.checkpoint)))
     files = group.agree(lambda: (Snapshot(path, load=False), resolve_paths(args.data))[1])
     group.agree(lambda: check_schema(args, path))
     snap, model, shared = load_model(path, group, say, not args.table_per_rank)
@@ -373,7 +373,9 @@ def _world():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    checkpoint_arg(parser, args, lambda s: print(s, file=sys.stderr, flush=True))
     for name in ("batch_size", "print_every"):
         if getattr(args, name) < 0:
             print(f"mpips.infer: error: --{name.replace('_', '-')} must be >= 0", file=sys.stderr)

@@ -2,7 +2,7 @@
 
     python tests/bags_driver.py --schema S.toml --train DIR ... (any mpips.train flags)
     mpiexec -n 4 python tests/bags_driver.py ...
-    mpiexec -n 2 python tests/bags_driver.py infer --model CKPT --data DIR ... (mpips.infer)
+    mpiexec -n 2 python tests/bags_driver.py infer --checkpoint CKPT --data DIR ... (mpips.infer)
 
 Every ``make_reader`` of the run (local and distributed, training, evaluation and the
 kernel warm-up) is

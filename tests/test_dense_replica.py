@@ -147,7 +147,7 @@ def test_checkpoint_from_before_the_replicas_still_loads(tiny_data, tmp_path):
     assert [r["epoch"] for r in rec] == [1]
     assert_identical(tmp_path / "dist", tmp_path / "local")
     out = tmp_path / "infer.json"
-    proc = run_cmd(["-m", "mpips.infer", "--model", str(OLD_CKPT), "--data", tiny_data[1],
+    proc = run_cmd(["-m", "mpips.infer", "--checkpoint", str(OLD_CKPT), "--data", tiny_data[1],
                     "--metrics-out", str(out)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(out.read_text())["test_examples"] == 4000
@@ -165,7 +165,7 @@ def test_async_checkpoint_infers_what_training_evaluated(tiny_data, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rec = json.loads(out.read_text().splitlines()[-1])
     inf = tmp_path / "infer.json"
-    proc = run_cmd(["-m", "mpips.infer", "--model", str(tmp_path / "ck"), "--data", one,
+    proc = run_cmd(["-m", "mpips.infer", "--checkpoint", str(tmp_path / "ck"), "--data", one,
                     "--metrics-out", str(inf)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(inf.read_text())

@@ -66,7 +66,7 @@ def test_infer_matches_in_process_auc(trained, data, tmp_path, capsys):
     root, [(base, m_base, _), (delta, m_delta, _)] = trained
     for model_arg, m in ((root, m_delta), (base, m_base)):
         mf, pf = tmp_path / "m.json", tmp_path / "p.txt"
-        code = infer.main(["--model", model_arg, "--data", data[1], "--metrics-out", str(mf),
+        code = infer.main(["--checkpoint", model_arg, "--data", data[1], "--metrics-out", str(mf),
                            "--predictions-out", str(pf), "--batch-size", "256"])
         out = capsys.readouterr().out
         assert code == 0
@@ -94,14 +94,14 @@ def test_infer_unknown_ids_read_zeros(trained, data):
 
 
 def test_infer_errors_are_one_line(tmp_path, data, trained, capsys):
-    assert infer.main(["--model", str(tmp_path / "none"), "--data", data[1]]) == 1
+    assert infer.main(["--checkpoint", str(tmp_path / "none"), "--data", data[1]]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no such checkpoint" in err[0]
     partial = ck.new_checkpoint_dir(str(tmp_path / "root"), "full")
-    assert infer.main(["--model", partial, "--data", data[1]]) == 1
+    assert infer.main(["--checkpoint", partial, "--data", data[1]]) == 1
     assert "partial checkpoint" in capsys.readouterr().err
     root, _ = trained
-    proc = subprocess.run([sys.executable, "-m", "mpips.infer", "--model", root, "--data",
+    proc = subprocess.run([sys.executable, "-m", "mpips.infer", "--checkpoint", root, "--data",
                            str(tmp_path / "nodata")], capture_output=True, text=True,
                           check=False, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT_DIR), cwd=ROOT_DIR)
     assert proc.returncode == 1
@@ -113,7 +113,7 @@ def test_infer_scores_unlabeled_files(trained, data, tmp_path, capsys):
     """--no-label: the test files without their label column get the labelled run's
     predictions (the same batches); the metrics count examples only."""
     root, _ = trained
-    code = infer.main(["--model", root, "--data", data[1], "--predictions-out",
+    code = infer.main(["--checkpoint", root, "--data", data[1], "--predictions-out",
                        str(tmp_path / "ref.txt")])
     assert code == 0
     bare = tmp_path / "bare"
@@ -123,12 +123,39 @@ def test_infer_scores_unlabeled_files(trained, data, tmp_path, capsys):
         (bare / os.path.basename(f)).write_bytes(b"".join(x.split(b"\t", 1)[1] + b"\n"
                                                           for x in lines))
     pf, mf = tmp_path / "p.txt", tmp_path / "m.json"
-    code = infer.main(["--model", root, "--data", str(bare), "--no-label", "--predictions-out",
+    code = infer.main(["--checkpoint", root, "--data", str(bare), "--no-label", "--predictions-out",
                        str(pf), "--metrics-out", str(mf)])
     out = capsys.readouterr().out
     assert code == 0 and "SCORE --> examples: 3000 (no labels)" in out
     assert pf.read_text() == (tmp_path / "ref.txt").read_text()
     rec = json.loads(mf.read_text())
     assert rec["test_examples"] == 3000 and rec["test_auc"] is None
-    assert infer.main(["--model", root, "--data", str(bare), "--no-label"]) == 2
+    assert infer.main(["--checkpoint", root, "--data", str(bare), "--no-label"]) == 2
     assert "give --predictions-out" in capsys.readouterr().err
+
+
+def test_checkpoint_flag_and_model_alias(tmp_path, data, trained, capsys):
+    """--checkpoint names the checkpoint in infer and export; --model is kept as its old
+    name with a one-line note, and --model with a network name says what to give."""
+    from mpips import export
+    root, _ = trained
+    out = tmp_path / "m.json"
+    assert infer.main(["--checkpoint", root, "--data", data[1], "--metrics-out", str(out)]) == 0
+    assert "--model" not in capsys.readouterr().err
+    ref = json.loads(out.read_text())
+    assert infer.main(["--model", root, "--data", data[1], "--metrics-out", str(out)]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"python -m mpips.infer: note: --model is the old name of --checkpoint here "
+                   f"(in mpips.train --model is the network); use --checkpoint {root}"]
+    got = json.loads(out.read_text())
+    keys = ("test_auc", "test_logloss", "checkpoint")
+    assert [got[k] for k in keys] == [ref[k] for k in keys]
+    assert export.main(["--model", root, "--out", str(tmp_path / "b.h5")]) == 0
+    assert "mpips.export: note: --model is the old name" in capsys.readouterr().err
+    for main, rest in ((infer.main, ["--data", data[1]]), (export.main, ["--out", "x"])):
+        with pytest.raises(SystemExit):
+            main(["--model", "deepfm", *rest])
+        assert "--model deepfm names a network" in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            main(rest)
+        assert "--checkpoint DIR is required" in capsys.readouterr().err

@@ -56,12 +56,12 @@ def test_checkpoint_round_trip(tiny_data, tmp_path, model, capsys):
     assert res[-1]["test_auc"] == two[-1]["test_auc"]
     root = str(tmp_path / "two")
     pf, mf = tmp_path / "p.txt", tmp_path / "m.json"
-    assert infer.main(["--model", root, "--data", tiny_data[1], "--predictions-out", str(pf),
+    assert infer.main(["--checkpoint", root, "--data", tiny_data[1], "--predictions-out", str(pf),
                        "--metrics-out", str(mf), "--network", model]) == 0
     ref = scores(pf)
     got = json.load(open(mf))
     assert got["test_auc"] == pytest.approx(two[-1]["test_auc"], abs=1e-4)
-    assert export.main(["--model", root, "--out", str(tmp_path / "b.h5"),
+    assert export.main(["--checkpoint", root, "--out", str(tmp_path / "b.h5"),
                         "--network", model]) == 0
     assert bd.read_manifest(str(tmp_path / "b.h5"))["model"]["model"] == model
     p = Predictor(str(tmp_path / "b.h5"))
@@ -79,8 +79,8 @@ def test_wrong_model_is_one_clear_line(tiny_data, tmp_path, capsys):
     assert proc.returncode == 2 and len(err) == 1, proc.stderr
     assert "--model deepfm" in err[0] and "--model wide_deep" in err[0]
     capsys.readouterr()
-    assert infer.main(["--model", root, "--data", tiny_data[1], "--network", "dnn"]) != 0
-    assert export.main(["--model", root, "--out", str(tmp_path / "x.h5"),
+    assert infer.main(["--checkpoint", root, "--data", tiny_data[1], "--network", "dnn"]) != 0
+    assert export.main(["--checkpoint", root, "--out", str(tmp_path / "x.h5"),
                         "--network", "wide_deep"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all("holds a deepfm model, not" in e for e in err), err

@@ -106,7 +106,7 @@ def test_async_geo_and_infer_under_mpirun_on_bags(bags, local_run, tmp_path):
     for r in (a[0], g[0]):       # 1600 examples: AUCs of the same task vary by a few 0.01
         assert r["test_auc"] > 0.65 and abs(r["test_auc"] - auc) < 0.06, (r, auc)
     rec = tmp_path / "infer.json"
-    proc = run_cmd([DRIVER, "infer", "--model", str(out / "local"), "--data", bags[1],
+    proc = run_cmd([DRIVER, "infer", "--checkpoint", str(out / "local"), "--data", bags[1],
                     "--metrics-out", str(rec), "--batch-size", "32", "--schema", bags[2]],
                    n=2, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -139,11 +139,11 @@ def test_other_schema_fails_resume_infer_export(bags, local_run, tmp_path, capsy
     one_line_error(proc.stderr, "another feature schema", "schema sparse", '"mean"', '"sum"')
     from mpips import export
     from mpips import infer
-    assert export.main(["--model", str(out / "local"), "--out", str(tmp_path / "x.h5"),
+    assert export.main(["--checkpoint", str(out / "local"), "--out", str(tmp_path / "x.h5"),
                         "--schema", bags[3]]) == 1
     one_line_error(capsys.readouterr().err, "another feature schema", "schema sparse")
     assert not os.path.exists(tmp_path / "x.h5")
-    assert infer.main(["--model", str(out / "local"), "--data", bags[1],
+    assert infer.main(["--checkpoint", str(out / "local"), "--data", bags[1],
                        "--schema", bags[3]]) == 1
     one_line_error(capsys.readouterr().err, "another feature schema", "schema sparse")
 

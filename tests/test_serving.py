@@ -94,10 +94,10 @@ def test_chain_of_patches_equals_export_of_latest(root, tmp_path):
     for dtype in ("float32", "float16"):
         b0, p1, p2, full = (str(tmp_path / f"{n}-{dtype}.h5") for n in ("b0", "p1", "p2", "full"))
         bd.export_full(d[0], b0, dtype)
-        assert export.main(["--model", d[1], "--since", b0, "--out", p1, "--dtype", dtype]) == 0
+        assert export.main(["--checkpoint", d[1], "--since", b0, "--out", p1, "--dtype", dtype]) == 0
         m2 = bd.export_patch(d[2], p1, p2, dtype)
         assert m2["evicted"] > 0 and m2["since"]["name"] == os.path.basename(d[1])
-        assert export.main(["--model", root, "--out", full, "--dtype", dtype]) == 0
+        assert export.main(["--checkpoint", root, "--out", full, "--dtype", dtype]) == 0
         p = Predictor(b0)
         p.apply(p1)
         p.apply(p2)
@@ -127,7 +127,7 @@ def read_lines(test_dir):
 
 def test_predictor_equals_infer(root, data, tmp_path, capsys):
     pf, mf = tmp_path / "p.txt", tmp_path / "m.json"
-    assert infer.main(["--model", root, "--data", data[1], "--predictions-out", str(pf),
+    assert infer.main(["--checkpoint", root, "--data", data[1], "--predictions-out", str(pf),
                        "--metrics-out", str(mf)]) == 0
     ref = np.loadtxt(pf)
     bd.export_full(root, str(tmp_path / "b.h5"))
@@ -226,7 +226,7 @@ def test_bad_bundle_or_patch_gives_one_clear_error(root, tmp_path, capsys):
             assert p.model is model                      # the old model stays
         if where in ("sparse/values", "dense/values"):
             continue                                     # --since reads the manifest only
-        assert export.main(["--model", root, "--since", bad, "--out", str(tmp_path / "x.h5")]) == 1
+        assert export.main(["--checkpoint", root, "--since", bad, "--out", str(tmp_path / "x.h5")]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("mpips.export: error: BundleError: ")
     p.apply(patch)                                       # the good patch still applies
@@ -285,10 +285,10 @@ def test_stream_export_folder_is_followed(tmp_path):
 def test_infer_under_mpirun_equals_one_process(root, data, tmp_path, n, extra):
     """N ranks (one table per node in shared memory, or one per rank) == one process."""
     ref_p, ref_m = tmp_path / "p1.txt", tmp_path / "m1.json"
-    assert infer.main(["--model", root, "--data", data[1], "--predictions-out", str(ref_p),
+    assert infer.main(["--checkpoint", root, "--data", data[1], "--predictions-out", str(ref_p),
                        "--metrics-out", str(ref_m), "--batch-size", "100"]) == 0
     pf, mf = tmp_path / f"p{n}.txt", tmp_path / f"m{n}.json"
-    proc = run_cmd(["-m", "mpips.infer", "--model", root, "--data", data[1], "--batch-size",
+    proc = run_cmd(["-m", "mpips.infer", "--checkpoint", root, "--data", data[1], "--batch-size",
                     "100", "--predictions-out", str(pf), "--metrics-out", str(mf)] + extra, n=n,
                    timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -329,7 +329,7 @@ def test_slot_lines_with_and_without_click_parse_as_the_reader_does():
 
 
 def test_infer_under_mpirun_fails_with_one_line(root, tmp_path):
-    proc = run_cmd(["-m", "mpips.infer", "--model", root, "--data", str(tmp_path / "nodata")],
+    proc = run_cmd(["-m", "mpips.infer", "--checkpoint", root, "--data", str(tmp_path / "nodata")],
                    n=2, timeout=120)
     assert proc.returncode != 0
     lines = [x for x in proc.stderr.splitlines() if x.startswith("mpips.infer")]

@@ -198,13 +198,13 @@ def test_train_job_saves_a_checkpoint(train_job, slurm_env):
 def test_infer_job_scores_the_trained_checkpoint(train_job, slurm_env, tmp_path):
     _, _, run_dir, cache = train_job
     env = job_env(slurm_env, MPIPS_RUN_DIR=str(tmp_path / "run"))
-    if "--model" not in module_help("mpips.infer"):
+    if "--checkpoint" not in module_help("mpips.infer"):
         _unavailable("python -m mpips.infer --help does not work (checkpoint feature)")
     if not list((run_dir / "ckpt").rglob("MANIFEST.json")):
         _unavailable("the train job saved no checkpoint (mpips.train has no --save-dir?)")
     test_dirs = sorted(cache.glob("*/test"))
     assert len(test_dirs) == 1, test_dirs
-    job = submit("infer.sbatch", ["--model", str(run_dir / "ckpt"), "--data", str(test_dirs[0])],
+    job = submit("infer.sbatch", ["--checkpoint", str(run_dir / "ckpt"), "--data", str(test_dirs[0])],
                  env, tmp_path)
     log = tmp_path / f"mpips-infer-{job}.out"
     done = wait_job(job, env, log)

@@ -87,7 +87,7 @@ def csv_run(csv_set):
 
 
 def infer(model, data, out):
-    proc = run_cmd(["-m", "mpips.infer", "--model", str(model), "--data", str(data),
+    proc = run_cmd(["-m", "mpips.infer", "--checkpoint", str(model), "--data", str(data),
                     "--predictions-out", str(out) + ".txt", "--metrics-out",
                     str(out) + ".json"], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -105,7 +105,7 @@ def test_csv_minmax_stats_record_resume_infer_export(csv_set, csv_run, tmp_path)
     assert met["test_examples"] == 800 and met["test_auc"] == pytest.approx(auc, abs=1e-6)
 
     bundle = str(tmp_path / "model.h5")
-    proc = run_cmd(["-m", "mpips.export", "--model", str(out / "run"), "--out", bundle])
+    proc = run_cmd(["-m", "mpips.export", "--checkpoint", str(out / "run"), "--out", bundle])
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = bd.read_manifest(bundle)["data"]
     assert (data["cont_min"], data["cont_diff"]) == (STATS["cont_min"], STATS["cont_diff"])
@@ -118,7 +118,7 @@ def test_csv_minmax_stats_record_resume_infer_export(csv_set, csv_run, tmp_path)
     mt.update(got, labels)
     assert mt.auc() == pytest.approx(auc, abs=1e-6)
 
-    bad = run_cmd(["-m", "mpips.export", "--model", str(out / "run"), "--out",
+    bad = run_cmd(["-m", "mpips.export", "--checkpoint", str(out / "run"), "--out",
                    str(tmp_path / "x.h5"), "--stats", str(out / "other.json")])
     assert bad.returncode != 0 and "--stats" in bad.stderr.strip().splitlines()[-1]
 
@@ -156,7 +156,7 @@ def test_predict_lines_slot_multihot_equals_infer(tmp_path):
     pred, met = infer(tmp_path / "run", text, tmp_path / "inf")
     assert met["test_examples"] == 80
     bundle = str(tmp_path / "model.h5")
-    proc = run_cmd(["-m", "mpips.export", "--model", str(tmp_path / "run"), "--out", bundle])
+    proc = run_cmd(["-m", "mpips.export", "--checkpoint", str(tmp_path / "run"), "--out", bundle])
     assert proc.returncode == 0, proc.stderr[-3000:]
     p = Predictor(bundle)
     assert p.model.data["cont_min"] is None          # norm "none": no statistics

@@ -120,7 +120,7 @@ def test_infer_reproduces_the_test_auc_of_training(tiny_data, tmp_path):
                           "--batch-size", "250"), n=4, timeout=300)
     rec = check_run(proc, tmp_path, 16000)
     out = tmp_path / "infer.json"
-    proc = run_cmd(["-m", "mpips.infer", "--model", str(tmp_path / "ck"), "--data", tiny_data[1],
+    proc = run_cmd(["-m", "mpips.infer", "--checkpoint", str(tmp_path / "ck"), "--data", tiny_data[1],
                     "--metrics-out", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(out.read_text())

@@ -199,9 +199,9 @@ def test_d9_a_chain_mixing_settings_is_refused(data, tmp_path, capsys):
     want = ("its chain mixes settings: ckpt-000001-base was saved with --hash-bucket 1000, "
             "ckpt-000002-delta with --hash-bucket 0 (use a checkpoint whose base and deltas "
             "come from one run)")
-    assert export_cli.main(["--model", root, "--out", str(tmp_path / "b.h5")]) == 1
+    assert export_cli.main(["--checkpoint", root, "--out", str(tmp_path / "b.h5")]) == 1
     assert one_line(capsys.readouterr().err).endswith(want)
-    assert infer_cli.main(["--model", root, "--data", str(data / "test")]) == 1
+    assert infer_cli.main(["--checkpoint", root, "--data", str(data / "test")]) == 1
     assert one_line(capsys.readouterr().err).endswith(want)
     assert train_cli.main(["--local", "--fc", "3", "--embedding-dim", "4", "--resume", root,
                            "--train", str(data / "train")]) == 2
@@ -225,7 +225,7 @@ def test_stats_values_are_the_recorded_ones_for_infer_and_export(data, trained, 
         if step == "file gone":
             os.remove(tmp_path / "stats.json")
         out = tmp_path / f"{len(scores)}.json"
-        assert infer_cli.main(["--model", str(ck_dir), "--data", str(data / "test"),
+        assert infer_cli.main(["--checkpoint", str(ck_dir), "--data", str(data / "test"),
                                "--predictions-out", str(tmp_path / "p.txt"),
                                "--metrics-out", str(out)]) == 0, capsys.readouterr().err
         scores.append((json.loads(out.read_text())["test_auc"],
@@ -239,9 +239,9 @@ def test_stats_values_are_the_recorded_ones_for_infer_and_export(data, trained, 
                               [str(data / "test" / first)], 100, print)))
     assert not np.array_equal(a.dense, b.dense)
     bundle = tmp_path / "b.h5"
-    assert export_cli.main(["--model", str(ck_dir), "--out", str(bundle)]) == 0
+    assert export_cli.main(["--checkpoint", str(ck_dir), "--out", str(bundle)]) == 0
     assert read_bundle(str(bundle))[0]["data"]["cont_diff"] == STATS["cont_diff"]
-    assert export_cli.main(["--model", str(ck_dir), "--out", str(bundle), "--stats",
+    assert export_cli.main(["--checkpoint", str(ck_dir), "--out", str(bundle), "--stats",
                             str(tmp_path / "o.json")]) == 1
     line = one_line(capsys.readouterr().err)
     assert "(I5: cont_min 0, cont_diff 10); this run has --stats" in line
@@ -254,7 +254,7 @@ def test_d10_edited_manifest_is_refused_or_passed_over(data, trained, tmp_path, 
     ck_dir = copy(trained, tmp_path)
     good = ck.resolve(str(ck_dir))
     out = tmp_path / "m.json"
-    assert infer_cli.main(["--model", good, "--data", str(data / "test"), "--metrics-out",
+    assert infer_cli.main(["--checkpoint", good, "--data", str(data / "test"), "--metrics-out",
                            str(out)]) == 0
     auc = json.loads(out.read_text())["test_auc"]
     capsys.readouterr()
@@ -265,14 +265,14 @@ def test_d10_edited_manifest_is_refused_or_passed_over(data, trained, tmp_path, 
     edit(newer, lambda m: m["config"].update(hash_bucket=0), reseal=False)     # by hand
     refused = (f"{newer}: MANIFEST.json was edited or damaged after it was written (its "
                "checksum does not match its contents); restore it, or use another checkpoint")
-    assert infer_cli.main(["--model", newer, "--data", str(data / "test")]) == 1
+    assert infer_cli.main(["--checkpoint", newer, "--data", str(data / "test")]) == 1
     assert one_line(capsys.readouterr().err).endswith(refused)
-    assert export_cli.main(["--model", newer, "--out", str(tmp_path / "b.h5")]) == 1
+    assert export_cli.main(["--checkpoint", newer, "--out", str(tmp_path / "b.h5")]) == 1
     assert one_line(capsys.readouterr().err).endswith(refused)
     assert train(data, tmp_path / "new", *RUN, "--epochs", "2", "--resume", newer) == 2
     assert one_line(capsys.readouterr().err) == f"mpips: error: {refused}"
     # in a root it is passed over, with one line, for the older one
-    assert infer_cli.main(["--model", str(ck_dir), "--data", str(data / "test"),
+    assert infer_cli.main(["--checkpoint", str(ck_dir), "--data", str(data / "test"),
                            "--metrics-out", str(out)]) == 0
     assert json.loads(out.read_text())["test_auc"] == auc
     assert one_line(capsys.readouterr().err) == f"mpips.checkpoint: passing over {refused}"
