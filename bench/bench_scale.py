@@ -192,6 +192,8 @@ def main():
                     "runs: plot their results together to --plot, run nothing")
     ap.add_argument("extra", nargs="*", help="more mpips.train arguments (after --)")
     a = ap.parse_args()
+    if a.data:                 # the runs start in the repository's root, not in this cwd
+        a.data = os.path.abspath(a.data)
     if a.replot:
         plot([r for f in a.replot.split(",") for r in json.loads(Path(f).read_text())["results"]],
              a.plot)

@@ -28,8 +28,12 @@ def main():
     a = ap.parse_args()
     if not a.no_repo:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from mpips.tables.optim import OptimizerConfig
-    from mpips.tables.sparse import SparseTable
+    try:                       # the layout before the package was layered (an older tree)
+        from mpips.server.optim import OptimizerConfig
+        from mpips.server.sparse_table import SparseTable
+    except ImportError:
+        from mpips.tables.optim import OptimizerConfig
+        from mpips.tables.sparse import SparseTable
 
     def table():
         return SparseTable(10, OptimizerConfig("adam", lr=1e-3), seed=0)

@@ -166,6 +166,8 @@ def main(argv=None):
     ap.add_argument("--replot", help="only plot and tabulate this JSON")
     ap.add_argument("--seeds", default="0", help="run everything with each --seed in this list")
     a = ap.parse_args(argv)
+    if a.data:                 # the runs start in the repository's root, not in this cwd
+        a.data = os.path.abspath(a.data)
     if a.replot:
         records = [r for r in json.loads(Path(a.replot).read_text())["records"]
                    if not a.data or r.get("data") == a.data]

@@ -166,3 +166,272 @@ def check_links(root=ROOT, files=None):
                     if p:
                         problems.append((page, n, tok, p))
     return problems
+
+
+# -------------------------------------------------------------------------------- commands
+SHELL_LANGS = {"sh", "bash", "shell"}
+
+
+def strip_comment(line):
+    """The line without a trailing shell comment (a # after whitespace, outside quotes)."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            if ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1] in " \t"):
+            return line[:i].rstrip()
+    return line.rstrip()
+
+
+def shell_commands(text):
+    """[(line number, command)] of a page's ```sh blocks: continuations joined, comments
+    and blank lines dropped."""
+    out, buf, start = [], [], None
+    for n, line, info in split_fences(text):
+        if info not in SHELL_LANGS:
+            continue
+        code = strip_comment(line)
+        if not code.strip() and not buf:
+            continue
+        if start is None:
+            start = n
+        if code.endswith("\\"):
+            buf.append(code[:-1].strip())
+            continue
+        buf.append(code.strip())
+        out.append((start, " ".join(b for b in buf if b)))
+        buf, start = [], None
+    return out
+
+
+def named_files(text):
+    """{name: content} of the page's non-shell blocks whose first line is `# file: NAME`:
+    the files its commands read (a config, a schema), written before they run."""
+    out, cur, name = {}, [], None
+    for _, line, info in split_fences(text) + [(0, "", None)]:
+        if info is None or info in SHELL_LANGS:
+            if name:
+                out[name] = "\n".join(cur) + "\n"
+            cur, name = [], None
+            continue
+        if name is None and not cur:
+            m = re.match(r"^\s*#\s*file:\s*(\S+)\s*$", line)
+            if m:
+                name = m.group(1)
+                continue
+        cur.append(line)
+    return out
+
+
+def have_module(name):
+    try:
+        __import__(name)
+        return True
+    except Exception:
+        return False
+
+
+INSTALL = re.compile(r"^(python3? -m venv|\. \S+/activate|module load|.*\bpip install)")
+# (flag, small value): a size flag is cut to this when larger (numbers) or set (lists)
+SMALL = {"--rows": 4000, "--test-rows": 1000, "--synth-rows": 4000, "--synth-test-rows": 1000,
+         "--rows-per-pass": 200, "--days": 1, "--hours": 2, "--epochs": 1, "--rounds": 1,
+         "--probes": 4, "--every": 10, "--parts": 8, "--stream-timeout": 2}
+FIRST_OF_LIST = ("--real", "--sim", "--sync", "--seeds", "--runs")
+
+
+def skip_reason(cmd):
+    """Why a command cannot run here, or None."""
+    if re.search(r"(^|\s)\.\.\.(\s|$)", cmd) or re.search(r"<[^>]+>", cmd):
+        return "a placeholder (... or <...>) stands for the user's own arguments"
+    if cmd.startswith("sbatch ") and not shutil.which("sbatch"):
+        return "needs a Slurm cluster (tests/test_slurm.py runs the scripts on a local one)"
+    if "local_cluster.sh" in cmd or "MPIPS_REQUIRE_SLURM=1" in cmd or "SLURM_CONF" in cmd:
+        return "needs root, apt and a local Slurm (.ci/run starts one)"
+    if re.search(r"bench/(bench_vs_torch|torch_ref)\.py", cmd) and not have_module("torch"):
+        return "needs the bench extra (torch), not installed here"
+    if "tools/check_docs.py --commands" in cmd:
+        return "this checker itself"
+    if "--plot" in cmd and not have_module("matplotlib"):
+        return "needs matplotlib (the plot extra)"
+    parts = [p.strip() for p in cmd.split("&&")]
+    if all(INSTALL.match(p) for p in parts):
+        return "an install step (CI installs from scratch in .ci/run)"
+    return None
+
+
+def in_small(cmd, sandbox):
+    """The command as it runs here: install steps of a chain dropped, sizes cut, absolute
+    data paths moved into the sandbox, the embedded set made small, pytest only collecting."""
+    parts = [p.strip() for p in cmd.split("&&")]
+    kept = [p for p in parts if not INSTALL.match(p)]
+    notes = ["install steps left out"] if len(kept) < len(parts) else []
+    cmd = " && ".join(kept)
+    cmd = re.sub(r"(?<![\w/.])/(tmp|data)/", lambda m: f"{sandbox}/{m.group(1)}/", cmd)
+    cmd = cmd.replace("$HOME/venvs", f"{sandbox}/venvs")
+
+    def cut(m):
+        flag, val = m.group(1), m.group(2)
+        if flag in FIRST_OF_LIST:
+            return f"{flag} {val.split(',')[0]}"
+        small = SMALL[flag]
+        try:
+            return f"{flag} {min(float(val), small):g}"
+        except ValueError:
+            return m.group(0)
+
+    flags = "|".join(re.escape(f) for f in list(SMALL) + list(FIRST_OF_LIST))
+    cmd = re.sub(rf"({flags})[ =]([^\s]+)", cut, cmd)
+    cmd = re.sub(r"\s\[[^\]]*\]", "", cmd)                      # [optional] parts: left out
+    if re.search(r"python -m mpips\.train\b", cmd) and not re.search(
+            r"--(train|stream|help|config)\b", cmd):
+        cmd += " --synth-rows 4000 --synth-test-rows 1000 --cache-dir cache"
+        notes.append("embedded set of 4000 rows")
+    # what a benchmark writes into the repository by default goes to the scratch folder
+    for script, flag, value in (("bench_scale.py", "--plot", "plot.png"),
+                                ("bench_scale.py", "--out", "bench_scale.json"),
+                                ("bench_workers.py", "--plot", "plot.png"),
+                                ("bench_workers.py", "--json", "bench_workers.json")):
+        if f"bench/{script}" in cmd and flag not in cmd and not (
+                flag != "--plot" and "--replot" in cmd):
+            cmd += f" {flag} {value}"
+            if "outputs in the scratch folder" not in notes:
+                notes.append("outputs in the scratch folder")
+    if "--stream " in cmd and "--stream-timeout" not in cmd:
+        cmd += " --stream-timeout 2"
+    if re.search(r"python -m pytest -q$", cmd):
+        cmd += " --collect-only"
+        notes.append("the suite collected, not run (CI runs it)")
+    return cmd, notes
+
+
+def fixtures(base, log):
+    """What the pages take as given, made once: a small Criteo-format set at /data/criteo,
+    a stream of passes at /data/stream, and a run's checkpoint root `ckpt` (a base and deltas
+    every batch) and metrics files (`metrics.jsonl`, `async.jsonl`, `sync.jsonl`)."""
+    steps = [
+        "python -m data_prep.synth --rows 4000 --test-rows 1000 --parts 2 --out data/criteo",
+        "python -m data_prep.stream_synth --out data/stream --days 1 --hours 2 --rows-per-pass 200",
+        "python -m mpips.train --local --train data/criteo/train --test data/criteo/test "
+        "--save-dir ckpt --save-every 1 --save-mode delta --metrics-out metrics.jsonl "
+        "--print-every 1000",
+        "cp metrics.jsonl async.jsonl && cp metrics.jsonl sync.jsonl",
+    ]
+    for s in steps:
+        r = subprocess.run(s, shell=True, cwd=base, env=run_env(), capture_output=True, text=True)
+        if r.returncode:
+            log(f"fixture failed: {s}\n{r.stderr[-2000:]}")
+            raise SystemExit(2)
+
+
+def run_env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               MPLBACKEND="Agg")
+    return env
+
+
+REPO_LINKS = ("mpips", "data_prep", "bench", "tests", "tools", "jobs", ".ci", ".git", "setup.cfg")
+
+
+def repo_status():
+    return subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
+                          text=True).stdout
+
+
+def run_commands(pages, timeout, keep, log=print):
+    """Run every command of the pages; [(page, line, command, status, detail, seconds)]."""
+    base = tempfile.mkdtemp(prefix="mpips-docs-")
+    results = []
+    before = repo_status()
+    try:
+        log(f"scratch folder {base}; fixtures ...")
+        fixtures(base, log)
+        for page in pages:
+            text = open(os.path.join(ROOT, page), encoding="utf-8").read()
+            cmds = shell_commands(text)
+            if not cmds:
+                continue
+            sandbox = os.path.join(base, re.sub(r"\W", "_", page))
+            os.makedirs(sandbox)
+            for name in REPO_LINKS:
+                os.symlink(os.path.join(ROOT, name), os.path.join(sandbox, name))
+            written = " ".join(c for _, c in cmds)
+            for name in ("data", "ckpt", "metrics.jsonl", "async.jsonl", "sync.jsonl"):
+                if re.search(rf"--(save-dir|out|metrics-out) {re.escape(name)}(\s|$)", written):
+                    continue                       # the page makes its own
+                src = os.path.join(base, name)
+                if os.path.isdir(src):
+                    shutil.copytree(src, os.path.join(sandbox, name), symlinks=True)
+                else:
+                    shutil.copy(src, sandbox)
+            for name, content in named_files(text).items():
+                with open(os.path.join(sandbox, name), "w") as f:
+                    f.write(content.replace("/data/", f"{sandbox}/data/"))
+            for line, cmd in cmds:
+                why = skip_reason(cmd)
+                if why:
+                    results.append((page, line, cmd, "skip", why, 0.0))
+                    log(f"SKIP {page}:{line}: {cmd}\n     ({why})")
+                    continue
+                small, notes = in_small(cmd, sandbox)
+                t0 = time.perf_counter()
+                try:
+                    r = subprocess.run(["bash", "-c", small],
+                                       cwd=sandbox, env=run_env(), capture_output=True,
+                                       text=True, timeout=timeout)
+                    status = "pass" if r.returncode == 0 else "FAIL"
+                    detail = "" if status == "pass" else \
+                        f"exit {r.returncode}: " + (r.stderr.strip() or r.stdout.strip())[-600:]
+                except subprocess.TimeoutExpired:
+                    status, detail = "FAIL", f"timeout after {timeout} s"
+                dt = time.perf_counter() - t0
+                if notes and status == "pass":
+                    detail = "; ".join(notes)
+                now = repo_status()
+                if now != before:                  # a command wrote into the repository
+                    status, detail = "FAIL", "changed the repository: " + " ".join(
+                        sorted(set(now.split("\n")) - set(before.split("\n"))))
+                    before = now
+                results.append((page, line, cmd, status, detail, dt))
+                log(f"{status.upper():4} {page}:{line} ({dt:.1f} s): {cmd}"
+                    + (f"\n     ran: {small}" if small != cmd else "")
+                    + (f"\n     {detail}" if detail else ""))
+    finally:
+        if keep:
+            log(f"kept {base}")
+        else:
+            shutil.rmtree(base, ignore_errors=True)
+    return results
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--links", action="store_true", help="check only the links")
+    ap.add_argument("--commands", action="store_true", help="run only the commands")
+    ap.add_argument("--only", action="append", help="a page (repeatable); default: all")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per command")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch folder")
+    a = ap.parse_args(argv)
+    both = not (a.links or a.commands)
+    pages = a.only or doc_files()
+    bad = 0
+    if a.links or both:
+        problems = check_links(ROOT, pages)
+        for p, n, t, why in problems:
+            print(f"LINK {p}:{n}: {t}: {why}")
+        print(f"links: {len(problems)} broken")
+        bad += len(problems)
+    if a.commands or both:
+        res = run_commands(pages, a.timeout, a.keep)
+        counts = {s: sum(1 for r in res if r[3] == s) for s in ("pass", "FAIL", "skip")}
+        print(f"commands: {len(res)}: {counts['pass']} pass, {counts['FAIL']} fail, "
+              f"{counts['skip']} skipped")
+        bad += counts["FAIL"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
