@@ -42,6 +42,7 @@ when read from slot files) mix with salt 1..26 (see ``mpips.data.slot``).
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import os
 import re
@@ -110,6 +111,7 @@ class Schema:
 
     # --- the Criteo default ------------------------------------------------------------
     @staticmethod
+    @functools.lru_cache(maxsize=None)
     def criteo() -> "Schema":
         """13 integer columns I1..I13 (min-max with Paddle's constants) + 26 one-hot C1..C26."""
         return Schema(format="criteo",

@@ -71,6 +71,7 @@ class Metrics:
         Gauge("mpips_process_index", "index of this server process (--processes)",
               registry=r).set(process)
         self._shown = None
+        self._kids = {}
         self.show(live.current)
 
     def show(self, serving):
@@ -80,6 +81,19 @@ class Metrics:
         self.info.labels(serving.version).set(1)
         self.version.set(serving.seq)
         self.rows.set(len(serving.model))
+
+    def count(self, endpoint, code, seconds):
+        """One request answered (the labelled children are looked up once)."""
+        key = (endpoint, code)
+        kids = self._kids.get(key)
+        if kids is None:
+            kids = self._kids[key] = (self.requests.labels(endpoint, str(code)),
+                                      self.errors.labels(endpoint) if code >= 400 else None,
+                                      self.latency.labels(endpoint))
+        kids[0].inc()
+        if kids[1] is not None:
+            kids[1].inc()
+        kids[2].observe(seconds)
 
     def reloaded(self, ok, seconds, serving):
         self.reloads.labels("ok" if ok else "refused").inc()
@@ -119,12 +133,7 @@ class Api:
         except LineError as e:
             resp = error_response(400, str(e))
         resp.headers = tuple(resp.headers) + (("Model-Version", serving.version),)
-        m = self.metrics
-        code = resp.status
-        m.requests.labels(endpoint, str(code)).inc()
-        if code >= 400:
-            m.errors.labels(endpoint).inc()
-        m.latency.labels(endpoint).observe(time.perf_counter() - t0)
+        self.metrics.count(endpoint, resp.status, time.perf_counter() - t0)
         return resp
 
     def _route(self, path):

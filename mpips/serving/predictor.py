@@ -22,6 +22,8 @@ old model or the new one, never half of each.  When a patch or a followed folder
 file is bad, one ``BundleError`` is raised and the model stays as it was.
 numpy/numba only (no MPI).
 """
+import functools
+
 import numpy as np
 
 import mpips.serving.bundle as bd
@@ -45,11 +47,18 @@ def _as_bytes(line):
     return b
 
 
+@functools.lru_cache(maxsize=32)
+def _norm(cont_min, cont_diff):
+    """make_norm of tuples (or None), made once: a server parses a few lines a call."""
+    return criteo.make_norm(cont_min, cont_diff)
+
+
 def _parser(data, slot_format, has_label):
     bucket = int(data["hash_bucket"])
     if slot_format:
         return lambda buf: slot.parse_slot_bytes(buf, hash_bucket=bucket)
-    norm = criteo.make_norm(data["cont_min"], data["cont_diff"])
+    lo, diff = data["cont_min"], data["cont_diff"]
+    norm = _norm(None if lo is None else tuple(lo), None if diff is None else tuple(diff))
     return lambda buf: criteo.parse_tsv_bytes(buf, has_label=has_label, hash_bucket=bucket,
                                               norm=norm, pad=True)  # as the reader does
 

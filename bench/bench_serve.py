@@ -1,0 +1,406 @@
+"""Load bench of `python -m mpips.serve` on loopback (issue 32): latency and rate by batch,
+protocol and server processes, while patches land, against the in-process limit.
+
+    python bench/bench_serve.py                                  # Criteo shape, 1M-row table
+    python bench/bench_serve.py --shape wide --rows 200000       # multi-hot, 300 bag slots
+    python bench/bench_serve.py --patch-seconds 120              # the issue's 2-minute run
+
+1. Model: random weights (the bundle writer, ``tests/serve_models.py``) over the ids of
+   generated rows (Criteo: ``data_prep.synth``; wide: ``data_prep.multihot_synth``, 300
+   slots of bags) plus random ids up to ``--rows`` table rows; Criteo's 400x3 CTR-DNN of
+   dim 10, the wide shape's 512-256-128-128-128 of dim 9.  Scores do not depend on where
+   the weights came from; the cost of a request does not depend on their values.
+2. In-process limit: ``Predictor.predict_arrays`` (rows parsed beforehand) and
+   ``predict_lines`` instances/s at each batch size, one core.
+3. Server: ``python -m mpips.serve --follow DIR --port 0 --processes P`` (P in
+   ``--processes``), and one load process on loopback (127.0.0.1 only): closed loop at
+   ``--concurrency`` connections (peak rate), and open loop at ``--rate`` requests/s
+   (latency from each request's scheduled time, so a stalled server is not hidden), each
+   for ``--seconds`` and at most ``--max-requests``; batch 1, 32, 256; TF ``:predict``
+   instances and raw ``:lines``.  Reported: requests/s, instances/s, p50, p99, p99.9,
+   failed requests (non-2xx or no answer), the server's CPU time per request (user +
+   system of its processes: the cost a busy machine does not hide), and the server's
+   memory (PSS summed over its processes).
+4. Patches: the open loop at batch 1 while a new patch (1% of the rows changed) is
+   committed to the folder every second for ``--patch-seconds``; failures and p99 against
+   the steady run.
+
+The machine is shared and has 2 cores: the load generator and the server compete for them;
+report the load average with the figures (printed at the end).
+"""
+import argparse
+import collections
+import json
+import os
+import selectors
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from mpips.data.criteo import make_norm  # noqa: E402
+from mpips.schema import load_schema, Schema  # noqa: E402
+from mpips.serving import Predictor  # noqa: E402
+from mpips.serving.predictor import parse_lines, parse_text_lines, text_parser  # noqa: E402
+from tests import serve_models as sm  # noqa: E402
+
+SHAPES = {"criteo": {"dim": 10, "fc": "400,400,400"},
+          "wide": {"dim": 9, "fc": "512,256,128,128,128"}}
+
+
+# ---------------------------------------------------------------------- model and requests
+def make_model(a, out):
+    """(export folder, lines, schema, data, keys)."""
+    if a.shape == "criteo":
+        from data_prep.synth import generate
+        generate(os.path.join(out, "data"), rows=10, parts=1, seed=1, test_rows=a.lines)
+        d = os.path.join(out, "data", "test")
+        lines = [x for f in sorted(os.listdir(d)) for x in
+                 open(os.path.join(d, f)).read().splitlines()]
+        schema = Schema.criteo()
+        lo, diff = make_norm()
+        data = {"data_format": "auto", "hash_bucket": 0, "cont_min": lo.tolist(),
+                "cont_diff": diff.tolist()}
+    else:
+        from data_prep.multihot_synth import main as gen
+        d = os.path.join(out, "wide")
+        gen(["--out", d, "--rows", "10", "--test-rows", str(a.lines), "--parts", "1",
+             "--slots", "300", "--seed", "1"])
+        lines = [x for x in open(os.path.join(d, "test", "part-00000.txt")).read().splitlines()]
+        schema = load_schema(os.path.join(d, "schema.toml"))
+        data = {"data_format": "auto", "hash_bucket": 0, "cont_min": None, "cont_diff": None}
+    keys = sm.ids_of(lines, schema, data)
+    rng = np.random.default_rng(0)
+    if len(keys) < a.rows:
+        keys = np.unique(np.concatenate([keys, rng.integers(-2 ** 62, 2 ** 62,
+                                                            a.rows - len(keys))]))
+    folder = os.path.join(out, "exports")
+    os.makedirs(folder)
+    shape = SHAPES[a.shape]
+    m = sm.write_full(os.path.join(folder, "full-000001.h5"), keys, schema, data,
+                      dim=shape["dim"], fc=shape["fc"])
+    sm.commit(folder, ["full-000001.h5"])
+    return folder, lines, schema, m, keys
+
+
+def instances(lines, schema):
+    """TF instances of the lines (Criteo TSV only; wide: None, raw lines are sent)."""
+    if not schema.is_criteo:
+        return None
+    names = [f"I{k}" for k in range(1, 14)] + [f"C{k}" for k in range(1, 27)]
+    out = []
+    for x in lines:
+        out.append({n: (int(v) if n[0] == "I" else v)
+                    for n, v in zip(names, x.split("\t")[1:]) if v})
+    return out
+
+
+def bodies(lines, insts, batch, proto, name, k=16):
+    """k distinct raw HTTP requests of ``batch`` rows."""
+    out = []
+    for j in range(k):
+        lo = (j * batch) % max(1, len(lines) - batch)
+        if proto == "lines":
+            body, path, ctype = ("\n".join(lines[lo:lo + batch]) + "\n").encode(), \
+                f"/v1/models/{name}:lines", "text/plain"
+        else:
+            body, path, ctype = json.dumps({"instances": insts[lo:lo + batch]}).encode(), \
+                f"/v1/models/{name}:predict", "application/json"
+        out.append(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: %s\r\n"
+                   b"Content-Length: %d\r\n\r\n" % (path.encode(), ctype.encode(), len(body))
+                   + body)
+    return out
+
+
+def in_process(bundle, lines, schema, batch, seconds):
+    """(predict_arrays, predict_lines) instances/s at this batch size."""
+    p = Predictor(bundle)
+    model = p.model
+    if schema.is_criteo:
+        dense, ids, _ = parse_lines(lines, model.data)
+        arrays = lambda lo: (dense[lo:lo + batch], ids[lo:lo + batch], None)  # noqa: E731
+    else:
+        fmt = text_parser(model)
+        rows = []
+        for lo in range(0, len(lines) - batch + 1, batch):
+            piece, _ = parse_text_lines(lines[lo:lo + batch], fmt)
+            rows.append((piece[0], piece[1], piece[3]))
+        arrays = lambda lo: rows[(lo // batch) % len(rows)]  # noqa: E731
+    rates = []
+    for fn in (lambda lo: p.predict_arrays(*arrays(lo)),
+               lambda lo: p.predict_lines(lines[lo:lo + batch])):
+        fn(0)
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            fn((n * batch) % max(1, len(lines) - batch))
+            n += 1
+        rates.append(n * batch / (time.perf_counter() - t0))
+    return rates
+
+
+# ---------------------------------------------------------------------- load generator
+class _Conn:
+    def __init__(self, port):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.setblocking(False)
+        self.buf, self.sent_at = b"", None
+
+
+def load(port, reqs, mode, rate, concurrency, seconds, max_requests):
+    """Send requests for ``seconds`` (open loop at ``rate``/s or closed loop), bounded by
+    ``max_requests`` and a hard deadline (30 s more: what is scheduled by the end is still
+    sent and waited for until then); return (latencies s, failures, requests, wall).
+    A failure: an answer other than 200, a connection closed, or no answer by the hard
+    deadline (requests still scheduled or in flight then)."""
+    conns = [_Conn(port) for _ in range(concurrency)]
+    sel = selectors.DefaultSelector()
+    for c in conns:
+        sel.register(c.sock, selectors.EVENT_READ, c)
+    idle, backlog = list(conns), collections.deque()
+    lat, fails, issued, k = [], 0, 0, 0
+    t0 = time.perf_counter()
+    end, hard = t0 + seconds, t0 + seconds + 30
+    next_t = t0
+
+    def send(c, at):
+        nonlocal issued, k
+        c.sent_at = at
+        c.sock.sendall(reqs[k % len(reqs)])       # small: fits the socket buffer
+        k += 1
+        issued += 1
+    while True:
+        now = time.perf_counter()
+        if now > hard:
+            fails += len(conns) - len(idle) + len(backlog)
+            break
+        if now < end and issued + len(backlog) < max_requests:
+            if mode == "open":
+                while next_t <= now and issued + len(backlog) < max_requests:
+                    backlog.append(next_t)
+                    next_t += 1.0 / rate
+                while backlog and idle:
+                    c = idle.pop()
+                    c.sock.setblocking(True)
+                    send(c, backlog.popleft())
+                    c.sock.setblocking(False)
+            else:
+                while idle and issued < max_requests:
+                    c = idle.pop()
+                    c.sock.setblocking(True)
+                    send(c, now)
+                    c.sock.setblocking(False)
+        elif backlog and idle:                  # past the end: send what was scheduled
+            c = idle.pop()
+            c.sock.setblocking(True)
+            send(c, backlog.popleft())
+            c.sock.setblocking(False)
+            continue
+        elif len(idle) == len(conns) and not backlog:
+            break
+        wait = max(0.0, min(next_t - now, 0.05)) if mode == "open" and now < end else 0.05
+        for key, _ in sel.select(wait):
+            c = key.data
+            try:
+                chunk = c.sock.recv(1 << 20)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                fails += 1
+                sel.unregister(c.sock)
+                conns.remove(c)
+                continue
+            c.buf += chunk
+            while True:
+                i = c.buf.find(b"\r\n\r\n")
+                if i < 0:
+                    break
+                head = c.buf[:i].lower()
+                n = int(head.split(b"content-length:")[1].split(b"\r\n")[0])
+                if len(c.buf) < i + 4 + n:
+                    break
+                ok = c.buf[9:12] == b"200"
+                c.buf = c.buf[i + 4 + n:]
+                t = time.perf_counter()
+                if ok:
+                    lat.append(t - c.sent_at)
+                else:
+                    fails += 1
+                idle.append(c)
+    wall = time.perf_counter() - t0
+    for c in conns:
+        c.sock.close()
+    return np.array(lat), fails, issued, wall
+
+
+def summary(lat, fails, issued, wall, batch):
+    q = (lambda p: float(np.percentile(lat, p) * 1e3)) if len(lat) else (lambda p: float("nan"))
+    return {"requests": issued, "failed": fails, "qps": round(len(lat) / wall, 1),
+            "instances_per_s": round(len(lat) * batch / wall, 1), "p50_ms": round(q(50), 3),
+            "p99_ms": round(q(99), 3), "p999_ms": round(q(99.9), 3)}
+
+
+# ---------------------------------------------------------------------- server
+def start(folder, processes, name):
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
+               OPENBLAS_NUM_THREADS="1", PYTHONPATH=ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "mpips.serve", "--follow", folder, "--port",
+                             "0", "--processes", str(processes), "--name", name,
+                             "--poll-seconds", "0.1", "--max-instances", "100000"],
+                            stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    end = time.monotonic() + 300
+    for line in proc.stdout:
+        if "ready" in line:
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+            return proc, int(line.split("127.0.0.1:")[1].split()[0])
+        if time.monotonic() > end:
+            break
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+def tree(root_pid):
+    """The pids of a process and its descendants."""
+    kids = {}
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                ppid = int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(p))
+    out, todo = [], [root_pid]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += kids.get(pid, [])
+    return out
+
+
+def pss_mb(root_pid):
+    """PSS (MB) summed over a process and its descendants."""
+    total = 0.0
+    for pid in tree(root_pid):
+        try:
+            for line in open(f"/proc/{pid}/smaps_rollup"):
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) / 1024
+        except OSError:
+            pass
+    return round(total, 1)
+
+
+def cpu_seconds(root_pid):
+    """User + system CPU seconds of a process tree (the server's work, whatever share of
+    the cores it got: a figure a loaded machine does not inflate much)."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for pid in tree(root_pid):
+        try:
+            f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            total += (int(f[11]) + int(f[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def patcher(folder, m, keys, stop, every, log):
+    """Commit a new patch every ``every`` seconds until ``stop``; count them."""
+    files, seq = ["full-000001.h5"], 2
+    while not stop.wait(every):
+        name = f"patch-{seq:06d}.h5"
+        m = sm.write_patch(os.path.join(folder, name), m, keys, seed=seq, seq=seq, frac=0.01,
+                           evict=0.001)
+        files.append(name)
+        sm.commit(folder, files)
+        seq += 1
+    log["patches"] = seq - 2
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="criteo", choices=sorted(SHAPES))
+    ap.add_argument("--rows", type=int, default=1_000_000, help="embedding rows of the table")
+    ap.add_argument("--lines", type=int, default=4096, help="generated request rows")
+    ap.add_argument("--processes", default="1,2", help="server processes to run, comma list")
+    ap.add_argument("--batches", default="1,32,256")
+    ap.add_argument("--protocols", default="predict,lines")
+    ap.add_argument("--rate", type=float, default=500, help="open loop requests/s (batch 1)")
+    ap.add_argument("--concurrency", type=int, default=8, help="closed loop connections")
+    ap.add_argument("--seconds", type=float, default=10)
+    ap.add_argument("--max-requests", type=int, default=200_000)
+    ap.add_argument("--patch-seconds", type=float, default=30, help="0: no patch run")
+    ap.add_argument("--out", default="", help="write the results as JSON")
+    a = ap.parse_args(argv)
+    tmp = tempfile.mkdtemp(prefix="bench_serve_")
+    res = {"shape": a.shape, "rows": a.rows, "runs": [], "in_process": {}}
+    try:
+        folder, lines, schema, m, keys = make_model(a, tmp)
+        insts = instances(lines, schema)
+        protos = [p for p in a.protocols.split(",") if p == "lines" or insts is not None]
+        batches = [int(b) for b in a.batches.split(",")]
+        for b in batches:
+            arr, lin = in_process(os.path.join(folder, "full-000001.h5"), lines, schema, b, 3)
+            res["in_process"][b] = {"predict_arrays": round(arr), "predict_lines": round(lin)}
+            print(f"in-process batch {b}: predict_arrays {arr:,.0f} inst/s, predict_lines "
+                  f"{lin:,.0f} inst/s", flush=True)
+        for procs in [int(x) for x in a.processes.split(",")]:
+            proc, port = start(folder, procs, "ctr")
+            try:
+                res.setdefault("pss_mb", {})[procs] = pss_mb(proc.pid)
+                print(f"server processes {procs}: PSS {res['pss_mb'][procs]} MB", flush=True)
+                for proto in protos:
+                    for b in batches:
+                        reqs = bodies(lines, insts, b, proto, "ctr")
+                        runs = [("closed", None)] + ([("open", a.rate)] if b == 1 else [])
+                        for mode, rate in runs:
+                            c0 = cpu_seconds(proc.pid)
+                            out = load(port, reqs, mode, rate or 0, a.concurrency if
+                                       mode == "closed" else 32, a.seconds, a.max_requests)
+                            cpu = cpu_seconds(proc.pid) - c0
+                            r = summary(*out, b)
+                            r.update(processes=procs, protocol=proto, batch=b, mode=mode,
+                                     rate=rate, server_cpu_us_per_request=round(
+                                         cpu / max(1, len(out[0])) * 1e6))
+                            res["runs"].append(r)
+                            print(json.dumps(r), flush=True)
+            finally:
+                proc.terminate()
+                res.setdefault("exit_codes", {})[procs] = proc.wait(60)
+        if a.patch_seconds > 0:                 # last: it moves the folder on
+            proc, port = start(folder, 1, "ctr")
+            try:
+                stop, log = threading.Event(), {}
+                t = threading.Thread(target=patcher, args=(folder, m, keys, stop, 1.0, log))
+                t.start()
+                reqs = bodies(lines, insts, 1, protos[0], "ctr")
+                r = summary(*load(port, reqs, "open", a.rate, 32, a.patch_seconds,
+                                  a.max_requests), 1)
+                stop.set()
+                t.join()
+                r.update(processes=1, protocol=protos[0], batch=1, mode="open+patches",
+                         rate=a.rate, patches=log.get("patches"))
+                res["runs"].append(r)
+                print(json.dumps(r), flush=True)
+            finally:
+                proc.terminate()
+                res.setdefault("exit_codes", {})["patches"] = proc.wait(60)
+    finally:
+        res["loadavg"] = os.getloadavg()
+        print(f"load average {res['loadavg']}", flush=True)
+        if a.out:
+            with open(a.out, "w") as fh:
+                json.dump(res, fh, indent=1)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
