@@ -28,20 +28,25 @@ protocol and server processes, while patches land, against the in-process limit.
 The machine is shared and has 2 cores: the load generator and the server compete for them;
 report the load average with the figures (printed at the end).
 """
-import argparse
-import collections
-import json
 import os
-import selectors
-import shutil
-import socket
-import subprocess
-import sys
-import tempfile
-import threading
-import time
 
-import numpy as np
+for _v in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_v, "1")                   # one core (before numpy starts BLAS)
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import json  # noqa: E402
+import selectors  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -339,6 +344,7 @@ def main(argv=None):
     ap.add_argument("--patch-seconds", type=float, default=30, help="0: no patch run")
     ap.add_argument("--out", default="", help="write the results as JSON")
     a = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # stop the server on the way out
     tmp = tempfile.mkdtemp(prefix="bench_serve_")
     res = {"shape": a.shape, "rows": a.rows, "runs": [], "in_process": {}}
     try:

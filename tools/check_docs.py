@@ -252,6 +252,8 @@ def skip_reason(cmd):
         return "needs root, apt and a local Slurm (.ci/run starts one)"
     if re.search(r"bench/(bench_vs_torch|torch_ref)\.py", cmd) and not have_module("torch"):
         return "needs the bench extra (torch), not installed here"
+    if "-m mpips.serve" in cmd or re.match(r"curl\s", cmd):
+        return "a server that runs until stopped, or a client of one (tests/test_serve.py runs both)"
     if "tools/check_docs.py --commands" in cmd:
         return "this checker itself"
     if "--plot" in cmd and not have_module("matplotlib"):
