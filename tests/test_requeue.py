@@ -230,3 +230,17 @@ def test_a_signal_to_one_worker_stops_every_rank_at_the_same_step(tiny_data, tmp
     recs = metrics(str(tmp_path / "cut") + ".jsonl")
     assert [r["epoch"] for r in recs] == [0, 1]
     assert recs[0]["train_examples"] == 16000 - 2 * 6 * 200 and recs[1]["train_examples"] == 16000
+
+
+def test_a_signal_in_the_last_step_of_an_epoch_stops_after_it(tiny_data, tmp_path):
+    """SIGTERM in the epoch's last step (80 batches of 200 of 16000 rows): the epoch ends,
+    is evaluated and saved as usual, and the run stops there; the resume starts epoch 1."""
+    from tests.test_modes import metrics
+    p = stop_run(tiny_data, tmp_path / "ck", "--local", signal_at="TERM:0:80")
+    assert p.returncode == 75, p.stderr[-2000:]
+    assert "at epoch 0 after batch 80: checkpoint" in our_lines(p.stderr)[0]
+    assert stopped_at(tmp_path / "ck")[0] == {"epoch": 0, "steps": 80, "complete": True}
+    assert [r["epoch"] for r in metrics(str(tmp_path / "ck") + ".jsonl")] == [0]
+    p = stop_run(tiny_data, tmp_path / "ck", "--local", "--resume", "auto")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert [r["epoch"] for r in metrics(str(tmp_path / "ck") + ".jsonl")] == [0, 1]

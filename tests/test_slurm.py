@@ -271,45 +271,64 @@ def test_stream_job_is_requeued_and_trains_every_pass_once(slurm_env, layout, tm
     assert list(ckpt.rglob("MANIFEST.json")), sorted(tmp_path.rglob("*"))
 
 
-def test_train_job_stopped_near_its_time_limit_is_requeued_and_ends_as_uninterrupted(
-        slurm_env, layout, tmp_path):
+def requeue_flags(cache):
+    return [*TINY, "--cache-dir", str(cache), "--mode", "sync", "--epochs", "3",
+            "--print-every", "5"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The yardstick of the requeue tests: (checkpoint root, last record, cache) of
+    --local --local-workers 2 (sync's equal, bit for bit) on the same data and flags."""
+    tmp = tmp_path_factory.mktemp("slurm_ref")
+    ref, cache = tmp / "ck", tmp / "cache"
+    p = run([sys.executable, "-m", "mpips.train", *requeue_flags(cache), "--local",
+             "--local-workers", "2", "--save-dir", str(ref), "--metrics-out",
+             str(tmp / "ref.jsonl")],
+            dict(os.environ, PYTHONPATH=_pythonpath(), OMP_NUM_THREADS="1",
+                 NUMBA_NUM_THREADS="1"), timeout=300, cwd=str(ROOT))
+    assert p.returncode == 0, p.stderr[-2000:]
+    return ref, json.loads((tmp / "ref.jsonl").read_text().splitlines()[-1]), cache
+
+
+@pytest.mark.parametrize("how", ["time-limit", "scontrol-requeue"])
+def test_train_job_stopped_and_requeued_ends_as_the_uninterrupted_run(
+        slurm_env, layout, tmp_path, uninterrupted, how):
     """train.sbatch as in production (--resume auto, --requeue, --signal=B:USR1@120), sync
-    mode: what Slurm does before the time limit (SIGUSR1 to the batch script) mid-epoch 0;
-    the script stops the step (every rank finishes its step, a checkpoint, exit 75) and
-    requeues the job, whose next run continues from that checkpoint.  The final model and
-    test AUC equal the uninterrupted run's (--local --local-workers 2: sync's yardstick, bit
-    for bit)."""
+    mode, stopped mid-epoch 0 by what Slurm does before the time limit (SIGUSR1 to the batch
+    script, which stops the step and requeues the job) or by `scontrol requeue` (SIGTERM to
+    the job, Slurm requeues it): every rank finishes its step, a checkpoint, exit 75; the
+    job's next run continues from that checkpoint.  The final model and test AUC equal the
+    uninterrupted run's, bit for bit."""
     from tests.test_modes import assert_same_params
-    run_dir, cache = tmp_path / "run", tmp_path / "cache"
-    # worker 0 sleeps 0.1 s a step, so that the signal surely comes mid-run
+    ref, want, cache = uninterrupted
+    run_dir = tmp_path / "run"
+    # worker 0 sleeps 0.1 s a step, so that the stop surely comes mid-run
     env = job_env(slurm_env, MPIPS_RUN_DIR=str(run_dir), MPIPS_DEBUG_SLOW_WORKER="0:0.1")
     opts, extra = layout
-    flags = [*TINY, "--cache-dir", str(cache), "--mode", "sync", "--epochs", "3",
-             "--print-every", "5"]
-    job = submit("train.sbatch", [*flags, *extra], env, tmp_path, opts)
+    job = submit("train.sbatch", [*requeue_flags(cache), *extra], env, tmp_path, opts)
     log = tmp_path / f"mpips-train-{job}.out"
     wait_until(job, env, lambda i: i["JobState"] in FINAL or
                (log.exists() and "TRAIN --> pass: 0 batch: 5 " in log.read_text()),
                "training", log)
-    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=env, check=True, timeout=30)
+    if how == "time-limit":
+        cmd = ["scancel", "--batch", "--signal=USR1", job]
+    else:
+        cmd = ["scontrol", "requeue", job]
+    subprocess.run(cmd, env=env, check=True, timeout=30)
     info = wait_until(job, env, lambda i: i["JobState"] in FINAL and i["Restarts"] == "1",
                       "requeued and finished", log)
     text = log.read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text
     assert_clean(text)
     first, _, second = text.partition("restart 1:")
-    assert "SIGUSR1 (time limit near)" in first and "step ended with exit code 75" in first, text
-    assert re.search(r"^mpips: stopped by SIGTERM at epoch 0 after batch \d+ \(all 4 ranks\): "
+    assert "step ended with exit code 75" in first, text
+    assert re.search(r"^mpips: stopped by SIG\w+ at epoch 0 after batch \d+ \(all 4 ranks\): "
                      r"checkpoint \S+; continue with --resume auto", first, re.M), text
-    assert f"requeueing job {job}" in first and "finished, not requeueing" in second, text
+    if how == "time-limit":
+        assert "SIGUSR1 (time limit near)" in first and f"requeueing job {job}" in first, text
+    assert "finished, not requeueing" in second, text
     assert re.search(r"^RESUME --> \S+ \(epoch 0, \d+ batches done\)", second, re.M), text
-    ref = tmp_path / "ref"
-    p = run([sys.executable, "-m", "mpips.train", *flags, "--local", "--local-workers", "2",
-             "--save-dir", str(ref), "--metrics-out", str(tmp_path / "ref.jsonl")],
-            dict(os.environ, PYTHONPATH=_pythonpath(), OMP_NUM_THREADS="1",
-                 NUMBA_NUM_THREADS="1"), timeout=300, cwd=str(ROOT))
-    assert p.returncode == 0, p.stderr[-2000:]
     assert_same_params(run_dir / "ckpt", ref, rtol=0, atol=0)
     got = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
-    want = json.loads((tmp_path / "ref.jsonl").read_text().splitlines()[-1])
     assert got["epoch"] == want["epoch"] == 2 and got["test_auc"] == want["test_auc"]
