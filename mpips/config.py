@@ -71,6 +71,9 @@ class Config:
                          "docs/data.md); empty = Criteo's 13 integer + 26 categorical columns")
     pipe_command: str = _f("", "feed each data file to this shell command and read its stdout "
                                "in the schema's format (overrides the schema's pipe_command)")
+    pipe_timeout: float = _f(90.0, "fail the run when a pipe command sends nothing for this "
+                                    "many seconds, or does not exit this long after closing "
+                                    "its output (names the file and the command)")
     stats: str = _f("", "normalisation statistics (stats.json from data_prep.criteo); default: "
                         "Paddle's constants for text, a prepared set's own stats for binary parts")
     cache_dir: str = _f("~/.cache/mpips", "where the embedded synthetic dataset is kept")
@@ -262,8 +265,8 @@ class Config:
             raise ValueError(f"--max-bad-fraction must be in [0, 1]; got {self.max_bad_fraction}")
         if self.idle_sleep < 0 or self.progress_every < 0 or self.shuffle_window < 0:
             raise ValueError("--idle-sleep, --progress-every and --shuffle-window must be >= 0")
-        if self.lr <= 0 or self.peer_timeout <= 0:
-            raise ValueError("--lr and --peer-timeout must be positive")
+        if self.lr <= 0 or self.peer_timeout <= 0 or not self.pipe_timeout > 0:
+            raise ValueError("--lr, --peer-timeout and --pipe-timeout must be positive")
         if self.overlap_pull and self.mode != "async":
             raise ValueError(f"--overlap-pull is for --mode async; got --mode {self.mode}")
         if not self.dense_lr_scale >= 0:

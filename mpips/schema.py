@@ -359,7 +359,8 @@ def validate(s: Schema, where: str = "schema") -> None:
         bad("declares no inputs: add [[dense]] and/or [[sparse]] entries")
     names = [s.label] if s.label else []
     names += list(s.dense_names) + list(s.sparse_names)
-    dup = sorted({n for n in names if names.count(n) > 1})
+    seen: set = set()
+    dup = sorted({n for n in names if n in seen or seen.add(n)})
     if dup:
         bad(f"input name(s) {dup} declared more than once (label, dense and sparse names are one namespace)")
     for g in s.dense:
@@ -383,7 +384,8 @@ def validate(s: Schema, where: str = "schema") -> None:
     if s.format == "multislot":
         if not s.fields:
             bad("multislot needs fields = [...]: every input in line order, label included")
-        missing = [n for n in names if n not in s.fields]
+        fields = set(s.fields)
+        missing = [n for n in names if n not in fields]
         if missing:
             bad(f"multislot fields do not list {missing}: add them in line order")
     elif s.fields:

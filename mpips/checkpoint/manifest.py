@@ -409,11 +409,19 @@ def write_manifest(ckpt_dir, info):
     _check_manifest(ckpt_dir, manifest)
     text = json.dumps(manifest, indent=1, sort_keys=True)
     tmp = os.path.join(ckpt_dir, MANIFEST + ".tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, os.path.join(ckpt_dir, MANIFEST))
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, os.path.join(ckpt_dir, MANIFEST))
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        err = OSError(f"{tmp}: writing the manifest failed: [Errno {e.errno}] {e.strerror}; "
+                      f"removed it (not committed: the last committed checkpoint is kept)")
+        err.errno = e.errno
+        raise err from None
     fsync(ckpt_dir)
     return manifest
 

@@ -6,8 +6,10 @@ A shard file holds ``/sparse/<field>`` per row field, ``/sparse/evicted``,
 the manifest (see ``mpips.checkpoint``).
 """
 import dataclasses
+import errno
 import json
 import os
+import re
 import zlib
 
 import h5py
@@ -18,6 +20,8 @@ from mpips.checkpoint.manifest import (FORMAT, MANIFEST, MODES, SKIPPED_FIELDS, 
                                        write_manifest)
 
 CHUNK_ROWS = 1 << 18                   # rows per HDF5 write (bounds the extra memory)
+DATASET_OVERHEAD = 8 << 10             # bytes of HDF5 headers allowed per dataset
+FILE_OVERHEAD = 256 << 10              # and per file (superblock, groups, attributes)
 
 
 def _write_whole(group, name, arr, datasets):
@@ -55,6 +59,93 @@ def _write_rows(group, sparse, rows, n, datasets):
                                    "dtype": template[f].dtype.name, "crc32": crcs[f]}
 
 
+def _write_groups(f, sparse, rows, n, evicted, state, datasets):
+    """/sparse/ and /dense/ of a shard (in a function of their own: no group or dataset
+    object outlives it, so a failed write ends here, not in a later deallocation)."""
+    grp = f.create_group("sparse")
+    _write_rows(grp, sparse, rows, n, datasets)
+    _write_whole(grp, "evicted", evicted, datasets)
+    dgrp = f.create_group("dense")
+    for key, arr in state.items():
+        _write_whole(dgrp, key, arr, datasets)
+
+
+def _write_admission(f, counts, c_rows, c_n, c_evicted, admission, datasets):
+    agrp = f.create_group("admission")
+    _write_rows(agrp, counts, c_rows, c_n, datasets)
+    _write_whole(agrp, "evicted", c_evicted, datasets)
+    _write_whole(agrp, "admitted", np.array([admission.admitted], np.int64), datasets)
+
+
+def _row_bytes(table):
+    """Bytes per row of a table's saved fields."""
+    template = table.export_rows(np.empty(0, np.int64))
+    return sum(a.dtype.itemsize * int(np.prod(a.shape[1:])) for f, a in template.items()
+               if f not in SKIPPED_FIELDS)
+
+
+def _shard_bytes(sparse, n, evicted, state, counts, c_n, c_evicted):
+    """An upper bound of a shard file's size: its data plus HDF5's headers (about 1 KiB a
+    dataset, measured; bounded here by DATASET_OVERHEAD)."""
+    data = n * _row_bytes(sparse) + evicted.nbytes + sum(a.nbytes for a in state.values())
+    n_sets = len(sparse.export_rows(np.empty(0, np.int64))) + 1 + len(state)
+    if counts is not None:
+        data += c_n * _row_bytes(counts) + c_evicted.nbytes + 8
+        n_sets += len(counts.export_rows(np.empty(0, np.int64))) + 2
+    return data + n_sets * DATASET_OVERHEAD + FILE_OVERHEAD
+
+
+def _reserve(tmp, need):
+    """Create ``tmp`` as an empty HDF5 file with ``need`` bytes allocated to it.
+
+    HDF5 does not survive a write that fails for want of space (its objects are left
+    half-closed, and freeing them later crashes the process).  So the space is taken
+    first, where running out is a plain OSError; the shard is then written into blocks
+    the file already owns, and HDF5 cuts the file to its real size when it closes it."""
+    st = os.statvfs(os.path.dirname(tmp) or ".")
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: the shard needs about "
+                      f"{_mib(need)}, {_mib(free)} free")
+    with h5py.File(tmp, "w", locking=False):
+        pass
+    fd = os.open(tmp, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, need)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):   # a file system without it
+            raise
+    finally:
+        os.close(fd)
+
+
+def _mib(n):
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _remove(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _write_error(tmp, e):
+    """One line for a failed shard write: the path, the errno and what was kept."""
+    code = getattr(e, "errno", None)
+    if code is None:    # HDF5's RuntimeErrors carry the errno in their text
+        found = re.search(r"errno = (\d+)", str(e))
+        code = int(found.group(1)) if found else None
+    text = getattr(e, "strerror", None) or ""
+    if not (code and text.startswith(os.strerror(code))):   # HDF5's text runs over lines
+        text = os.strerror(code) if code else " ".join(str(e).split())[:300]
+    err = OSError(f"{tmp}: writing the checkpoint shard failed: "
+                  f"{f'[Errno {code}] ' if code else ''}{text}; removed it (nothing "
+                  f"committed: the last committed checkpoint is kept)")
+    err.errno = code or errno.EIO
+    return err
+
+
 def save_shard(ckpt_dir, server_id, n_servers, sparse, dense, dense_lo, mode, admission=None):
     """Write this server's shard file into ``ckpt_dir``; return its entry for the manifest.
 
@@ -76,26 +167,25 @@ def save_shard(ckpt_dir, server_id, n_servers, sparse, dense, dense_lo, mode, ad
     counts = admission.counts if admission is not None else None
     opt = dataclasses.asdict(sparse.opt)
     datasets, extra = {}, {"shrinks": int(sparse.shrinks)}
-    with h5py.File(tmp, "w", locking=False) as f:
-        f.attrs.update(format=FORMAT, version=VERSION, mode=mode, server_id=server_id,
-                       n_servers=n_servers, embedding_dim=sparse.dim, optimizer=opt["name"],
-                       rows=n, evicted=len(evicted), dense_lo=int(dense_lo),
-                       dense_size=len(dense))
-        grp = f.create_group("sparse")
-        _write_rows(grp, sparse, rows, n, datasets)
-        _write_whole(grp, "evicted", evicted, datasets)
-        dgrp = f.create_group("dense")
-        for key, arr in dense.export_state().items():
-            _write_whole(dgrp, key, arr, datasets)
-        if counts is not None:
-            c_rows, c_n, c_evicted = _tracked(counts, mode)
-            agrp = f.create_group("admission")
-            _write_rows(agrp, counts, c_rows, c_n, datasets)
-            _write_whole(agrp, "evicted", c_evicted, datasets)
-            _write_whole(agrp, "admitted", np.array([admission.admitted], np.int64), datasets)
-            extra.update(admission_rows=int(c_n), admission_evicted=len(c_evicted))
-    fsync(tmp)
-    os.replace(tmp, final)
+    c_rows, c_n, c_evicted = _tracked(counts, mode) if counts is not None else (None, 0, None)
+    state = dense.export_state()
+    need = _shard_bytes(sparse, n, evicted, state, counts, c_n, c_evicted)
+    try:
+        _reserve(tmp, need)
+        with h5py.File(tmp, "r+", locking=False) as f:
+            f.attrs.update(format=FORMAT, version=VERSION, mode=mode, server_id=server_id,
+                           n_servers=n_servers, embedding_dim=sparse.dim, optimizer=opt["name"],
+                           rows=n, evicted=len(evicted), dense_lo=int(dense_lo),
+                           dense_size=len(dense))
+            _write_groups(f, sparse, rows, n, evicted, state, datasets)
+            if counts is not None:
+                _write_admission(f, counts, c_rows, c_n, c_evicted, admission, datasets)
+                extra.update(admission_rows=int(c_n), admission_evicted=len(c_evicted))
+        fsync(tmp)
+        os.replace(tmp, final)
+    except Exception as e:  # noqa: BLE001 - any failure: nothing half-written stays
+        _remove(tmp)
+        raise _write_error(tmp, e) from None
     fsync(ckpt_dir)
     if mode in ("base", "delta"):
         for table in (sparse, counts):

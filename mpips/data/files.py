@@ -21,6 +21,7 @@ command's input are not cut: with any of those, a worker reads whole files.
 """
 import glob
 import os
+import stat
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,6 +81,16 @@ def _resolve_one(part: str) -> list[str]:
     return []
 
 
+def _kind(path: str) -> str:
+    """What a path that exists but is neither a file nor a directory is."""
+    mode = os.stat(path).st_mode
+    for test, name in ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "a special file"
+
+
 def resolve_paths(spec) -> list[str]:
     """Expand ``spec`` (str, path, or list of them; comma-separated allowed) to files.
 
@@ -99,8 +110,13 @@ def resolve_paths(spec) -> list[str]:
             continue
         hits = _resolve_one(part)
         if not hits:
-            what = "directory has no data files" if os.path.isdir(part) else \
-                "no such file, directory or glob match"
+            what = "no such file, directory or glob match"
+            if os.path.isdir(part):
+                what = "directory has no data files"
+            elif os.path.exists(part):
+                what = (f"{_kind(part)}, not a regular file: mpips reads each file more than "
+                        f"once (its size, then every epoch); write the data to a file, or "
+                        f"feed a file through --pipe-command")
             raise FileNotFoundError(f"input path {part!r} (from spec {spec!r}): {what}")
         for h in hits:
             key = os.path.abspath(h)

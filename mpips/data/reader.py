@@ -211,7 +211,7 @@ class DataReader:
                  prefetch: bool = True, drop_last: bool = False, warn=None,
                  chunk_bytes: int = CHUNK_BYTES, max_warnings: int = 10,
                  shuffle_window: int = 0, shuffle_seed=None, max_bad_fraction=None,
-                 schema: Schema | None = None):
+                 schema: Schema | None = None, pipe_timeout: float = sources.PIPE_TIMEOUT):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1; got {batch_size}")
         if fmt not in ("auto", "tsv", "slot"):
@@ -241,6 +241,7 @@ class DataReader:
         self.chunk_bytes, self.max_warnings = int(chunk_bytes), int(max_warnings)
         self.shuffle_window, self.shuffle_seed = int(shuffle_window), shuffle_seed
         self.max_bad_fraction = max_bad_fraction    # None: count and skip, never fail
+        self.pipe_timeout = float(pipe_timeout)     # seconds a pipe command may send nothing
         self.stats = ReaderStats()
         self._stop = threading.Event()
         self._thread = None
@@ -463,7 +464,8 @@ class DataReader:
             if any(isinstance(p, Span) for p in self.files):
                 raise ValueError("a pipe command reads whole files, not byte spans")
             pipe = sources.PipeRunner(self.schema.pipe_command,
-                                      [p for p in self.files if not os.path.isdir(p)])
+                                      [p for p in self.files if not os.path.isdir(p)],
+                                      timeout=self.pipe_timeout)
         try:
             for path in self.files:
                 if not isinstance(path, Span) and os.path.isdir(path):

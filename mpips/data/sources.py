@@ -7,24 +7,35 @@ file's.  ``PipeRunner(cmd, files)`` runs ``cmd`` (a shell command, as Paddle's D
 stdout as a stream.  Processes are started ``PIPE_AHEAD`` files ahead and drained by a
 thread each into a bounded queue, so the generators of the next files run while this one
 is parsed.  A command that exits non-zero fails the read with one line naming the file,
-the exit code and the last line it wrote to stderr; ``close()`` kills what is left.
+the exit code and the last line it wrote to stderr; one that sends nothing for ``timeout``
+seconds (``--pipe-timeout``), or closes its output and then does not exit within that
+time, fails it the same way.  ``close()`` kills the command's process group.
+However mpips ends (an error, ``atexit``, SIGTERM, SIGKILL, ``MPI_Abort``), no command is
+left running: every group started is registered with a guard, a small process of its own
+that reads the registrations on a pipe and kills the groups still registered when that
+pipe reaches its end, which happens when this process is gone, whatever ended it.
 ``open_span(path, start, stop)`` reads the lines of a plain file that start in bytes
 [start, stop) (a worker's share of a file, ``mpips.data.files.Span``); ``iter_chunks``
 cuts any of them into chunks of whole lines.
 """
+import atexit
 import gzip
 import os
 import queue
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
+import zlib
 
 GZIP_MAGIC = b"\x1f\x8b"
 PIPE_AHEAD = 2  # processes started ahead of the file being read
 PIPE_BLOCK = 1 << 20  # bytes per read from a command's stdout
 PIPE_QUEUE = 16  # blocks buffered per command (so at most ~16 MiB ahead each)
 PUT_POLL_SECONDS = 0.1
+PIPE_TIMEOUT = 90.0  # default --pipe-timeout (below --peer-timeout's 120 s: see docs/reliability.md)
+JOIN_SECONDS = 1.0  # wait for a drain thread after its command was killed
 
 
 class PipeError(ValueError):
@@ -48,10 +59,38 @@ def text_size(path: str) -> int:
     return isize if isize >= size else 4 * size
 
 
+class GzipError(ValueError):
+    """A corrupt or truncated gzip file (the message names it)."""
+
+
+class _Gzip:
+    """A gzip file read as it decompresses; an error names the file."""
+
+    def __init__(self, path: str):
+        self.path, self.f = path, gzip.open(path, "rb")
+
+    def read(self, n: int = -1) -> bytes:
+        try:
+            return self.f.read(n)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+            raise GzipError(f"{self.path}: a corrupt or truncated gzip file "
+                            f"({type(e).__name__}: {e}); compress it again, or give it "
+                            f"uncompressed") from None
+
+    def close(self):
+        self.f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 def open_input(path: str):
     """A binary file object of ``path``'s text (gzip decompressed as it is read)."""
     if is_gzip(path):
-        return gzip.open(path, "rb")
+        return _Gzip(path)
     return open(path, "rb")
 
 
@@ -189,15 +228,68 @@ def open_span(path: str, start: int, stop: int) -> SpanFile:
     return SpanFile(path, start, stop)
 
 
+# The guard: reads "+PGID" / "-PGID" lines; at the end of its input (this process gone,
+# however) it SIGKILLs the groups still registered.  Its own session: a launcher that
+# kills this rank's group does not take the guard with it.
+_GUARD_CODE = """\
+import os, signal, sys
+live = set()
+for line in sys.stdin:
+    (live.add if line[0] == "+" else live.discard)(int(line[1:]))
+for group in live:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+_guard = None
+_live: set = set()  # process groups of commands started and not yet reaped
+_lock = threading.Lock()
+
+
+def _register(op: str, group: int) -> None:
+    """Tell the guard (started at the first command) that ``group`` started (+) or is
+    about to be reaped (-)."""
+    global _guard
+    with _lock:
+        (_live.add if op == "+" else _live.discard)(group)
+        if _guard is None or _guard.poll() is not None:
+            _guard = subprocess.Popen([sys.executable, "-I", "-S", "-c", _GUARD_CODE],
+                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL, start_new_session=True)
+            _guard.stdin.write("".join(f"+{g}\n" for g in _live).encode())
+        else:
+            _guard.stdin.write(f"{op}{group}\n".encode())
+        try:
+            _guard.stdin.flush()
+        except OSError:  # the guard is gone: the next registration starts another
+            pass
+
+
+def _kill_group(group: int) -> None:
+    try:  # the whole group: a shell's children may hold the pipe open
+        os.killpg(group, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@atexit.register
+def _kill_live() -> None:
+    """At a normal interpreter exit: kill what is still running (the guard would too)."""
+    for group in list(_live):
+        _kill_group(group)
+
+
 class _PipeStream:
     """stdout of one command run, read block by block through a draining thread."""
 
-    def __init__(self, cmd: str, path: str):
-        self.cmd, self.path = cmd, path
+    def __init__(self, cmd: str, path: str, timeout: float = PIPE_TIMEOUT):
+        self.cmd, self.path, self.timeout = cmd, path, float(timeout)
         self.err = tempfile.TemporaryFile()
         with open(path, "rb") as stdin:
             self.proc = subprocess.Popen(cmd, shell=True, stdin=stdin, stdout=subprocess.PIPE,
                                          stderr=self.err, start_new_session=True)
+        _register("+", self.proc.pid)
         self.q: queue.Queue = queue.Queue(maxsize=PIPE_QUEUE)
         self.stop = threading.Event()
         self.done = False
@@ -231,14 +323,23 @@ class _PipeStream:
         command failed."""
         if self.done:
             return b""
-        block = self.q.get()
+        try:
+            block = self.q.get(timeout=self.timeout)
+        except queue.Empty:
+            raise PipeError(f"{self.path}: --pipe-command {self.cmd!r} sent nothing for "
+                            f"{self.timeout:g} s (--pipe-timeout); stopped it") from None
         if not block:
             self.done = True
             self._check()
         return block
 
     def _check(self):
-        rc = self.proc.wait()
+        try:
+            rc = self.proc.wait(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            raise PipeError(f"{self.path}: --pipe-command {self.cmd!r} closed its output but "
+                            f"did not exit within {self.timeout:g} s (--pipe-timeout); "
+                            f"stopped it") from None
         if self.error is not None:
             raise PipeError(f"{self.path}: reading the output of --pipe-command {self.cmd!r} "
                             f"failed: {self.error}")
@@ -254,13 +355,12 @@ class _PipeStream:
 
     def close(self):
         self.stop.set()
-        try:  # the whole group: a shell's children may hold the pipe open
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        _kill_group(self.proc.pid)
+        _register("-", self.proc.pid)  # before the reap: until then no new group has its id
         self.proc.wait()
-        self.thread.join()
-        self.proc.stdout.close()
+        self.thread.join(JOIN_SECONDS)  # a process outside the group may hold the pipe
+        if not self.thread.is_alive():
+            self.proc.stdout.close()
         self.err.close()
 
     def __enter__(self):
@@ -273,19 +373,19 @@ class _PipeStream:
 class PipeRunner:
     """Runs ``cmd`` per file of ``files`` in order, ``ahead`` processes ahead."""
 
-    def __init__(self, cmd: str, files, ahead: int = PIPE_AHEAD):
-        self.cmd, self.files, self.ahead = cmd, list(files), int(ahead)
+    def __init__(self, cmd: str, files, ahead: int = PIPE_AHEAD, timeout: float = PIPE_TIMEOUT):
+        self.cmd, self.files, self.ahead, self.timeout = cmd, list(files), int(ahead), timeout
         self.running: dict = {}  # path -> _PipeStream started, not yet handed out
         self.next = 0  # index in files of the next process to start
 
     def open(self, path: str) -> _PipeStream:
         """The command's stdout for ``path`` (a stream to use in a ``with``)."""
-        stream = self.running.pop(path, None) or _PipeStream(self.cmd, path)
+        stream = self.running.pop(path, None) or _PipeStream(self.cmd, path, self.timeout)
         if path in self.files:
             self.next = max(self.next, self.files.index(path) + 1)
         while self.next < len(self.files) and len(self.running) < self.ahead:
             p = self.files[self.next]
-            self.running[p] = _PipeStream(self.cmd, p)
+            self.running[p] = _PipeStream(self.cmd, p, self.timeout)
             self.next += 1
         return stream
 

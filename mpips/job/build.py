@@ -60,7 +60,7 @@ def make_reader(cfg, files, batch_size, warn, shuffle=None, norm=None, schema=No
                       hash_bucket=cfg.hash_bucket, prefetch=cfg.prefetch, warn=warn,
                       cont_min=cont_min, cont_diff=cont_diff, shuffle_window=window,
                       shuffle_seed=seed, max_bad_fraction=cfg.max_bad_fraction,
-                      schema=schema, has_label=has_label)
+                      schema=schema, has_label=has_label, pipe_timeout=cfg.pipe_timeout)
 
 
 def dense_lr(cfg, n_batches):

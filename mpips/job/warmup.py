@@ -36,6 +36,7 @@ import mpips.kernels
 from mpips.job.build import make_model, make_reader, make_schema, make_tables, resolve_data
 from mpips.config import parse_args
 from mpips.data.reader import DataError
+from mpips.data.sources import PipeError
 from mpips.tables.ownership import plan_keys
 from mpips.tables.staleness import StalenessTracker, counts_staleness, stale_rule
 from mpips.job.stream import ready_passes
@@ -104,6 +105,8 @@ def warm(cfg, files=None, workers=1):
     files = _first_files(cfg) if files is None else files
     try:
         done = _mini_run(mini, files) if files else 0
+    except PipeError:       # the run would wait for the command again: fail now, once
+        raise
     except (DataError, ValueError, OSError):
         done = 0
     if not done and make_schema(cfg).is_criteo:   # other schemas: no lines to make up; the
