@@ -99,6 +99,10 @@ def precheck(cfg, comm=None):
     changes what its numbers mean, and its position must lie in this run.
     """
     schema = make_schema(cfg)                 # a bad --schema file fails here, before any work
+    if not schema.label:
+        raise ValueError(f"{cfg.schema or 'the schema'}: label = \"\" (no label): training "
+                         f"needs each example's 0/1 label; name its column or slot (scoring "
+                         f"without labels is for python -m mpips.infer and serving)")
     path = first_rank_decides(comm, lambda: choose_at_start(cfg))
     if path:
         elements = chain_manifests(path)       # read once: its last is path's manifest

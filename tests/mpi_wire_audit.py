@@ -22,7 +22,11 @@ D4  a training PULL for the next step and a FINISH from a worker at the barrier:
 D7  a delta SAVE sent twice with its id (a duplicate) and again with a new id (refused):
     the shard written first stays on disk;
 D6  DENSE_PUT with Adam v = -1, beta1_pow = 1, beta2_pow < 0, a NaN, Adagrad accum < 0,
-    an inf: refused; a valid one comes back bit for bit from DENSE_GET;
+    an inf, and (issue 33) finite but absurd state: m or a weight of 3e38, beta1_pow
+    0.99999994 or off the sequence 0.9 ** t, beta powers of different steps, m = 1 where
+    v = 0: refused; a valid one comes back bit for bit from DENSE_GET;
+D8  (issue 33) a PUSH with a NaN and request id 2^63 - 1: refused, and it does not move
+    the sender's counter: the next request (id last + 1) is answered, not dropped;
 and a real ``PSClient`` whose servers are listed in the wrong order fails with
 ``RequestRefused`` carrying the server's line.  After each scenario a valid request is
 answered and its rows equal a numpy reference (initial rows from (seed, id); Adagrad and
@@ -333,9 +337,17 @@ def d6_dense_state(me, wire, failures):
     x = np.arange(DENSE, dtype=np.float32)
     good = {S1: np.concatenate([0.5 * x, 0.01 * x, 0.02 * x, [0.9 ** 3, 0.999 ** 3]]),
             S0: np.concatenate([0.5 * x, 0.3 * x])}
-    bad = {S1: [(2 * DENSE + 3, -1.0, "'v' must be >= 0"), (3 * DENSE, 1.0, "'beta1_pow' must be < 1"),
-                (3 * DENSE + 1, -0.5, "'beta2_pow' must be >= 0"), (DENSE, np.nan, "non-finite")],
-           S0: [(DENSE + 2, -0.5, "'accum' must be >= 0"), (1, np.inf, "non-finite")]}
+    on_seq = "must be beta ** t for a step t >= 1"
+    bad = {S1: [(2 * DENSE + 3, -1.0, "'v' must be >= 0"), (3 * DENSE, 1.0, f"'beta1_pow' {on_seq}"),
+                (3 * DENSE + 1, -0.5, f"'beta2_pow' {on_seq}"), (DENSE, np.nan, "non-finite"),
+                # issue 33: finite but absurd (each made weights inf or moved one by 1.7e5)
+                (DENSE + 1, 3e38, "'m' must be <= 1e+15"), (2, 3e38, "'values' must be <= 1e+06"),
+                (3 * DENSE, np.float32(0.99999994), f"'beta1_pow' {on_seq}"),
+                (DENSE, 1.0, "'m' 1 is out of reach of v 0"),      # v[0] = 0: any m moves
+                (3 * DENSE, 0.9 ** 5, "beta powers of different steps"),  # far; beta2 at 3
+                (3 * DENSE, 0.9 ** 3 * 1.01, "is not 0.9 ** t for a whole step")],
+           S0: [(DENSE + 2, -0.5, "'accum' must be >= 0"), (1, np.inf, "non-finite"),
+                (1, -3e38, "'values' must be >= -1e+06")]}
     for s in (S1, S0):
         for i, value, _ in bad[s]:
             state = good[s].astype(np.float32)
@@ -349,6 +361,17 @@ def d6_dense_state(me, wire, failures):
         check(failures, len(back) == 1 and not got and np.array_equal(
             back[0].view(np.float32), good[s].astype(np.float32)),
             f"D6: server {s} DENSE_GET after a valid DENSE_PUT: {back} {list(got)}")
+
+
+def d8_refused_id_moves_nothing(me, wire, failures):
+    if me != A:
+        return
+    push = message(Op.PUSH, KA[S0][:1], np.full((1, DIM), np.nan, np.float32), step=0)
+    push[8:16].view(np.int64)[0] = np.iinfo(np.int64).max
+    wire.send(S0, push, same_id=True)
+    got, st = wire.collect(S0)          # STATS with id last + 1: answered, not a duplicate
+    wire.refused(got, S0, "non-finite")
+    check(failures, not got, f"D8: after the refused PUSH: {list(got)}")
 
 
 def client_refused(me, wire, failures):
@@ -401,6 +424,7 @@ def run_worker(comm, wcomm, save_dir, failures):
     d4_held_at_barrier(me, wire, wcomm, failures, rows1)
     d7_save_twice(me, wire, failures, save_dir)
     d6_dense_state(me, wire, failures)
+    d8_refused_id_moves_nothing(me, wire, failures)
     a1, top = KA[S1], np.float32(2.0 ** 48)          # 3 x 2^48 = 8.4e14: within 1e15
     valid = (a1[[0, 0, 1, 0]], np.array([[top] * DIM, [top] * DIM, [0.5] * DIM, [top] * DIM],
                                         np.float32))

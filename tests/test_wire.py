@@ -43,20 +43,23 @@ def test_servers_reject_bad_requests_name_sender_and_keep_serving(tmp_path):
 
 
 def test_audit_requests_are_refused_with_one_line_and_valid_ones_still_served(tmp_path):
-    """Issue 23 D1-D7 (tests/mpi_wire_audit.py has the scenarios and their numpy references)."""
+    """Issue 23 D1-D7 and issue 33's absurd dense state (D6) and refused request id (D8)
+    (tests/mpi_wire_audit.py has the scenarios and their numpy references)."""
     proc = run_cmd(["-m", "tests.mpi_wire_audit", str(tmp_path)], n=4, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "wire audit: failed checks per rank [0, 0, 0, 0]" in proc.stdout
     counts = {int(m[1]): tuple(map(int, m.groups()[1:])) for m in re.finditer(
         r"wire audit server (\d): rejected (\d+) duplicates (\d+) ignored (\d+)", proc.stdout)}
-    assert counts == {0: (12, 2, 2), 1: (7, 0, 1)}, proc.stdout
+    assert counts == {0: (14, 2, 2), 1: (13, 0, 1)}, proc.stdout
     err = proc.stderr.splitlines()
     refused = [x for x in err if "rejected malformed request" in x]
-    assert len(refused) == 19 and all(re.search(r"request from rank [23]: ", x) for x in refused)
+    assert len(refused) == 27 and all(re.search(r"request from rank [23]: ", x) for x in refused)
     for reason in ("over the largest request", "this server does not own", "PULL for step 0 twice",
                    "(id 3 listed 20000 times), beyond 1e+15", "after this worker's BARRIER",
                    "FINISH with 1 of its requests still held", "SAVE for checkpoint 1 twice",
-                   "'v' must be >= 0", "'beta1_pow' must be < 1", "'accum' must be >= 0"):
+                   "'v' must be >= 0", "'beta1_pow' must be beta ** t", "'accum' must be >= 0",
+                   "'m' must be <= 1e+15", "'values' must be <= 1e+06", "out of reach of v",
+                   "beta powers of different steps", "is not 0.9 ** t for a whole step"):
         assert sum(reason in x for x in refused) >= 1, reason
     dups = [x for x in err if "dropped a duplicate request from rank 2" in x]
     assert len(dups) == 2 and "PULL" in dups[0] and "SAVE" in dups[1]

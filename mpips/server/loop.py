@@ -28,7 +28,8 @@ Failure handling (see docs/reliability.md):
   ids and phase: ``mpips.server.checks``); a malformed one is logged naming the sender, counted, dropped and, when
   the sender is a worker, answered on ``TAG_ERROR`` with that line (the worker fails with
   it) — the tables are untouched and the server keeps serving;
-- a request whose id is not above its sender's last one is a duplicate: counted, dropped,
+- a request whose id is not above the last one served for its sender is a duplicate (a
+  refused request moves nothing): counted, dropped,
   not answered again (the original was);
 - a worker that holds others up (missing at a barrier, or a sync step / ssp pull waiting
   for it) and sends nothing for ``timeout`` seconds, or no request at all for
@@ -183,19 +184,19 @@ class Server(RequestChecks):
         except ProtocolError as e:
             self._reject(e, source)
         else:
-            if fresh:
+            if fresh:       # only a request served moves the sender's counter: a refused
+                if source in self.last_id:  # one's id (2^63 - 1, say) blocks nothing after
+                    self.last_id[source] = req.req_id
                 self.handle(req, source)
         self.stats["requests"] += 1
         self.stats["bytes_in"] += nbytes
         self.stats["busy_s"] += time.perf_counter() - t0
 
     def _fresh(self, req, source):
-        """False for a duplicate: a request id not above the sender's last one (counted,
-        logged, dropped without a reply: the original was answered)."""
+        """False for a duplicate: a request id not above the sender's last one served
+        (counted, logged, dropped without a reply: the original was answered)."""
         last = self.last_id.get(source)
         if last is None or req.req_id > last:
-            if last is not None:
-                self.last_id[source] = req.req_id
             return True
         self.duplicates += 1
         self._line(self.duplicates, f"dropped a duplicate request from rank {source}: "

@@ -47,19 +47,37 @@ class Handle:
     def wait(self):
         if not self.done:
             t0 = time.perf_counter()
-            statuses = [] if self.expect else None
+            statuses = []
             try:
                 wait_requests(self.reqs, self.client.timeout, self.describe, statuses=statuses)
-            except MPI.Exception as e:      # a reply longer than its receive
-                raise ProtocolError(f"{self.op} step {self.step}: a reply from server rank(s) "
-                                    f"{sorted(set(self.peers))} does not fit what was asked "
-                                    f"({str(e).splitlines()[0]})") from None
-            if statuses:
+            except MPI.Exception as e:      # a reply longer than its receive, or a lost peer
+                raise self._failure(e, statuses) from None
+            if self.expect:
                 self._check_sizes(statuses)
             self.client.free.extend(self.bufs)
             self.client.wait_s += time.perf_counter() - t0
             self.done = True
         return self
+
+    def _failure(self, e, statuses):
+        """A ProtocolError naming the server rank(s) whose requests failed, and how: a
+        reply that does not fit its receive, or a request MPI could not complete (the
+        server is gone)."""
+        failed = {}
+        for peer, st in zip(self.peers, statuses):
+            code = st.Get_error()
+            if code not in (MPI.SUCCESS, MPI.ERR_PENDING):
+                failed.setdefault(MPI.Get_error_class(code), set()).add(peer)
+        first = str(e).splitlines()[0]
+        if MPI.ERR_TRUNCATE in failed:
+            return ProtocolError(f"{self.op} step {self.step}: a reply from server rank(s) "
+                                 f"{sorted(failed[MPI.ERR_TRUNCATE])} does not fit what was "
+                                 f"asked ({first})")
+        lost = sorted(set().union(*failed.values())) if failed else sorted(set(self.peers))
+        why = MPI.Get_error_string(next(iter(failed))) if failed else first
+        return ProtocolError(f"{self.op} step {self.step}: MPI could not complete the "
+                             f"request(s) of server rank(s) {lost} ({why}): a server that "
+                             f"died, or a lost connection")
 
     def _check_sizes(self, statuses):
         for want, peer, st in zip(self.expect, self.peers, statuses):
