@@ -89,11 +89,14 @@ def test_stream_after_batch_in_one_dir_refused_then_named_resumes(tiny_data, tin
 
 def test_waiting_line_once_per_interval(tmp_path, monkeypatch):
     """No pass ready: one line on entering the wait, none more within WAIT_REPORT_EVERY,
-    one when the timeout ends it; none at all without a timeout."""
+    one when the timeout ends it; without a timeout, the one line saying why it ends."""
     from mpips.job import stream
     lines = []
     feed = stream.PassFeed(str(tmp_path), say=lines.append)
-    assert feed.next(None, 0) is None and lines == []
+    assert feed.next(None, 0) is None
+    assert lines == [f"STREAM --> no new pass in {tmp_path} (--stream-timeout 0: not "
+                     "waiting); finishing"]
+    lines.clear()
     assert feed.next(None, 0.3) is None
     assert len(lines) == 2 and "waiting for a first pass" in lines[0]
     assert "finishing" in lines[1]
@@ -101,6 +104,10 @@ def test_waiting_line_once_per_interval(tmp_path, monkeypatch):
     monkeypatch.setattr(stream, "WAIT_REPORT_EVERY", 0.0)          # a line at every look
     assert feed.next("20261129/00", 0.3) is None
     assert len(lines) >= 3 and all("after 20261129/00" in x for x in lines[:-1])
+    lines.clear()
+    assert feed.next("20261129/00", 0) is None
+    assert lines == [f"STREAM --> no new pass after 20261129/00 in {tmp_path} "
+                     "(--stream-timeout 0: not waiting); finishing"]
 
 
 # ---------------------------------------------------------------- Ctrl-C

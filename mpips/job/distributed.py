@@ -116,8 +116,8 @@ def serve(cfg, cluster, model, bounds):
     st = server.stats
     n = len(sparse)
     log_line(f"SERVER --> {i} (rank {cluster.comm.rank}): table rows: {n} bytes: "
-             f"{sparse.nbytes} bytes/row: {sparse.nbytes / max(n, 1):.1f} peak_rss_MB: "
-             f"{peak_rss_mb():.0f}")
+             f"{sparse.nbytes} bytes/row: {sparse.nbytes / max(n, 1):.1f} (sparse rows with "
+             f"optimizer state; the dense slice not counted) peak_rss_MB: {peak_rss_mb():.0f}")
     return profile_row(server=1, server_busy_s=st["busy_s"], requests=st["requests"],
                        mb_sent=st["bytes_out"] / 1e6, mb_recv=st["bytes_in"] / 1e6,
                        peak_rss_mb=peak_rss_mb(), rows=len(sparse))

@@ -59,9 +59,12 @@ def tidy(cfg, lineage):
 def table_hook(cfg, backend, n_workers, then=None):
     """Trainer hook: a TABLE line every --table-every examples (first worker).
 
-    Examples are this worker's steps x batch x ``n_workers`` (all workers, assuming they
-    keep pace); seconds count from the hook's creation (the epoch's start). ``then`` is
-    another hook to call first (the step saver).
+    Examples are those trained in the epoch so far: counted (one process; workers whose
+    dense steps sum every worker's examples), else this worker's x ``n_workers`` (assuming
+    they keep pace); batches skipped by a resume count full.  Seconds count from the hook's
+    creation (the epoch's start). ``then`` is another hook to call first (the step saver).
+    The bytes are the process's whole table per sparse row: rows with their optimizer
+    state and the dense weights with theirs (the SERVER line counts the sparse rows only).
     """
     every = cfg.table_every
     if not (every and backend.is_logger):
@@ -70,18 +73,29 @@ def table_hook(cfg, backend, n_workers, then=None):
     t0, trainer = time.perf_counter(), backend.trainer
     mark = [0]
 
+    scale = 1 if isinstance(backend, LocalBackend) else n_workers
+
+    def examples(done, phase_steps):
+        if trainer.examples_done is None:             # (--simulate-workers)
+            return done * per_step
+        mine, every_worker = trainer.examples_done
+        now = every_worker if every_worker is not None else mine * scale
+        return (done - phase_steps) * per_step + now
+
     def hook(done, phase_steps):
         if then is not None:
             then(done, phase_steps)
-        if done * per_step < mark[0] + every:
+        n = examples(done, phase_steps)
+        if n < mark[0] + every:
             return
-        mark[0] = done * per_step // every * every
+        mark[0] = n // every * every
         st = backend.stats()
         rows = max(st["table_rows"], 1)
-        log_line(f"TABLE --> examples: {done * per_step} seconds: "
+        log_line(f"TABLE --> examples: {n} seconds: "
                  f"{time.perf_counter() - t0:.2f} compute_s: {trainer.compute_s:.2f} wait_s: "
                  f"{trainer.ps.wait_s:.2f} table_rows: {st['table_rows']} bytes_per_row: "
-                 f"{st['table_bytes'] / rows:.1f}")
+                 f"{st['table_bytes'] / rows:.1f} (the whole table over its sparse rows: "
+                 f"rows and dense weights, with optimizer state)")
     return hook
 
 

@@ -107,15 +107,21 @@ class PassFeed:
                     return p
             now = time.monotonic()
             if STOP["flag"] or now - t0 >= timeout:
-                if said is not None:
-                    self.say(f"STREAM --> stopped waiting ({STOP['signal']})" if STOP["flag"] else
-                             f"STREAM --> no new pass in {self.root} within --stream-timeout "
-                             f"{timeout:g} s; finishing")
+                if STOP["flag"] and said is not None:
+                    self.say(f"STREAM --> stopped waiting ({STOP['signal']})")
+                elif not STOP["flag"]:
+                    self.say(self._done_line(done, timeout))
                 return None
             if said is None or now - said >= WAIT_REPORT_EVERY:
                 said = now
                 self.say(self._waiting_line(done, timeout - (now - t0)))
             backoff.sleep(at_most=timeout - (time.monotonic() - t0))
+
+    def _done_line(self, done, timeout):
+        after = f" after {done}" if done else ""
+        wait = ("(--stream-timeout 0: not waiting)" if timeout <= 0 else
+                f"within --stream-timeout {timeout:g} s")
+        return f"STREAM --> no new pass{after} in {self.root} {wait}; finishing"
 
     def _waiting_line(self, done, left):
         until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(time.time() + left))

@@ -150,6 +150,8 @@ class Trainer:
         self.step_delay = 0.0      # seconds slept per step: slows one worker in tests
         self.stretch = 0.0         # benchmarks: sleep this fraction of each step's compute
         self.on_step = None        # callable(done, phase_steps) after each step (mid-epoch saves)
+        self.examples_done = None  # at on_step: (this process's examples in the phase, all
+                                   # workers' when a summed dense step counts them, else None)
         self.should_stop = None    # callable() -> bool after each step with more to come: end
                                    # the epoch there (every worker of a step gets one answer)
         self.progress = None       # mpips.job.progress.Progress of this phase (first worker) or None
@@ -333,6 +335,7 @@ class Trainer:
         h = self._pull_group(cur, 0, True)
         push = _Done()
         step = 0
+        every = 0 if sync_d is not None else None  # all workers' examples (dense steps sum them)
         while True:
             nxt = self._group(it, skip + step + 1, max_steps)
             h.wait()
@@ -374,6 +377,7 @@ class Trainer:
                 td0 = time.perf_counter()
                 self.times["send"] += td0 - ts0
                 more = sync_d.finish(acc)
+                every += acc.examples
                 ts0 = time.perf_counter()
                 self.times["dense_wait"] += ts0 - td0
                 if summed:                         # sync: over the step's examples
@@ -387,6 +391,7 @@ class Trainer:
             if self.step_delay:
                 time.sleep(self.step_delay)
             if self.on_step is not None:           # (batches done in the epoch, in this phase)
+                self.examples_done = (st.examples, every)
                 self.on_step(skip + step + 1, step + 1)
             if more and self.should_stop is not None and self.should_stop():
                 more, st.stopped = False, True
@@ -557,6 +562,7 @@ class GeoTrainer(Trainer):
                 round_, st.stopped = [], True      # this worker's own stop (GEO: no vote)
             self._sync(step, self._new_ids(round_))
             if self.on_step is not None:           # a save sees this round's deltas
+                self.examples_done = (st.examples, None)
                 self.on_step(skip + step, step)
         st.steps = step
         st.seconds = time.perf_counter() - t_start
