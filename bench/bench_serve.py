@@ -11,13 +11,16 @@ protocol and server processes, while patches land, against the in-process limit.
    dim 10, the wide shape's 512-256-128-128-128 of dim 9.  Scores do not depend on where
    the weights came from; the cost of a request does not depend on their values.
 2. In-process limit: ``Predictor.predict_arrays`` (rows parsed beforehand) and
-   ``predict_lines`` instances/s at each batch size, one core.
+   ``predict_lines`` instances/s at each batch size, one core, by the clock and per
+   CPU-second (the figure a loaded machine does not hide: set it against the server's CPU
+   time per request).
 3. Server: ``python -m mpips.serve --follow DIR --port 0 --processes P`` (P in
    ``--processes``), and one load process on loopback (127.0.0.1 only): closed loop at
    ``--concurrency`` connections (peak rate), and open loop at ``--rate`` requests/s
    (latency from each request's scheduled time, so a stalled server is not hidden), each
    for ``--seconds`` and at most ``--max-requests``; batch 1, 32, 256; TF ``:predict``
-   instances and raw ``:lines``.  Reported: requests/s, instances/s, p50, p99, p99.9,
+   instances (the wide shape's: slots as lists of integer feasigns) and raw ``:lines``.
+   Reported: requests/s, instances/s, p50, p99, p99.9,
    failed requests (non-2xx or no answer), the server's CPU time per request (user +
    system of its processes: the cost a busy machine does not hide), and the server's
    memory (PSS summed over its processes).
@@ -97,14 +100,26 @@ def make_model(a, out):
 
 
 def instances(lines, schema):
-    """TF instances of the lines (Criteo TSV only; wide: None, raw lines are sent)."""
-    if not schema.is_criteo:
-        return None
-    names = [f"I{k}" for k in range(1, 14)] + [f"C{k}" for k in range(1, 27)]
+    """TF instances of the lines: Criteo TSV by column; slot text (the wide shape) by slot,
+    feasigns as integers and bags as lists, the dense slot as a list of its values."""
     out = []
+    if schema.is_criteo:
+        names = [f"I{k}" for k in range(1, 14)] + [f"C{k}" for k in range(1, 27)]
+        for x in lines:
+            out.append({n: (int(v) if n[0] == "I" else v)
+                        for n, v in zip(names, x.split("\t")[1:]) if v})
+        return out
+    dense = {n for g in schema.dense for n in g.names}
+    flip = schema.token_order == "feasign:slot"
     for x in lines:
-        out.append({n: (int(v) if n[0] == "I" else v)
-                    for n, v in zip(names, x.split("\t")[1:]) if v})
+        inst = {}
+        for tok in x.split():
+            a, _, b = tok.partition(":")
+            name, value = (b, a) if flip else (a, b)
+            if name == schema.label:
+                continue
+            inst.setdefault(name, []).append(float(value) if name in dense else int(value))
+        out.append(inst)
     return out
 
 
@@ -143,11 +158,12 @@ def in_process(bundle, lines, schema, batch, seconds):
     for fn in (lambda lo: p.predict_arrays(*arrays(lo)),
                lambda lo: p.predict_lines(lines[lo:lo + batch])):
         fn(0)
-        n, t0 = 0, time.perf_counter()
+        n, t0, c0 = 0, time.perf_counter(), time.process_time()
         while time.perf_counter() - t0 < seconds:
             fn((n * batch) % max(1, len(lines) - batch))
             n += 1
         rates.append(n * batch / (time.perf_counter() - t0))
+        rates.append(n * batch / max(1e-9, time.process_time() - c0))
     return rates
 
 
@@ -350,13 +366,17 @@ def main(argv=None):
     try:
         folder, lines, schema, m, keys = make_model(a, tmp)
         insts = instances(lines, schema)
-        protos = [p for p in a.protocols.split(",") if p == "lines" or insts is not None]
+        protos = a.protocols.split(",")
         batches = [int(b) for b in a.batches.split(",")]
         for b in batches:
-            arr, lin = in_process(os.path.join(folder, "full-000001.h5"), lines, schema, b, 3)
-            res["in_process"][b] = {"predict_arrays": round(arr), "predict_lines": round(lin)}
-            print(f"in-process batch {b}: predict_arrays {arr:,.0f} inst/s, predict_lines "
-                  f"{lin:,.0f} inst/s", flush=True)
+            arr, arr_cpu, lin, lin_cpu = in_process(os.path.join(folder, "full-000001.h5"),
+                                                    lines, schema, b, 3)
+            res["in_process"][b] = {"predict_arrays": round(arr), "predict_lines": round(lin),
+                                    "predict_arrays_per_cpu_s": round(arr_cpu),
+                                    "predict_lines_per_cpu_s": round(lin_cpu)}
+            print(f"in-process batch {b}: predict_arrays {arr:,.0f} inst/s ({arr_cpu:,.0f} per "
+                  f"CPU-second), predict_lines {lin:,.0f} inst/s ({lin_cpu:,.0f} per CPU-second)",
+                  flush=True)
         for procs in [int(x) for x in a.processes.split(",")]:
             proc, port = start(folder, procs, "ctr")
             try:

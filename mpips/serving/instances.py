@@ -12,8 +12,9 @@ Which line: the Criteo schema writes a TSV line without the label (its ``data_fo
 ``slot`` writes Paddle's slot tokens instead; ``auto`` means TSV: send slot-format data as
 raw lines); ``csv`` writes the columns in the schema's order with a header line of its
 own; ``slot`` writes ``name:value`` tokens; ``multislot`` writes a count and the values of
-every field.  A value that would change the line's structure (a field or bag separator,
-whitespace, a quote or a line break in it) is refused, naming the input.
+every field.  A value that would change the line's structure is refused, naming the input:
+a tab or line break (TSV), the delimiter, a bag separator, a quote or a line break (CSV),
+whitespace or ``:`` (slot formats).
 
 Every problem raises :class:`BadInput` with one message naming the instance and input.
 """
@@ -21,6 +22,7 @@ import math
 import re
 
 SEPARATORS = "\t\r\n\"\x00"
+_BAD_TSV = re.compile("[\r\n\x00]")
 
 
 class BadInput(ValueError):
@@ -72,6 +74,9 @@ class Encoder:
         if self.kind == "csv":
             self.header = s.delimiter.join(self.names)
             bad = [s.delimiter + SEPARATORS + (sep or "") for sep in seps]
+        elif self.kind == "tsv":          # a TSV field is any bytes but a tab or line break
+            self.header = None
+            bad = ["\t\r\n\x00"] * len(seps)
         else:
             self.header = None
             bad = [SEPARATORS + " :"] * len(seps)
@@ -110,8 +115,9 @@ class Encoder:
                                f"{type(x).__name__} {_short(x)}")
             x = str(x)
             if self.forbidden[j].search(x) is not None:
-                raise BadInput(f"{w}: value {_short(x)} holds a separator, quote, space or "
-                               f"line break, which the {self.schema.format} format cannot carry")
+                raise BadInput(f"{w}: value {_short(x)} holds a character a {self.kind} line "
+                               "cannot carry in a value (a separator, quote, space, ':' or line "
+                               "break)")
             if x:
                 out.append(x)
         if len(out) > 1 and self.joiner[j] is None:
@@ -127,6 +133,7 @@ class Encoder:
                            f"{type(inst).__name__}")
         vals = [None] * len(self.names)
         index, nd, forbidden, finite = self.index, self.n_dense, self.forbidden, math.isfinite
+        tsv = self.kind == "tsv"
         for k, v in inst.items():
             j = index.get(k)
             if j is None:
@@ -143,8 +150,8 @@ class Encoder:
                     vals[j] = (repr(v),)
                 elif v is not None:
                     vals[j] = self._dense(j, v, f"instances[{i}].{k}")
-            elif t is str and forbidden[j].search(v) is None:
-                vals[j] = (v,) if v else None
+            elif t is str and (tsv or forbidden[j].search(v) is None):
+                vals[j] = (v,) if v else None     # (TSV: the whole line is checked after)
             elif v is not None:
                 vals[j] = self._sparse(j, v, f"instances[{i}].{k}")
         if not any(vals):
@@ -152,7 +159,12 @@ class Encoder:
         return self.join(vals, i)
 
     def _tsv(self, vals, i):
-        return "\t".join([v[0] if v else "" for v in vals])
+        line = "\t".join([v[0] if v else "" for v in vals])
+        if line.count("\t") != len(vals) - 1 or _BAD_TSV.search(line) is not None:
+            for j, v in enumerate(vals):           # name the value that broke the line
+                if v and j >= self.n_dense:
+                    self._sparse(j, v[0], f"instances[{i}].{self.names[j]}")
+        return line
 
     def _criteo_slot(self, vals, i):
         if not all(vals):

@@ -143,7 +143,8 @@ class Live:
                     continue
                 if new is not None:
                     publish(new)
-                    self.log(f"mpips.serve: now serving {new.version} ({len(new.model)} rows)")
+                    self.log(f"mpips.serve: now serving {new.version} ({len(new.model)} rows, "
+                             f"freshness lag {self.freshness_lag():.1f} s)")
         self._thread = threading.Thread(target=run, name="mpips-follow", daemon=True)
         self._thread.start()
 
