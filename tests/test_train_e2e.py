@@ -151,15 +151,29 @@ def test_strict_mode_stops_the_job_naming_rank_and_line(tiny_data, tmp_path):
     assert read_metrics(tmp_path / "m.jsonl")[0]["train_examples"] == 16000
 
 
-def test_fewer_files_than_workers_warns_and_trains(tiny_data, tmp_path):
+def test_fewer_files_than_workers_share_plain_text_and_warn_for_gzip(tiny_data, tmp_path):
+    """One plain file, 2 workers: each trains on its byte share (issue 35); one gzip file
+    cannot be cut, so the second worker has no data and says why."""
+    import gzip
     one = tiny_data[0] + "/part-00000.txt"
-    proc = run_cmd(["-m", "mpips.train", "--train", one, "--test", one, "--fc", "16",
-                    "--mode", "sync", "--metrics-out", str(tmp_path / "m.jsonl")], n=4,
-                   timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "worker 1 has no training files (1 file(s) for 2 workers)" in proc.stdout
-    rec = read_metrics(tmp_path / "m.jsonl")[0]
+    packed = tmp_path / "one.txt.gz"
+    with gzip.open(packed, "wb") as f:
+        f.write(open(one, "rb").read())
+    recs = {}
+    for name, path in (("plain", one), ("gzip", str(packed))):
+        proc = run_cmd(["-m", "mpips.train", "--train", path, "--test", one, "--fc", "16",
+                        "--mode", "sync", "--metrics-out", str(tmp_path / f"{name}.jsonl")],
+                       n=4, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        recs[name] = read_metrics(tmp_path / f"{name}.jsonl")[0], proc.stdout
+    rec, out = recs["plain"]
+    assert "has no training data" not in out
     assert rec["train_examples"] == rec["test_examples"] == 2000
+    assert min(rec["worker_examples"]) > 900
+    rec, out = recs["gzip"]
+    assert ("worker 1 has no training data (1 file(s) for 2 workers, and gzip files and "
+            "binary parts are not shared by bytes)") in out
+    assert rec["train_examples"] == 2000 and rec["worker_examples"] == [2000, 0]
 
 
 def test_garbage_input_fails_with_one_line_naming_file_and_reason(tmp_path):
