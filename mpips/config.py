@@ -54,6 +54,16 @@ def parse_entry(spec):
     raise ValueError(f"--entry must be count:N (N >= 1) or probability:P (0 < P <= 1); got {spec!r}")
 
 
+def split_batch(total, workers):
+    """The batches of ``workers`` workers that share a global batch of ``total`` examples:
+    ``total // workers`` each, the first ``total % workers`` one more.  ValueError (one
+    line) when a worker would get none."""
+    if workers < 1 or total < workers:
+        raise ValueError(f"--global-batch {total} over {workers} workers leaves a worker "
+                         f"without examples: give at least {max(workers, 1)}")
+    q, r = divmod(total, workers)
+    return [q + 1 if i < r else q for i in range(workers)]
+
 
 def _f(default, help_text, **kw):
     return field(default=default, metadata={"help": help_text, **kw})
@@ -140,11 +150,20 @@ class Config:
                                     "or --local-workers; GEO: 1)")
     dense_lr_rule: str = _f("auto", "with --dense-lr-scale 0: the dense rate is --lr x W "
                                     "(linear), x sqrt(W) (sqrt), or auto: linear up to 4 "
-                                    "workers, sqrt beyond", choices=("auto", "sqrt", "linear"))
+                                    "workers, sqrt beyond; with --global-batch G: x 1 at any "
+                                    "W (a dense step averages G examples, as one process's "
+                                    "of batch G)", choices=("auto", "sqrt", "linear"))
     adagrad_init: float = _f(0.0, "adagrad: initial accumulator (Paddle's default 0; > 0 makes "
                                   "the first steps smooth in the gradient)")
     init_range: float = _f(0.05, "new embedding rows start uniform in [-r, r] from (seed, id)")
-    batch_size: int = _f(512, "examples per worker step")
+    batch_size: int = _f(512, "examples per worker step (the global batch is W x this: "
+                              "see --global-batch)")
+    global_batch: int = _f(0, "examples per step over all W workers (0 = W x --batch-size): "
+                              "each worker takes G / W, the first G %% W one more; the dense "
+                              "rate is then --lr x 1 at any W (with --dense-lr-scale 0), so "
+                              "the dense steps match --local --batch-size G and adding "
+                              "workers no longer grows the global batch (docs/modes.md, "
+                              "'Scaling with W'); excludes --batch-size")
     epochs: int = _f(1, "passes over the training data")
     seed: int = _f(0, "seed of all initialisation (and of --shuffle)")
     shuffle: bool = _f(False, "reshuffle every epoch, from (seed, epoch): which files or binary "
@@ -269,6 +288,11 @@ class Config:
             raise ValueError("--lr, --peer-timeout and --pipe-timeout must be positive")
         if self.overlap_pull and self.mode != "async":
             raise ValueError(f"--overlap-pull is for --mode async; got --mode {self.mode}")
+        if self.global_batch < 0:
+            raise ValueError(f"--global-batch must be >= 0 (0 = W x --batch-size); got "
+                             f"{self.global_batch}")
+        if self.global_batch and self.local:
+            split_batch(self.global_batch, self.simulate_workers or self.local_workers)
         if not self.dense_lr_scale >= 0:
             raise ValueError(f"--dense-lr-scale must be >= 0 (0 = by the workers); got "
                              f"{self.dense_lr_scale}")
@@ -426,6 +450,10 @@ def parse_args(argv=None, prog="python -m mpips.train"):
     values = {}
     if args.config:
         values.update(_from_toml(args.config))
+    if ((args.global_batch if "global_batch" in given else values.get("global_batch"))
+            and ("batch_size" in given or "batch_size" in values)):
+        raise ValueError("--global-batch G and --batch-size B exclude each other (G sets each "
+                         "worker's batch to G / W): give one")
     for f in dataclasses.fields(Config):
         if f.name in given or f.name not in values:
             values[f.name] = getattr(args, f.name)
@@ -438,7 +466,8 @@ def _fc(value):
     return tuple(int(x) for x in value)
 
 
-ORDER_KEYS = ("shuffle", "shuffle_window", "seed", "batch_size", "local_workers")
+ORDER_KEYS = ("shuffle", "shuffle_window", "seed", "batch_size", "global_batch",
+              "local_workers")
 
 
 # --- mpips.infer / mpips.export: the checkpoint to read ---------------------------------

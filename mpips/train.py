@@ -18,11 +18,11 @@ import traceback
 
 from mpips import checkpoint as ck
 from mpips.comm.backoff import COLLECTIVE, Backoff
-from mpips.job.build import make_model, make_schema, make_tables, resolve_data
+from mpips.job.build import batch_line, make_model, make_schema, make_tables, resolve_data
 from mpips.comm.cluster import check_servers, default_servers
 from mpips.checkpoint.manifest import chain_manifests
 from mpips.checkpoint.compat import check_chain, check_compatible
-from mpips.config import parse_args
+from mpips.config import parse_args, split_batch
 from mpips.job.report import log_line, model_note, peak_rss_mb
 from mpips.data.files import resolve_paths
 from mpips.job.resume import (check_kind, choose_at_start, first_rank_decides, pin, resume_line, resume_point,
@@ -79,9 +79,10 @@ def local_backend(cfg):
         trainer = Trainer(cfg, model, ps, plan, log=log_line, replica=ps.dense)
     if cfg.simulate_workers:
         log_line(f"mpips local: simulating {W} workers ({cfg.sim_sparse} sparse pushes, "
-                 f"rows read {cfg.sim_delay} step(s) early), batch {cfg.batch_size} each")
-    log_line(f"mpips local: batch {W} x {cfg.batch_size}, "
-             f"{model.n_params} dense parameters{model_note(model)}")
+                 f"rows read {cfg.sim_delay} step(s) early)")
+    log_line(f"mpips local: {W} worker(s), {model.n_params} dense parameters"
+             f"{model_note(model)}")
+    log_line(batch_line(cfg, W))
     log_line(schema.describe())
     path = resume_point(cfg)[0]
     if path:
@@ -113,8 +114,15 @@ def precheck(cfg, comm=None):
         check_compatible(elements[-1][1], cfg, schema=schema)   # its --stats width
         check_same(stored_schema(elements[-1][1]), schema, f"checkpoint {cfg.resume}")
         resume_point(cfg)                      # its position, checked against the run
-        start_point(cfg, _train_files(cfg))    # (and against the data, when given)
+        start_point(cfg, _train_files(cfg), _workers(cfg, comm))   # (and the data, if given)
     return cfg
+
+
+def _workers(cfg, comm):
+    """The run's workers: the ranks less the servers, or one process's W."""
+    if comm is not None and comm.size > 1:
+        return comm.size - (cfg.servers or default_servers(comm.size))
+    return cfg.simulate_workers or cfg.local_workers
 
 
 def _train_files(cfg):
@@ -160,7 +168,10 @@ def _main(argv):
     try:
         cfg = parse_args(argv)
         if comm.size > 1:
-            check_servers(cfg.servers or default_servers(comm.size), comm.size)
+            servers = cfg.servers or default_servers(comm.size)
+            check_servers(servers, comm.size)
+            if cfg.global_batch:
+                split_batch(cfg.global_batch, comm.size - servers)
         cfg = precheck(cfg, comm)
     except ValueError as e:
         if comm.rank == 0:

@@ -46,14 +46,15 @@ def metrics(path):
     return [json.loads(x) for x in open(path) if x.strip()]
 
 
-def train(tiny_data, out, name, *extra, n=4, env=None):
+def train(tiny_data, out, name, *extra, n=4, env=None, stdout=False):
+    """The epoch records of a run (and last, with ``stdout``, its standard output)."""
     train_dir, test_dir = tiny_data
     args = ["-m", "mpips.train", "--train", train_dir, "--test", test_dir, "--fc", "32,16",
             "--print-every", "100000", "--save-dir", str(out / name),
             "--metrics-out", str(out / f"{name}.jsonl")] + list(extra)
     proc = run_cmd(args, n=None if "--local" in extra else n, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return metrics(out / f"{name}.jsonl")
+    return metrics(out / f"{name}.jsonl") + ([proc.stdout] if stdout else [])
 
 
 # Adagrad starts from accumulator 0.1: from 0 its first step is lr * sign(g), a jump at

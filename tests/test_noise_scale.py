@@ -119,11 +119,15 @@ def test_noise_line_gives_the_models_share_and_advises_only_below_three_quarters
     far = noise_line({"dense_noise_scale": 2000.0, "global_batch": 8192}, 512)
     share = (1 + 512 / 2000) / (1 + 8192 / 2000)           # McCandlish et al.'s B / (1 + B/Bn)
     assert f"about {share:.2f} of what it would in one process's batch of 512" in far
-    assert "--batch-size" in far and "(4.1x it)" in far
+    assert "a smaller --batch-size" in far and "(4.1x it; W x --batch-size 512)" in far
     mid = noise_line({"dense_noise_scale": 8000.0, "global_batch": 4096}, 512)   # share 0.70
-    assert "about 0.70 of" in mid and "--batch-size" in mid
+    assert "about 0.70 of" in mid and "a smaller --batch-size" in mid
     near = noise_line({"dense_noise_scale": 4000.0, "global_batch": 1024}, 512)  # share 0.90
     assert near.startswith("NOISE --> dense gradient noise scale: 4000 examples")
-    assert "about 0.90 of" in near and "--batch-size" not in near
+    assert "about 0.90 of" in near and "a smaller" not in near     # no advice
+    assert "(0.3x it; W x --batch-size 512)" in near               # the flag in force
+    by_g = noise_line({"dense_noise_scale": 2000.0, "global_batch": 8192}, 2048, True)
+    assert "(4.1x it; --global-batch, 2048 a worker)" in by_g
+    assert "a smaller --global-batch" in by_g and "--batch-size" not in by_g
     assert "not measured" in noise_line({"dense_noise_scale": None, "global_batch": 64}, 32)
     assert noise_line({"test_auc": 0.7}, 512) is None

@@ -14,7 +14,8 @@ import numpy as np
 from mpi4py import MPI
 
 from mpips import checkpoint as ck
-from mpips.job.build import make_model, make_reader, make_schema, make_tables, resolve_data
+from mpips.job.build import (batch_line, global_batch, make_model, make_reader, make_schema,
+                             make_tables, resolve_data, worker_batch)
 from mpips.comm.cluster import Cluster, default_servers
 from mpips.config import SAVE_MODES
 from mpips.data.files import eval_files, worker_files
@@ -75,6 +76,7 @@ def run_distributed(cfg, comm):
         log_line(f"mpips: {comm.size} ranks, {cluster.n_servers} servers x {cluster.n_workers} "
                  f"workers, mode {cfg.mode}, {model.n_params} dense parameters"
                  f"{model_note(model)}")
+        log_line(batch_line(cfg, cluster.n_workers))
         log_line(schema.describe())
         for line, pid in zip(cluster.role_map(), pids):
             log_line(f"  {line} pid {pid}")
@@ -204,7 +206,7 @@ class DistBackend:
             log_line(f"mpips: warning: worker {self.wi} has no training data ({len(files)} "
                      f"file(s) for {self.W} workers, and {why}); give at least {self.W} "
                      f"files, or plain text files")
-        reader = make_reader(self.cfg, mine, self.cfg.batch_size, log_line,
+        reader = make_reader(self.cfg, mine, worker_batch(self.cfg, self.W, self.wi), log_line,
                              (epoch, self.wi)) if mine else None
         prog = None
         if reader is not None and self.is_logger:
@@ -237,7 +239,7 @@ class DistBackend:
         noise = np.zeros((0, 2)) if acc is None else acc.noise()   # my shard's share
         if len(noise):                  # (every worker counted the same steps: same shape)
             noise = self._sum(noise.ravel()).reshape(-1, 2)
-        extra.update(noise_fields(noise, self.W * self.cfg.batch_size))
+        extra.update(noise_fields(noise, global_batch(self.cfg, self.W)))
         if self.trainer.replica is not None:
             self._replica_whole()
             extra["dense_crc"] = self._replica_crcs()
@@ -277,7 +279,8 @@ class DistBackend:
         self._replica_ready()
         local = BinaryMetrics()
         if mine:
-            reader = make_reader(self.cfg, mine, self.cfg.batch_size, log_line)
+            reader = make_reader(self.cfg, mine, worker_batch(self.cfg, self.W, self.wi),
+                                 log_line)
             try:
                 local = self.trainer.evaluate(reader)
             finally:

@@ -11,7 +11,7 @@ import sys
 import time
 
 from mpips import checkpoint as ck
-from mpips.job.build import make_reader, make_schema
+from mpips.job.build import global_batch, make_reader, make_schema, worker_batch
 from mpips.data import bags
 from mpips.data.files import eval_files, readers_for, worker_files
 from mpips.data.reader import Batch, DataError
@@ -69,7 +69,7 @@ def table_hook(cfg, backend, n_workers, then=None):
     every = cfg.table_every
     if not (every and backend.is_logger):
         return then
-    per_step = cfg.batch_size * n_workers
+    per_step = global_batch(cfg, n_workers)
     t0, trainer = time.perf_counter(), backend.trainer
     mark = [0]
 
@@ -120,7 +120,7 @@ class LocalBackend:
         W = max(readers_for(files, self.W, split), 1)
         seed = cfg.seed if cfg.shuffle else None
         parts = [worker_files(files, W, i, seed, epoch, split) for i in range(W)] if files else []
-        readers = [make_reader(cfg, p, cfg.batch_size, log_line, (epoch, i))
+        readers = [make_reader(cfg, p, worker_batch(cfg, self.W, i), log_line, (epoch, i))
                    for i, p in enumerate(parts)]
         prog = self.trainer.progress = make_progress(
             cfg, readers, label or f"epoch {epoch}", redraw=sys.stdout.isatty(),
@@ -139,7 +139,8 @@ class LocalBackend:
             st.extra.update(simulate_workers=cfg.simulate_workers, sim_delay=cfg.sim_delay,
                             sim_sparse=cfg.sim_sparse)
         acc = getattr(self.trainer, "acc", None)     # GEO: none
-        st.extra.update(noise_fields(None if acc is None else acc.noise(), W * cfg.batch_size))
+        st.extra.update(noise_fields(None if acc is None else acc.noise(),
+                                     sum(r.batch_size for r in readers)))
         return st
 
     def _simulate(self, readers, epoch, skip):
@@ -169,10 +170,10 @@ class LocalBackend:
         W = self.W
         total = None
         split = not self.schema.pipe_command
-        for part in (eval_files(files, W, i, split) for i in range(W)):
+        for i, part in enumerate(eval_files(files, W, i, split) for i in range(W)):
             if not part:
                 continue
-            reader = make_reader(self.cfg, part, self.cfg.batch_size, log_line)
+            reader = make_reader(self.cfg, part, worker_batch(self.cfg, W, i), log_line)
             try:
                 m = self.trainer.evaluate(reader)
             finally:
@@ -284,9 +285,9 @@ def run_epochs(cfg, backend, train_files, test_files):
 
 def _epochs(cfg, backend, train_files, test_files, tb):
     records = []
-    first, skip = start_point(cfg, train_files)
+    n_workers = getattr(backend, "W", cfg.local_workers)
+    first, skip = start_point(cfg, train_files, n_workers)
     for epoch in range(first, cfg.epochs):
-        n_workers = getattr(backend, "W", cfg.local_workers)
         backend.trainer.on_step = table_hook(
             cfg, backend, n_workers, chain(step_saver(cfg, backend, epoch),
                                            debug_hook(epoch) if backend.is_logger else None))
@@ -308,7 +309,7 @@ def _epochs(cfg, backend, train_files, test_files, tb):
         rec = epoch_record(cfg, epoch, st, test_m)
         if backend.is_logger:
             log_line(summary_line(rec))
-            if line := noise_line(rec, cfg.batch_size):
+            if line := noise_line(rec, worker_batch(cfg, n_workers, 0), bool(cfg.global_batch)):
                 log_line(line)
             backend.emit(rec)
             if tb is not None:

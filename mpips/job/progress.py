@@ -152,7 +152,7 @@ def make_progress(cfg, readers, label, *, redraw=False, offset_batches=0, worker
     for r in readers:
         k, t = r.size()
         known, text = known + k, text + t
-    per_step = cfg.batch_size * max(len(readers), 1)
+    per_step = sum(r.batch_size for r in readers) if readers else cfg.batch_size
 
     def parsed():
         return (sum(r.stats.text_rows for r in readers), sum(r.stats.text_bytes for r in readers))

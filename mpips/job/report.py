@@ -38,6 +38,7 @@ def epoch_record(cfg, epoch, st, test_m):
            "train_seconds": round(seconds, 4),
            "examples_per_sec": round(n_ex / seconds, 1) if seconds > 0 else 0.0,
            "train_loss": st.loss_sum / max(n_ex, 1), "train_auc": st.metrics.auc()}
+    rec["batch_flag"] = "global_batch" if getattr(cfg, "global_batch", 0) else "batch_size"
     if cfg.mode == "geo":
         rec["geo_steps"] = cfg.geo_steps
     if cfg.mode == "ssp":
@@ -64,35 +65,40 @@ def noise_scale(blocks):
 
 
 def noise_fields(blocks, global_batch):
-    """The record's ``dense_noise_scale`` (examples, :func:`noise_scale`; None when the
-    mean gradient did not show above the noise) and ``global_batch``, or {} when no step
-    was counted (one batch a step, or GEO)."""
+    """The record's ``global_batch`` (the examples of a step over all workers) and
+    ``dense_noise_scale`` (examples, :func:`noise_scale`; None when the mean gradient did
+    not show above the noise), the latter only when steps were counted (not with one
+    batch a step, or GEO)."""
+    out = {"global_batch": int(global_batch)}
     if blocks is None or not len(blocks):
-        return {}
+        return out
     b = noise_scale(blocks)
-    return {"dense_noise_scale": None if b is None else round(b, 1),
-            "global_batch": int(global_batch)}
+    return {"dense_noise_scale": None if b is None else round(b, 1)} | out
 
 
 ADVISE_BELOW = 0.75    # noise_line: advise a smaller batch when a step's examples do less
 
 
-def noise_line(rec, batch):
+def noise_line(rec, batch, by_global=False):
     """A line on the dense gradient noise scale against the global batch (of workers'
-    batches of ``batch``), or None."""
+    batches of ``batch``, set by ``--global-batch`` when ``by_global``, else by
+    ``--batch-size``), or None."""
     if "dense_noise_scale" not in rec:
         return None
     b, B = rec["dense_noise_scale"], rec["global_batch"]
+    flag = "--global-batch" if by_global else "--batch-size"
+    src = (f"--global-batch, {batch} a worker" if by_global else
+           f"W x --batch-size {batch}")
     if b is None:
         return (f"NOISE --> dense gradient noise scale: not measured (over the last steps "
-                f"the mean gradient did not show above the noise); global batch {B}")
+                f"the mean gradient did not show above the noise); global batch {B} ({src})")
     # McCandlish et al.: a step of B examples does the work of B / (1 + B / b_noise)
     share = (1 + batch / b) / (1 + B / b)
     s = (f"NOISE --> dense gradient noise scale: {b:.0f} examples; global batch {B} "
-         f"({B / b:.1f}x it): each example of a step does about {share:.2f} of what it "
+         f"({B / b:.1f}x it; {src}): each example of a step does about {share:.2f} of what it "
          f"would in one process's batch of {batch}")
     if share < ADVISE_BELOW:
-        s += ("; fewer examples a step (a smaller --batch-size) keep more of each "
+        s += (f"; fewer examples a step (a smaller {flag}) keep more of each "
               "(docs/modes.md, 'Scaling with W')")
     return s
 

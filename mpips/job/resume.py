@@ -124,9 +124,10 @@ def max_batches(files, batch_size):
     return -(-rows // batch_size), rows
 
 
-def start_point(cfg, files=None):
+def start_point(cfg, files=None, workers=None):
     """(epoch, batches to skip in it) to continue from the --resume checkpoint.  With the
-    training ``files``, a mid-epoch position is checked against the batches they hold."""
+    training ``files``, a mid-epoch position is checked against the batches they hold
+    (with --global-batch: in the smallest worker's batch of the run's ``workers``)."""
     if not cfg.resume or cfg.stream:
         return 0, 0
     path = ck.resolve(cfg.resume)
@@ -136,14 +137,17 @@ def start_point(cfg, files=None):
         return epoch + 1, 0
     steps = meta.get("steps", 0)             # saved mid-epoch after `steps` batches
     piped = cfg.pipe_command or (cfg.schema and load_schema(cfg.schema).pipe_command)
-    if files is not None and not piped:               # a command's output can be any size
-        most, rows = max_batches(files, cfg.batch_size)
+    batch = cfg.batch_size
+    if cfg.global_batch:
+        batch = cfg.global_batch // workers if workers else None   # unknown: not checked
+    if files is not None and not piped and batch:     # a command's output can be any size
+        most, rows = max_batches(files, batch)
         if most is not None and steps > most:
             raise ck.CheckpointError(
                 f"checkpoint seq {ck.read_manifest(path)['seq']} ({path}) was saved after "
                 f"{steps} batches of epoch {epoch}, but the training data hold at most "
-                f"{most} batches of {cfg.batch_size} (<= {rows} rows): resume with the "
-                "--train data and --batch-size it was saved with")
+                f"{most} batches of {batch} (<= {rows} rows): resume with the "
+                "--train data and --batch-size (or --global-batch) it was saved with")
     return epoch, steps
 
 

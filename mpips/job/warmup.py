@@ -98,8 +98,8 @@ def warm(cfg, files=None, workers=1):
     Nothing is saved or logged.  ``workers``: the run's, which decide its --stale-lr rule
     (and so which kernel variants the servers call)."""
     t0 = time.perf_counter()
-    mini = dataclasses.replace(cfg, batch_size=WARM_BATCH, shuffle=False, local_workers=1,
-                               save_dir="", metrics_out="", progress_every=0.0,
+    mini = dataclasses.replace(cfg, batch_size=WARM_BATCH, global_batch=0, shuffle=False,
+                               local_workers=1, save_dir="", metrics_out="", progress_every=0.0,
                                print_every=1 << 30, geo_steps=2, strict=False,
                                stale_lr=stale_rule(cfg.stale_lr, workers))
     files = _first_files(cfg) if files is None else files
