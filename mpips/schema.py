@@ -320,6 +320,11 @@ def _build(d: dict, where: str) -> Schema:
     for k in d:
         if k not in _TOP_KEYS:
             raise SchemaError(f"{where}: unknown key {k!r}{_suggest(k, _TOP_KEYS)}")
+    if "na_values" in d and d.get("format", "criteo") != "csv" and \
+            tuple(d["na_values"] or ()) != NA_VALUES:
+        raise SchemaError(f"{where}: na_values is read by the csv format only (a "
+                          f"{d.get('format', 'criteo')} file's missing dense value is an "
+                          f"empty field or an absent slot)")
     dense = tuple(_group(g, DenseGroup, where, i) for i, g in enumerate(d.get("dense", [])))
     sparse = tuple(_group(g, SparseGroup, where, i) for i, g in enumerate(d.get("sparse", [])))
     fmt = d.get("format", "criteo")

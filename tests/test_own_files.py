@@ -277,3 +277,14 @@ def test_missing_column_and_wrong_delimiter_messages(tmp_path):
     with pytest.raises(ValueError, match=r"hint: the lines split into 4 columns on ';', not "
                                          r"on ',': set delimiter = \";\" in the schema"):
         list(rd)
+
+
+def test_na_values_only_for_csv(tmp_path):
+    from mpips.schema import SchemaError
+    p = tmp_path / "s.toml"
+    p.write_text(NA_SCHEMA.format(extra='na_values = "NA"'))
+    with pytest.raises(SchemaError, match="na_values must be a list of strings"):
+        load_schema(str(p))
+    p.write_text(NA_SCHEMA.format(extra='na_values = ["-"]').replace('"csv"', '"slot"'))
+    with pytest.raises(SchemaError, match="na_values is read by the csv format only"):
+        load_schema(str(p))
