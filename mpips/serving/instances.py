@@ -105,25 +105,39 @@ class Encoder:
         return [_number(x, f"{where}[{k}]") for k, x in enumerate(v)]
 
     def _sparse(self, j, v, where):
-        t = type(v)
-        vals = v if t is list else [v]
-        out = []
-        for k, x in enumerate(vals):
-            w = f"{where}[{k}]" if t is list else where
-            if isinstance(x, bool) or not isinstance(x, (str, int)):
-                raise BadInput(f"{w}: a sparse value is a string or an integer, got "
-                               f"{type(x).__name__} {_short(x)}")
-            x = str(x)
-            if self.forbidden[j].search(x) is not None:
-                raise BadInput(f"{w}: value {_short(x)} holds a character a {self.kind} line "
-                               "cannot carry in a value (a separator, quote, space, ':' or line "
-                               "break)")
-            if x:
-                out.append(x)
+        vals = v if type(v) is list else [v]
+        if all(type(x) is int for x in vals):          # feasigns: the common bag
+            out = list(map(str, vals))
+            vals = ()
+        else:
+            out = []
+        bad = self.forbidden[j].search
+        for x in vals:
+            t = type(x)
+            if t is int:
+                out.append(str(x))
+            elif t is str and bad(x) is None:
+                if x:
+                    out.append(x)
+            else:
+                self._refuse(j, vals, where, type(v) is list)
         if len(out) > 1 and self.joiner[j] is None:
             raise BadInput(f"{where}: slot {self.names[j]!r} holds one value in this model's "
                            f"format; got a bag of {len(out)}")
         return out or None
+
+    def _refuse(self, j, vals, where, listed):
+        """Raise BadInput for the first bad sparse value of ``vals``."""
+        for k, x in enumerate(vals):
+            w = f"{where}[{k}]" if listed else where
+            if type(x) not in (str, int):
+                raise BadInput(f"{w}: a sparse value is a string or an integer, got "
+                               f"{type(x).__name__} {_short(x)}")
+            if type(x) is str and self.forbidden[j].search(x) is not None:
+                raise BadInput(f"{w}: value {_short(x)} holds a character a {self.kind} line "
+                               "cannot carry in a value (a separator, quote, space, ':' or line "
+                               "break)")
+        raise BadInput(f"{where}: a bad sparse value")   # (not reached)
 
     # ---------------------------------------------------------------- lines
     def line(self, inst, i):
@@ -180,11 +194,16 @@ class Encoder:
              for j, v in enumerate(vals)])
 
     def _slot(self, vals, i):
-        flip = self.schema.token_order == "feasign:slot"
-        toks = []
-        for n, v in zip(self.names, vals):
-            toks += [f"{x}:{n}" if flip else f"{n}:{x}" for x in (v or ())]
-        return " ".join(toks)
+        parts = []
+        if self.schema.token_order == "feasign:slot":       # "v1:name v2:name"
+            for n, v in zip(self.names, vals):
+                if v:
+                    parts.append(f":{n} ".join(v) + f":{n}")
+        else:                                                # "name:v1 name:v2"
+            for n, v in zip(self.names, vals):
+                if v:
+                    parts.append(f"{n}:" + f" {n}:".join(v))
+        return " ".join(parts)
 
     def _multislot(self, vals, i):
         toks = []
