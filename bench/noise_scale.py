@@ -44,7 +44,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402,F401  (the repo root on sys.path)
 
-from mpips.job.build import make_reader, resolve_data  # noqa: E402
+from mpips.job.build import make_reader  # noqa: E402
+from mpips.job.plan import make_plan  # noqa: E402
 from mpips.config import parse_args  # noqa: E402
 from mpips.kernels.embedding import sum_duplicates  # noqa: E402
 from mpips.job.report import log_line  # noqa: E402
@@ -104,8 +105,9 @@ def run(args, extra):
     if cfg.mode == "geo" or cfg.local_workers > 1 or cfg.simulate_workers:
         raise SystemExit("noise_scale: one process of one batch a step only (the run the "
                          "estimates are taken along)")
-    train_files, test_files = resolve_data(cfg)
-    backend = local_backend(cfg)              # what --local trains with
+    plan = make_plan(cfg).with_data()
+    test_files = plan.test_files
+    backend = local_backend(plan)             # what --local trains with
     trainer = backend.trainer
     reader = make_reader(cfg, test_files, cfg.batch_size, log_line)
     preps = []
@@ -135,7 +137,7 @@ def run(args, extra):
 
     point(0)
     trainer.on_step = hook
-    st = backend.train(train_files, 0)
+    st = backend.train(plan.train_files, 0)
     if records[-1]["step"] != st.steps:
         point(st.steps)
     out = {"data": str(args.data), "flags": extra, "batch": cfg.batch_size,

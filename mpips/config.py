@@ -232,7 +232,8 @@ class Config:
 
     @property
     def hidden(self):
-        return tuple(int(x) for x in self.fc.split(",") if x.strip())
+        """--fc as a tuple of layer sizes (the run plan holds it, parsed once)."""
+        return parse_fc(self.fc)
 
     def validate(self):
         """Raise ValueError with the fix for impossible values."""
@@ -460,7 +461,8 @@ def parse_args(argv=None, prog="python -m mpips.train"):
     return Config(**values).validate()
 
 
-def _fc(value):
+def parse_fc(value):
+    """Hidden layer sizes from --fc ("400,400,400"), or from a stored list of them."""
     if isinstance(value, str):
         return tuple(int(x) for x in value.split(",") if x.strip())
     return tuple(int(x) for x in value)

@@ -22,9 +22,8 @@ import time
 
 import mpips.serving.bundle as bd
 from mpips.checkpoint import read_manifest, resolve
+from mpips.checkpoint.compat import check_wanted
 from mpips.config import MODELS, add_checkpoint_option, checkpoint_arg
-from mpips.models.zoo import check_model
-from mpips.schema import check_same, load_schema, stored_schema
 
 PROG = "python -m mpips.export"
 
@@ -50,12 +49,7 @@ def build_parser():
 def run(args, log=print):
     t0 = time.perf_counter()
     path = resolve(args.checkpoint)       # a root: its newest checkpoint that verifies, chosen once
-    if getattr(args, "network", "") or args.schema:
-        manifest = read_manifest(path)
-        if getattr(args, "network", ""):
-            check_model(manifest, args.network, f"checkpoint {path}")
-        if args.schema:
-            check_same(stored_schema(manifest), load_schema(args.schema), f"checkpoint {path}")
+    check_wanted(read_manifest(path), path, getattr(args, "network", ""), args.schema)
     if args.since:
         m = bd.export_patch(path, args.since, args.out, args.dtype, args.stats)
     else:

@@ -54,12 +54,11 @@ from mpips.comm.backoff import COLLECTIVE, Backoff
 from mpips.job.build import make_reader
 from mpips.serving.bundle import Snapshot, bundle_info, schema_of_manifest
 from mpips.checkpoint import read_manifest, resolve, saved_settings
+from mpips.checkpoint.compat import check_wanted
 from mpips.config import MODELS, Config, add_checkpoint_option, checkpoint_arg
 from mpips.data.files import resolve_paths, split_files
 from mpips.metrics import BinaryMetrics
-from mpips.models.zoo import check_model
 from mpips.job.resume import first_rank_decides
-from mpips.schema import check_same, load_schema, stored_schema
 from mpips.serving.model import ServingModel, hash_slots
 from mpips.serving.shared import node_window, table_layout
 from mpips.tables.sparse import slots_for
@@ -87,18 +86,6 @@ def build_parser():
     p.add_argument("--schema", default="", help="feature schema TOML the data is in; it must "
                    "be the checkpoint's (default: the schema stored in the checkpoint)")
     return p
-
-
-def check_schema(args, path):
-    """With --schema (--network): fail (one line) unless it is the schema (the model)
-    stored in checkpoint path."""
-    if not (args.network or args.schema):
-        return
-    manifest = read_manifest(path)
-    if args.network:
-        check_model(manifest, args.network, f"checkpoint {path}")
-    if args.schema:
-        check_same(stored_schema(manifest), load_schema(args.schema), f"checkpoint {path}")
 
 
 def config_from_manifest(manifest):
@@ -299,7 +286,7 @@ def run(args, log=print, comm=None):
     t0 = time.perf_counter()
     path = group.agree(lambda: first_rank_decides(comm, lambda: resolve(args.checkpoint)))
     files = group.agree(lambda: (Snapshot(path, load=False), resolve_paths(args.data))[1])
-    group.agree(lambda: check_schema(args, path))
+    group.agree(lambda: check_wanted(read_manifest(path), path, args.network, args.schema))
     snap, model, shared = load_model(path, group, say, not args.table_per_rank)
     warm_up(model)
     cfg = config_from_manifest(snap.manifest)

@@ -89,13 +89,14 @@ def test_schema_and_manifests_are_read_once_per_process(tiny_data, tmp_path):
                      ("manifest", f"{delta}/MANIFEST.json"): 1}
 
     chain = {("manifest", f"{d}/MANIFEST.json"): 1 for d in (base, delta, delta2)}
-    reads, _ = counted_run(tmp_path, "infer", "mpips.infer", "--checkpoint", str(tmp_path / "ck"),
-                           "--data", test, "--schema", str(tmp_path / "schema.toml"))
+    reads, _ = counted_run(tmp_path, "infer", "mpips.infer", "--checkpoint",
+                           str(tmp_path / "ck"), "--data", test, "--schema",
+                           str(tmp_path / "schema.toml"))
     assert reads == {**chain, toml: 1}
     bundle = str(tmp_path / "model.h5")
-    reads, _ = counted_run(tmp_path, "export", "mpips.export", "--checkpoint", str(tmp_path / "ck"),
-                           "--out", bundle, "--schema", str(tmp_path / "schema.toml"),
-                           "--network", "dnn")
+    reads, _ = counted_run(tmp_path, "export", "mpips.export", "--checkpoint",
+                           str(tmp_path / "ck"), "--out", bundle, "--schema",
+                           str(tmp_path / "schema.toml"), "--network", "dnn")
     assert reads == {**chain, toml: 1}
     reads, _ = counted_run(tmp_path, "patch", "mpips.export", "--checkpoint",
                            str(tmp_path / delta2), "--since", bundle, "--out",

@@ -241,13 +241,14 @@ def stream_cfg(stream, out):
 
 def test_stream_export_folder_is_followed(tmp_path):
     from data_prep.stream_synth import generate_stream, pass_names
+    from mpips.job.plan import make_plan
     from mpips.train import run_local
     stream = tmp_path / "stream"
     names = pass_names("20261129", 2, 2)
     generate_stream(str(stream), days=2, hours=2, rows_per_pass=600, parts=1, seed=5,
                     only=names[:2])
     cfg = stream_cfg(stream, tmp_path)
-    run_local(cfg)                                   # day 1: base + delta
+    run_local(make_plan(cfg))                        # day 1: base + delta
     kinds = [e["kind"] for e in exports.read_index(cfg.export_dir)]
     assert kinds == ["full", "patch"]
     p = Predictor.follow(cfg.export_dir)
@@ -255,10 +256,10 @@ def test_stream_export_folder_is_followed(tmp_path):
     assert not p.refresh()
     generate_stream(str(stream), days=2, hours=2, rows_per_pass=600, parts=1, seed=5,
                     only=names[2:3])
-    run_local(cfg)                                   # day 2, hour 0: a new base
+    run_local(make_plan(cfg))                        # day 2, hour 0: a new base
     generate_stream(str(stream), days=2, hours=2, rows_per_pass=600, parts=1, seed=5,
                     only=names[3:])
-    run_local(cfg)                                   # day 2, hour 1: a patch on it
+    run_local(make_plan(cfg))                        # day 2, hour 1: a patch on it
     idx = exports.read_index(cfg.export_dir)
     assert [e["kind"] for e in idx] == ["full", "patch", "full", "patch"]
     # the newest patch is corrupted: refresh fails with one error and keeps the old model

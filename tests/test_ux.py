@@ -34,7 +34,7 @@ def _cfg(**kw):
 
 def test_check_kind_refuses_the_other_kind_unless_named(tmp_path):
     from mpips.checkpoint import CheckpointError
-    from mpips.job.resume import check_kind
+    from mpips.checkpoint.compat import check_kind
     path = str(tmp_path / "ck" / "ckpt-000001-full")
     # a stream finding a batch checkpoint in its own --save-dir
     stream = _cfg(stream="s", save_dir=str(tmp_path / "ck"))

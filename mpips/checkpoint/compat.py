@@ -1,13 +1,24 @@
-"""Does this checkpoint fit this run?  The settings that change what a checkpoint's numbers mean
-(``MEANING``), compared between a manifest and a run's Config: used by resume, infer, export and
-serving alike."""
+"""May this checkpoint be used here?  Answered in this one module, for resume, infer, export
+and serving alike:
+
+* ``check_resume``: a run continuing from a chain (its elements agree with each other, with
+  the run's config on every setting that changes what the numbers mean, ``MEANING``, and
+  with the run's feature schema); ``check_kind``: a stream's checkpoint for a stream, a
+  batch run's for a batch run, unless ``--resume`` names it;
+* ``check_elements``: a chain scored or exported (one meaning throughout, this mpips's id
+  hashing);
+* ``check_wanted``: the network (``--network``) and schema (``--schema``) infer and export
+  were told to expect;
+* ``check_model``: a checkpoint holds the named network.
+"""
 import dataclasses
 import json
 import os
 
 from mpips.checkpoint.manifest import UNKNOWN, CheckpointError, run_settings, saved_settings
-from mpips.config import ORDER_KEYS, Config, _fc
-from mpips.schema import load_schema
+from mpips.config import ORDER_KEYS, Config, parse_fc
+from mpips.models.zoo import stored_name
+from mpips.schema import check_same, load_schema, stored_schema
 
 
 # Settings that change what the numbers in a checkpoint mean (a row's id, a weight's place,
@@ -26,7 +37,8 @@ MEANING = (
     ("fc", "--fc", "the layout of the dense weights"),
     ("optimizer", "--optimizer", "the optimizer state stored with every row"),
 )
-_NORMALISE = {"model": str, "hash_bucket": int, "embedding_dim": int, "fc": _fc, "optimizer": str}
+_NORMALISE = {"model": str, "hash_bucket": int, "embedding_dim": int, "fc": parse_fc,
+              "optimizer": str}
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
 
 
@@ -149,3 +161,76 @@ def check_chain(elements):
                 f"{_show(key, flag, want[key], last['config'], saved_meaning(m)[key])} "
                 "(use a checkpoint whose base and deltas come from one run)")
 
+
+
+def check_resume(elements, cfg, schema):
+    """Raise CheckpointError unless a run of ``cfg`` with feature ``schema`` may continue from
+    the chain ``elements`` [(dir, manifest)]: one meaning throughout the chain, the run's on
+    every MEANING setting (its --stats read for ``schema``'s dense width), and its schema."""
+    path, manifest = elements[-1]
+    check_chain(elements)
+    check_compatible(manifest, cfg, schema=schema)
+    check_same(stored_schema(manifest), schema, f"checkpoint {path}")
+
+
+def check_elements(elements):
+    """A chain [(dir, manifest)] must mean one thing throughout (every setting of
+    ``MEANING``), and its ids this mpips's hashing (scoring and export take the rest from the
+    stored config and settings)."""
+    check_chain(elements)
+    check_compatible(elements[-1][1], elements[-1][1]["config"], skip=("norm",))
+
+
+def check_model(manifest, want, where):
+    """ValueError (one line) unless checkpoint ``manifest`` holds model ``want`` (empty:
+    any)."""
+    have = stored_name(manifest)
+    if want and want != have:
+        raise ValueError(f"{where} holds a {have} model, not {want} (drop the flag or give "
+                         f"{have}, or use a {want} checkpoint)")
+
+
+def check_wanted(manifest, path, network="", schema=""):
+    """infer's and export's --network and --schema: fail (one line) unless checkpoint
+    ``path`` (``manifest``) holds that network and was trained on that schema file's
+    layout."""
+    if network:
+        check_model(manifest, network, f"checkpoint {path}")
+    if schema:
+        check_same(stored_schema(manifest), load_schema(schema), f"checkpoint {path}")
+
+
+def is_stream_checkpoint(manifest):
+    """Was this checkpoint saved by a stream run (it records the pass it ends with)?"""
+    return "pass" in (manifest.get("meta") or {})
+
+
+def where(manifest):
+    """Where a checkpoint's run stood: 'after pass P', 'after epoch E' or 'epoch E, N
+    batches done'."""
+    meta = manifest.get("meta") or {}
+    if is_stream_checkpoint(manifest):
+        return f"after pass {meta['pass']}"
+    if meta.get("complete", True):
+        return f"after epoch {meta.get('epoch', '?')}"
+    return f"epoch {meta.get('epoch', '?')}, {meta.get('steps', '?')} batches done"
+
+
+def check_kind(cfg, path, manifest):
+    """Raise CheckpointError if `path` is of the other kind than this run (stream / batch)
+    and was picked implicitly (a stream's own --save-dir, or the newest in a --resume root):
+    its tables would be trained on silently.  Naming the checkpoint in --resume allows it
+    (a warm start: a stream from its first ready pass, a batch run from epoch 0 on)."""
+    stream_ckpt = is_stream_checkpoint(manifest)
+    if stream_ckpt == bool(cfg.stream):
+        return
+    if cfg.resume and os.path.normpath(cfg.resume) == os.path.normpath(path):
+        return
+    kind = "a stream run's" if stream_ckpt else "a batch (non-stream) run's"
+    run = "stream" if cfg.stream else "batch"
+    found = (f"--save-dir {cfg.save_dir} holds" if not cfg.resume
+             else f"--resume {cfg.resume}: its newest checkpoint is")
+    raise CheckpointError(
+        f"{found} {path} ({where(manifest)}), {kind} checkpoint, and this is a {run} run; "
+        f"give this run {'its own --save-dir' if not cfg.resume else 'a checkpoint of its kind'}"
+        f", or start from that one on purpose with --resume {path}")

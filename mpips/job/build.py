@@ -125,7 +125,8 @@ def make_tables(cfg, model, lo=0, hi=None, dense_batches=1):
     return sparse, dense
 
 
-def make_model(cfg, schema=None):
-    """The ``--model`` network over the schema's inputs (default: the config's schema)."""
+def make_model(cfg, schema=None, hidden=None):
+    """The ``--model`` network over the schema's inputs (default: the config's schema) with
+    hidden layers of ``hidden`` sizes (default: the config's --fc)."""
     return make_net(getattr(cfg, "model", "dnn"), schema or make_schema(cfg), cfg.embedding_dim,
-                    cfg.hidden)
+                    cfg.hidden if hidden is None else hidden)

@@ -14,18 +14,18 @@ import numpy as np
 from mpi4py import MPI
 
 from mpips import checkpoint as ck
-from mpips.job.build import (batch_line, global_batch, make_model, make_reader, make_schema,
-                             make_tables, resolve_data, worker_batch)
+from mpips.job.build import batch_line, global_batch, make_reader, make_tables, worker_batch
 from mpips.comm.cluster import Cluster, default_servers
 from mpips.config import SAVE_MODES
 from mpips.data.files import eval_files, worker_files
 from mpips.comm.liveness import wait_collective
 from mpips.metrics import BinaryMetrics
-from mpips.tables.ownership import dense_bounds, plan_keys
+from mpips.tables.ownership import dense_bounds
 from mpips.job.progress import make_progress
 from mpips.comm.protocol import Op
 from mpips.job.report import log_line, model_note, noise_fields, peak_rss_mb, write_metrics
-from mpips.job.resume import resume_line, resume_point
+from mpips.job.plan import make_trainer
+from mpips.job.resume import resume_line
 from mpips.job.loop import admission_of, inner_table, run_epochs, tidy
 from mpips.server.loop import Server
 from mpips.tables.staleness import counts_staleness, stale_rule, summarize
@@ -35,7 +35,7 @@ from mpips.job.stream import Pass, run_stream
 from mpips.job.warmup import cache_misses, report_new, signatures, warm
 from mpips.worker.client import PSClient
 from mpips.worker.dense_sync import DenseExchange
-from mpips.worker.trainer import EpochStats, GeoTrainer, Trainer
+from mpips.worker.trainer import EpochStats
 
 # One PROFILE row per rank, gathered to the first worker at the end of the job.
 PROFILE_DTYPE = np.dtype([
@@ -61,15 +61,14 @@ def profile_row(**fields):
     return row
 
 
-def run_distributed(cfg, comm):
-    """Entry for every rank of a multi-rank job."""
+def run_distributed(plan, comm):
+    """Entry for every rank of a multi-rank job (a RunPlan)."""
+    cfg, schema, model = plan.cfg, plan.schema, plan.model
     cluster = Cluster.create(comm, cfg.servers or default_servers(comm.size))
-    if comm.rank == 0 and not cfg.stream:   # make the embedded dataset once, before reads
-        resolve_data(cfg)
+    if comm.rank == 0:                      # make the embedded dataset once, before reads
+        plan = plan.with_data()
     pids = np.empty(comm.size, np.int64)    # in the role map: to match a launcher's PID
     wait_collective(comm.Iallgather(np.array([os.getpid()], np.int64), pids))
-    schema = make_schema(cfg)
-    model = make_model(cfg, schema)
     bounds = dense_bounds(model.n_params, cluster.n_servers)
     first_worker = cluster.worker_ranks[0]
     if comm.rank == first_worker:
@@ -82,28 +81,28 @@ def run_distributed(cfg, comm):
             log_line(f"  {line} pid {pid}")
     t0 = time.perf_counter()
     staged(comm, cluster.hosts,         # compilation before any clock starts
-           lambda: warm(cfg, workers=len(cluster.worker_ranks)))
+           lambda: warm(plan, workers=len(cluster.worker_ranks)))
     jit0 = signatures()
     if comm.rank == first_worker:
         log_line(f"mpips: kernels compiled or loaded from numba's cache on all ranks in "
                  f"{time.perf_counter() - t0:.1f} s (before training; in no rate)")
     if cluster.is_server:
-        prof = serve(cfg, cluster, model, bounds)
+        prof = serve(plan, cluster, bounds)
     else:
-        prof = work(cfg, cluster, model, bounds)
+        prof = work(plan, cluster, bounds)
     prof["cpu_s"] = time.process_time()
     prof["exit"] = stop.exit_code() if comm.rank == first_worker else 0
     code = report_profile(comm, first_worker, prof)
-    report_new(jit0, f"rank {comm.rank}")
+    report_new(jit0, f"rank {comm.rank}", plan.hooks)
     if comm.rank == first_worker and STOP["stopped"] is not None:
         print(STOP["stopped"].line(f" (all {comm.size} ranks)"), file=sys.stderr, flush=True)
     return code
 
 
-def serve(cfg, cluster, model, bounds):
+def serve(plan, cluster, bounds):
+    cfg, model, path = plan.cfg, plan.model, plan.resume
     i, S = cluster.index, cluster.n_servers
     sparse, dense = make_tables(cfg, model, bounds[i], bounds[i + 1])
-    path = resume_point(cfg)[0]
     if path:
         ck.load_shard_into(path, inner_table(sparse), dense, i, S, bounds, admission_of(sparse))
     server = Server(cluster.comm, cluster.worker_ranks, sparse, dense, cfg.mode, cfg.staleness,
@@ -125,36 +124,28 @@ def serve(cfg, cluster, model, bounds):
                        peak_rss_mb=peak_rss_mb(), rows=len(sparse))
 
 
-def work(cfg, cluster, model, bounds):
+def work(plan, cluster, bounds):
+    plan = plan.with_data()
+    cfg, model = plan.cfg, plan.model
     wi, W, S = cluster.index, cluster.n_workers, cluster.n_servers
-    train_files, test_files = ([], []) if cfg.stream else resolve_data(cfg)
     client = PSClient(cluster.comm, cluster.server_ranks, model.row_dim, bounds,
                       cfg.peer_timeout, label=f"worker {wi}")
-    logger = log_line if wi == 0 else None
-    if cfg.mode == "geo":
-        trainer = GeoTrainer(cfg, model, client, lambda ids: plan_keys(ids, S), log=logger,
-                             n_workers=W)
-    else:
+    replica = dense_sync = None                  # GEO: the trainer keeps its own copy
+    if cfg.mode != "geo":
         replica = make_tables(cfg, model, dense_batches=W)[1]  # from the servers at first use
         dense_sync = DenseExchange(cluster.role_comm, model.n_params,
                                    client.timeout) if W > 1 else None
-        trainer = Trainer(cfg, model, client, lambda ids: plan_keys(ids, S), log=logger,
-                          overlap=(cfg.mode == "async" and cfg.overlap_pull), replica=replica,
-                          dense_sync=dense_sync, sync=is_sync(cfg))
-    slow = os.environ.get("MPIPS_DEBUG_SLOW_WORKER", "")   # "I:SECONDS": a test aid
-    if slow and int(slow.split(":")[0]) == wi:
-        trainer.step_delay = float(slow.split(":")[1])
-    stretch = os.environ.get("MPIPS_BENCH_SLOW_WORKER", "")  # "I:F": benchmarks only; worker
-    if stretch and int(stretch.split(":")[0]) == wi:         # I sleeps F x its compute time
-        trainer.stretch = float(stretch.split(":")[1])
-    path = resume_point(cfg)[0]
-    if path and wi == 0:
-        log_line(resume_line(path, ck.read_manifest(path)))
-    backend = DistBackend(cfg, trainer, client, cluster.role_comm, wi, W, path)
+    trainer = make_trainer(cfg, model, client, S, log=log_line if wi == 0 else None,
+                           replica=replica, n_workers=W, dense_sync=dense_sync, client=True)
+    trainer.step_delay = plan.hooks.step_delay(wi)     # test and benchmark aids
+    trainer.stretch = plan.hooks.stretch(wi)
+    if plan.resume and wi == 0:
+        log_line(resume_line(plan.resume, plan.manifest))
+    backend = DistBackend(plan, trainer, client, cluster.role_comm, wi, W, plan.resume)
     if cfg.stream:
-        run_stream(cfg, backend, log_line)
+        run_stream(plan, backend, log_line)
     else:
-        run_epochs(cfg, backend, train_files, test_files)
+        run_epochs(plan, backend)
     client.control(Op.FINISH)
     log_line(trainer.times_line(f"worker {wi} (rank {cluster.comm.rank})"))
     wait_s = client.wait_s + (trainer.dense_sync.wait_s if trainer.dense_sync else 0.0)
@@ -166,14 +157,15 @@ def work(cfg, cluster, model, bounds):
 class DistBackend:
     """Worker `wi` of W; the first worker logs, saves and shrinks for all."""
 
-    def __init__(self, cfg, trainer, client, wcomm, wi, W, loaded=None):
+    def __init__(self, plan, trainer, client, wcomm, wi, W, loaded=None):
+        cfg = plan.cfg
         self.cfg, self.trainer, self.client = cfg, trainer, client
+        self.schema, self.hooks = plan.schema, plan.hooks
         self.wcomm, self.wi, self.W = wcomm, wi, W
         self.is_logger = wi == 0
         self.lineage = ck.Lineage(cfg.save_dir, loaded) if cfg.save_dir and wi == 0 else None
         self.warned = False         # told the user this worker has no files
         self.fetched = False        # the dense replica holds the servers' values
-        self.schema = make_schema(cfg)
         self.vote = StopVote(wcomm.Dup() if W > 1 else None)
         lockstep = trainer.replica is not None          # every worker steps together
         trainer.should_stop = self.vote if lockstep else (lambda: STOP["flag"])
@@ -207,12 +199,13 @@ class DistBackend:
                      f"file(s) for {self.W} workers, and {why}); give at least {self.W} "
                      f"files, or plain text files")
         reader = make_reader(self.cfg, mine, worker_batch(self.cfg, self.W, self.wi), log_line,
-                             (epoch, self.wi)) if mine else None
+                             (epoch, self.wi), schema=self.schema) if mine else None
         prog = None
         if reader is not None and self.is_logger:
             prog = make_progress(self.cfg, [reader], label or f"epoch {epoch}",
                                  offset_batches=skip, lag=lag, write=log_line,
-                                 worker=(self.wi, self.W) if self.W > 1 else None)
+                                 worker=(self.wi, self.W) if self.W > 1 else None,
+                                 every_steps=self.hooks.progress_steps)
         self.trainer.progress = prog
         try:
             self._replica_ready()
@@ -280,7 +273,7 @@ class DistBackend:
         local = BinaryMetrics()
         if mine:
             reader = make_reader(self.cfg, mine, worker_batch(self.cfg, self.W, self.wi),
-                                 log_line)
+                                 log_line, schema=self.schema)
             try:
                 local = self.trainer.evaluate(reader)
             finally:
@@ -403,11 +396,6 @@ class StopVote:
         self.mine[0] = STOP["flag"]
         self.req = self.comm.Iallreduce(self.mine, self.out, op=MPI.MAX)
         return self._answer()
-
-
-def is_sync(cfg):
-    """Do the servers apply steps BSP (sync mode, or ssp with staleness 0)?"""
-    return cfg.mode == "sync" or (cfg.mode == "ssp" and cfg.staleness == 0)
 
 
 def staged(comm, hosts, fn):

@@ -11,15 +11,14 @@ import sys
 import time
 
 from mpips import checkpoint as ck
-from mpips.job.build import global_batch, make_reader, make_schema, worker_batch
+from mpips.job.build import global_batch, make_reader, worker_batch
 from mpips.data import bags
 from mpips.data.files import eval_files, readers_for, worker_files
 from mpips.data.reader import Batch, DataError
 from mpips.job.progress import make_progress
 from mpips.job.report import (epoch_record, log_line, noise_fields, noise_line, summary_line,
                            write_metrics)
-from mpips.job.resume import start_point
-from mpips.job.stop import STOP, Stopped, debug_hook
+from mpips.job.stop import STOP, Stopped
 from mpips.job.tracking import open_tensorboard
 from mpips.tables.admission import AdmittedTable
 from mpips.worker.simulate import Simulator
@@ -103,16 +102,12 @@ class LocalBackend:
     """One process: `local_workers` file parts read side by side (batch W x B)."""
     is_logger = True
 
-    def __init__(self, cfg, trainer, ps, loaded=None):
-        self.cfg, self.trainer, self.ps = cfg, trainer, ps
+    def __init__(self, plan, trainer, ps, loaded=None):
+        self.cfg, self.trainer, self.ps = plan.cfg, trainer, ps
+        self.schema, self.hooks = plan.schema, plan.hooks
+        self.W = plan.width     # the workers read as: --simulate-workers or --local-workers W
         trainer.should_stop = self.stop_now
-        self.lineage = ck.Lineage(cfg.save_dir, loaded) if cfg.save_dir else None
-        self.schema = make_schema(cfg)
-
-    @property
-    def W(self):
-        """The workers read as: --simulate-workers W, else --local-workers W."""
-        return self.cfg.simulate_workers or self.cfg.local_workers
+        self.lineage = ck.Lineage(self.cfg.save_dir, loaded) if self.cfg.save_dir else None
 
     def train(self, files, epoch, skip=0, label=None, lag=None):
         cfg = self.cfg
@@ -120,11 +115,13 @@ class LocalBackend:
         W = max(readers_for(files, self.W, split), 1)
         seed = cfg.seed if cfg.shuffle else None
         parts = [worker_files(files, W, i, seed, epoch, split) for i in range(W)] if files else []
-        readers = [make_reader(cfg, p, worker_batch(cfg, self.W, i), log_line, (epoch, i))
+        readers = [make_reader(cfg, p, worker_batch(cfg, self.W, i), log_line, (epoch, i),
+                               schema=self.schema)
                    for i, p in enumerate(parts)]
         prog = self.trainer.progress = make_progress(
             cfg, readers, label or f"epoch {epoch}", redraw=sys.stdout.isatty(),
-            offset_batches=skip, lag=lag, write=log_line)
+            offset_batches=skip, lag=lag, write=log_line,
+            every_steps=self.hooks.progress_steps)
         if cfg.simulate_workers:
             st = self._simulate(readers, epoch, skip)
         else:
@@ -173,7 +170,8 @@ class LocalBackend:
         for i, part in enumerate(eval_files(files, W, i, split) for i in range(W)):
             if not part:
                 continue
-            reader = make_reader(self.cfg, part, worker_batch(self.cfg, W, i), log_line)
+            reader = make_reader(self.cfg, part, worker_batch(self.cfg, W, i), log_line,
+                                 schema=self.schema)
             try:
                 m = self.trainer.evaluate(reader)
             finally:
@@ -276,21 +274,24 @@ def stop_here(cfg, backend, epoch, steps, complete, saved=None):
                               path or cfg.save_dir or None)   # (other workers: the root)
 
 
-def run_epochs(cfg, backend, train_files, test_files):
-    """Batch training: epochs over the files, evaluation and saves after each.  A stop
-    signal ends it at a step boundary, or after an epoch, with a checkpoint there."""
-    with open_tensorboard(cfg, backend) as tb:
-        return _epochs(cfg, backend, train_files, test_files, tb)
+def run_epochs(plan, backend):
+    """Batch training of a RunPlan (its files resolved): epochs over the files from its
+    start point, evaluation and saves after each.  A stop signal ends it at a step
+    boundary, or after an epoch, with a checkpoint there."""
+    with open_tensorboard(plan.cfg, backend) as tb:
+        return _epochs(plan, backend, tb)
 
 
-def _epochs(cfg, backend, train_files, test_files, tb):
+def _epochs(plan, backend, tb):
+    cfg, train_files, test_files = plan.cfg, plan.train_files, plan.test_files
     records = []
-    n_workers = getattr(backend, "W", cfg.local_workers)
-    first, skip = start_point(cfg, train_files, n_workers)
+    n_workers = backend.W
+    first, skip = plan.start
     for epoch in range(first, cfg.epochs):
         backend.trainer.on_step = table_hook(
             cfg, backend, n_workers, chain(step_saver(cfg, backend, epoch),
-                                           debug_hook(epoch) if backend.is_logger else None))
+                                           plan.hooks.signaller(epoch) if backend.is_logger
+                                           else None))
         skipped = skip if epoch == first else 0
         st = backend.train(train_files, epoch, skipped)
         if st.stopped:

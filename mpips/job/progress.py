@@ -16,11 +16,8 @@ Lines go through `write` (print); on a terminal in local mode (`redraw=True`) th
 redrawn in place instead and cleared before any other line.  The cost per step is one
 clock read and a comparison (`bench/bench_progress.py` measures it).
 """
-import os
 import sys
 import time
-
-STEPS_ENV = "MPIPS_DEBUG_PROGRESS_STEPS"   # a test aid: a line every N steps, not seconds
 
 
 def fmt_rate(x):
@@ -142,10 +139,10 @@ class Progress:
 
 
 def make_progress(cfg, readers, label, *, redraw=False, offset_batches=0, worker=None,
-                  lag=None, write=print):
+                  lag=None, write=print, every_steps=0):
     """A Progress over `readers` (DataReaders read side by side) for one phase, or None
-    when --progress-every is 0."""
-    every_steps = int(os.environ.get(STEPS_ENV, "0") or 0)
+    when --progress-every is 0 (and no line every ``every_steps`` steps, a test aid:
+    ``mpips.job.hooks``)."""
     if cfg.progress_every <= 0 and not every_steps:
         return None
     known = text = 0

@@ -3,13 +3,12 @@
 ``choose`` picks the checkpoint once (``--resume``: a checkpoint directory, or the newest
 one of a root whose whole chain verifies; else a stream's own latest one in
 ``--save-dir``) and ``pin`` makes ``--resume`` name it, so every later call and every rank
-loads that one.  ``resume_point`` gives it with the last pass it holds; ``start_point``
-turns a batch run's checkpoint into the epoch and the batches of it already trained.  The
-position (``meta``) is checked against the run before it is used: a value out of range
-is an error naming it, never a run that silently trains nothing or skips forever.
-``check_kind`` refuses a checkpoint of the other kind (a batch run's for a stream, a
-stream's for a batch run) unless ``--resume`` names that checkpoint itself; ``resume_line``
-is the RESUME line.
+loads that one.  ``checked_meta`` gives its position (a stream: the last pass it holds);
+``start_point`` turns a batch run's checkpoint into the epoch and the batches of it already
+trained.  The position (``meta``) is checked against the run before it is used: a value out
+of range is an error naming it, never a run that silently trains nothing or skips forever.
+(Whether the checkpoint fits the run at all is ``mpips.checkpoint.compat``'s question;
+``mpips.job.plan`` asks both once.)  ``resume_line`` is the RESUME line.
 """
 import dataclasses
 import os
@@ -20,7 +19,7 @@ from mpips import checkpoint as ck
 from mpips.comm.backoff import COLLECTIVE, Backoff
 from mpips.data.binary import part_rows
 from mpips.data.sources import is_gzip
-from mpips.schema import load_schema
+from mpips.checkpoint.compat import where
 
 MIN_LINE_BYTES = 2             # no valid text line is shorter: a label and LF (a Criteo line
                                # read padded, a CSV or slot line of empty bags can be that short)
@@ -73,9 +72,9 @@ def _is_int(x):
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def checked_meta(path, cfg):
-    """The position stored in checkpoint ``path``, after checking its types and ranges."""
-    m = ck.read_manifest(path)
+def checked_meta(path, m, cfg):
+    """The position stored in checkpoint ``path`` (manifest ``m``), after checking its types
+    and ranges."""
     meta, seq = m["meta"], m["seq"]
 
     def need(ok, what):
@@ -101,14 +100,6 @@ def checked_meta(path, cfg):
     return meta
 
 
-def resume_point(cfg):
-    """(checkpoint path or None, last pass name or None) a run continues from."""
-    path = choose(cfg)
-    if path is None:
-        return None, None
-    return path, checked_meta(path, cfg).get("pass")
-
-
 def max_batches(files, batch_size):
     """An upper bound on the batches of ``batch_size`` rows a worker reads from ``files``
     in an epoch: binary parts by their rows, text by its bytes / MIN_LINE_BYTES; None for
@@ -124,19 +115,19 @@ def max_batches(files, batch_size):
     return -(-rows // batch_size), rows
 
 
-def start_point(cfg, files=None, workers=None):
-    """(epoch, batches to skip in it) to continue from the --resume checkpoint.  With the
-    training ``files``, a mid-epoch position is checked against the batches they hold
-    (with --global-batch: in the smallest worker's batch of the run's ``workers``)."""
+def start_point(cfg, path, m, files=None, workers=None, piped=False):
+    """(epoch, batches to skip in it) to continue from checkpoint ``path`` (manifest ``m``,
+    pinned as --resume).  With the training ``files``, a mid-epoch position is checked
+    against the batches they hold (with --global-batch: in the smallest worker's batch of
+    the run's ``workers``; not when ``piped``: the data come through a command, whose
+    output can be any size)."""
     if not cfg.resume or cfg.stream:
         return 0, 0
-    path = ck.resolve(cfg.resume)
-    meta = checked_meta(path, cfg)
+    meta = checked_meta(path, m, cfg)
     epoch = meta.get("epoch", -1)
     if meta.get("complete", True):
         return epoch + 1, 0
     steps = meta.get("steps", 0)             # saved mid-epoch after `steps` batches
-    piped = cfg.pipe_command or (cfg.schema and load_schema(cfg.schema).pipe_command)
     batch = cfg.batch_size
     if cfg.global_batch:
         batch = cfg.global_batch // workers if workers else None   # unknown: not checked
@@ -144,7 +135,7 @@ def start_point(cfg, files=None, workers=None):
         most, rows = max_batches(files, batch)
         if most is not None and steps > most:
             raise ck.CheckpointError(
-                f"checkpoint seq {ck.read_manifest(path)['seq']} ({path}) was saved after "
+                f"checkpoint seq {m['seq']} ({path}) was saved after "
                 f"{steps} batches of epoch {epoch}, but the training data hold at most "
                 f"{most} batches of {batch} (<= {rows} rows): resume with the "
                 "--train data and --batch-size (or --global-batch) it was saved with")
@@ -180,42 +171,6 @@ def _wait(req):
     backoff = Backoff(*COLLECTIVE)       # rank 0 may read a large checkpoint meanwhile
     while not req.Test():
         backoff.sleep()
-
-
-def is_stream_checkpoint(manifest):
-    """Was this checkpoint saved by a stream run (it records the pass it ends with)?"""
-    return "pass" in (manifest.get("meta") or {})
-
-
-def where(manifest):
-    """Where a checkpoint's run stood: 'after pass P', 'after epoch E' or 'epoch E, N
-    batches done'."""
-    meta = manifest.get("meta") or {}
-    if is_stream_checkpoint(manifest):
-        return f"after pass {meta['pass']}"
-    if meta.get("complete", True):
-        return f"after epoch {meta.get('epoch', '?')}"
-    return f"epoch {meta.get('epoch', '?')}, {meta.get('steps', '?')} batches done"
-
-
-def check_kind(cfg, path, manifest):
-    """Raise CheckpointError if `path` is of the other kind than this run (stream / batch)
-    and was picked implicitly (a stream's own --save-dir, or the newest in a --resume root):
-    its tables would be trained on silently.  Naming the checkpoint in --resume allows it
-    (a warm start: a stream from its first ready pass, a batch run from epoch 0 on)."""
-    stream_ckpt = is_stream_checkpoint(manifest)
-    if stream_ckpt == bool(cfg.stream):
-        return
-    if cfg.resume and os.path.normpath(cfg.resume) == os.path.normpath(path):
-        return
-    kind = "a stream run's" if stream_ckpt else "a batch (non-stream) run's"
-    run = "stream" if cfg.stream else "batch"
-    found = (f"--save-dir {cfg.save_dir} holds" if not cfg.resume
-             else f"--resume {cfg.resume}: its newest checkpoint is")
-    raise ck.CheckpointError(
-        f"{found} {path} ({where(manifest)}), {kind} checkpoint, and this is a {run} run; "
-        f"give this run {'its own --save-dir' if not cfg.resume else 'a checkpoint of its kind'}"
-        f", or start from that one on purpose with --resume {path}")
 
 
 def resume_line(path, manifest):

@@ -83,9 +83,10 @@ def exit_code():
     return 0 if STOP["stopped"] is None else STOP["stopped"].exit_code()
 
 
-def debug_hook(epoch):
-    """The MPIPS_DEBUG_SIGNAL_AT hook for ``epoch`` (a trainer's on_step), or None."""
-    spec = os.environ.get(DEBUG_SIGNAL_AT, "").split(":")
+def debug_hook(epoch, spec):
+    """The MPIPS_DEBUG_SIGNAL_AT hook for ``epoch`` (a trainer's on_step), or None; ``spec``:
+    the variable's value split at ':' (read at the entry point: ``mpips.job.hooks``)."""
+    spec = list(spec)
     if len(spec) < 3 or int(spec[1]) != epoch:
         return None
     sig, at = getattr(signal, "SIG" + spec[0]), int(spec[2])

@@ -24,22 +24,17 @@ SIGTERM, SIGINT or SIGUSR1 (e.g. from Slurm before a requeue) ends the loop afte
 pass (``mpips.job.stop``), exiting 0.
 """
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
 
-from mpips import checkpoint as ck
 from mpips.comm.backoff import PASS, Backoff
 from mpips.data.files import resolve_paths
 from mpips.serving.exports import export_checkpoint
 from mpips.job.report import epoch_record, pass_line
-from mpips.job.resume import resume_point
 from mpips.job.stop import STOP
 from mpips.job.tracking import open_tensorboard
 
-KILL_AT = "MPIPS_DEBUG_KILL_AT"     # test aid: "PASS:N" SIGKILLs the logging worker (or the
-                                    # local process) after its N-th batch of that pass
 WAIT_REPORT_EVERY = 300.0   # seconds between the lines of a stream waiting for its next pass
 
 
@@ -156,18 +151,19 @@ def passes_behind(root, name):
     return f"{n} pass{'es' if n > 1 else ''} behind the newest ready one ({later[-1]})"
 
 
-def run_stream(cfg, backend, log):
-    """The loop above; `backend` does the work (local or distributed). Returns records."""
-    with open_tensorboard(cfg, backend) as tb:
-        return _passes(cfg, backend, log, tb)
+def run_stream(plan, backend, log):
+    """The loop above for a RunPlan; `backend` does the work (local or distributed).
+    Returns records."""
+    with open_tensorboard(plan.cfg, backend) as tb:
+        return _passes(plan, backend, log, tb)
 
 
-def _passes(cfg, backend, log, tb):
-    path, done = resume_point(cfg)
+def _passes(plan, backend, log, tb):
+    cfg, done = plan.cfg, plan.last_pass
     prev_day = None if done is None else done[:8]
     feed = None
     if backend.is_logger:
-        late = ck.read_manifest(path)["meta"].get("passes_late", []) if path else []
+        late = plan.manifest["meta"].get("passes_late", []) if plan.resume else []
         feed = PassFeed(cfg.stream, done, cfg.late_pass, _warn, late, say=log)
     records = []
     admitted_before = backend.stats().get("admitted_total", 0)
@@ -183,7 +179,7 @@ def _passes(cfg, backend, log, tb):
             evicted = backend.shrink(cfg.shrink_threshold)
         files = p.files()
         test_m = backend.evaluate(files)
-        backend.trainer.on_step = _killer(p.name) if backend.is_logger else None
+        backend.trainer.on_step = plan.hooks.killer(p.name) if backend.is_logger else None
         st = backend.train(files, len(records), label=f"pass {p.name}",
                            lag=lambda name=p.name: passes_behind(cfg.stream, name))
         if cfg.save_dir:
@@ -211,18 +207,6 @@ def _passes(cfg, backend, log, tb):
         records.append(rec)
         done, prev_day = p.name, p.day
     return records
-
-
-def _killer(name):
-    """The KILL_AT hook for pass `name`, or None: a crash at an exact point, for tests."""
-    where, _, batch = os.environ.get(KILL_AT, "").rpartition(":")
-    if where != name:
-        return None
-
-    def hook(done, phase_steps):
-        if done == int(batch):
-            os.kill(os.getpid(), signal.SIGKILL)
-    return hook
 
 
 def _warn(text):

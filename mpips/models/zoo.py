@@ -34,15 +34,6 @@ def stored_name(manifest):
     return manifest.get("config", {}).get("model", DEFAULT)
 
 
-def check_model(manifest, want, where):
-    """ValueError (one line) unless checkpoint ``manifest`` holds model ``want`` (empty:
-    any)."""
-    have = stored_name(manifest)
-    if want and want != have:
-        raise ValueError(f"{where} holds a {have} model, not {want} (drop the flag or give "
-                         f"{have}, or use a {want} checkpoint)")
-
-
 def make_net(name, schema, dim, hidden, **kw):
     """Model ``name`` over a feature schema's inputs with embeddings of ``dim``."""
     return model_class(name).for_schema(schema, dim, hidden, **kw)

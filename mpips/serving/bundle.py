@@ -38,7 +38,7 @@ from mpips.checkpoint.load import _schema as shard_schema
 from mpips.checkpoint.load import resolve
 from mpips.checkpoint.manifest import CheckpointError, chain_manifests, fsync, saved_settings
 from mpips.checkpoint.save import _write_whole
-from mpips.checkpoint.compat import check_chain, check_compatible
+from mpips.checkpoint.compat import check_compatible, check_elements
 from mpips.data.criteo import make_norm
 from mpips.data.binary import load_stats
 from mpips.schema import SchemaError, stored_schema
@@ -130,14 +130,6 @@ def read_changes(elements, dim, removed=True):
         if removed:
             gone = _fold_removed(gone, e, k)
     return keys, values, gone
-
-
-def check_elements(elements):
-    """A chain [(dir, manifest)] must mean one thing throughout (every setting of
-    ``mpips.checkpoint.compat.MEANING``), and its ids this mpips's hashing (scoring and export take
-    the rest from the stored config and settings)."""
-    check_chain(elements)
-    check_compatible(elements[-1][1], elements[-1][1]["config"], skip=("norm",))
 
 
 class Snapshot:

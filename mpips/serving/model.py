@@ -13,6 +13,7 @@ import threading
 import numpy as np
 
 import mpips.serving.bundle as bd
+from mpips.config import parse_fc
 from mpips.data.criteo import make_norm
 from mpips.kernels.hashmap import lookup_rows, read_rows, rebuild_slots
 from mpips.kernels.pooling import pool_forward
@@ -42,7 +43,7 @@ class ServingModel:
 
     def __init__(self, keys, values, dense, model, data, version=None, slots=None, schema=None):
         self.dim = int(model["embedding_dim"])                   # table row width
-        hidden = tuple(int(x) for x in str(model["fc"]).split(",") if x.strip())
+        hidden = parse_fc(model["fc"])
         self.model_cfg, self.data, self.version = dict(model), dict(data), dict(version or {})
         self.name = self.model_cfg.get("model", "dnn")
         try:

@@ -1,0 +1,149 @@
+"""The run worked out once: ``make_plan`` resolves a Config into a :class:`RunPlan`.
+
+``python -m mpips.train`` makes the plan at the top (on every rank; the checkpoint to
+continue from is chosen by rank 0) and passes it down: the feature schema (``--schema``
+read once, ``--pipe-command`` applied), the hidden sizes (``--fc`` parsed once), the
+network, the width of one process's dense step, the sync rule, the checkpoint to continue
+from with its manifest and position (checked once against the run: ``mpips.checkpoint.compat``
+and ``mpips.job.resume``), the data files, and the debug hooks read from the environment
+at the entry point (``mpips.job.hooks``).  The parts below take the fields they read: the
+trainer its :func:`trainer_settings`, the readers the plan's schema.
+"""
+import dataclasses
+from dataclasses import dataclass, field
+
+from mpips.checkpoint.compat import check_kind, check_resume
+from mpips.comm.cluster import default_servers
+from mpips.checkpoint.manifest import chain_manifests
+from mpips.config import Config
+from mpips.data.files import resolve_paths
+from mpips.job.build import make_model, make_schema, resolve_data
+from mpips.job.hooks import NONE, Hooks
+from mpips.job.resume import checked_meta, choose_at_start, first_rank_decides, pin, start_point
+from mpips.schema import Schema
+from mpips.tables.ownership import plan_keys
+from mpips.worker.trainer import GeoTrainer, Trainer
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """The settings a Trainer (and a GeoTrainer) reads: no more of the Config."""
+    print_every: int
+    entry: str                  # --entry: admission (pulls carry occurrence counts)
+    row_clip: float
+    row_clip_floor: float
+    sync_sparse_lr: str
+    optimizer: str              # GEO: the worker's local optimizer
+    lr: float
+    adagrad_init: float
+    seed: int
+    init_range: float
+    geo_steps: int
+    stream: str                 # GEO: rounds end at --save-every points of batch runs
+    save_dir: str
+    save_steps: int
+
+
+def trainer_settings(cfg) -> TrainerSettings:
+    return TrainerSettings(**{f.name: getattr(cfg, f.name)
+                              for f in dataclasses.fields(TrainerSettings)})
+
+
+def is_sync(cfg):
+    """Do the servers apply steps BSP (sync mode, or ssp with staleness 0)?"""
+    return cfg.mode == "sync" or (cfg.mode == "ssp" and cfg.staleness == 0)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    cfg: Config                   # --resume pinned to the checkpoint chosen
+    schema: Schema                # --schema (default Criteo), --pipe-command applied
+    hidden: tuple                 # --fc
+    model: object = field(compare=False, repr=False)   # the --model network over schema
+    width: int = 1                # batches one process's dense step averages: W of
+                                  # --simulate-workers W, else of --local-workers W
+    workers: int = 1              # the run's workers: the ranks less the servers, or width
+    sync: bool = False            # the servers apply steps BSP (is_sync)
+    resume: str = None            # the checkpoint directory to continue from, or None
+    manifest: dict = field(default=None, compare=False, repr=False)   # its manifest
+    start: tuple = (0, 0)         # batch run: (epoch, batches of it already trained)
+    last_pass: str = None         # stream: the last pass the checkpoint holds
+    train_files: list = None      # None until with_data (a stream: none)
+    test_files: list = None
+    hooks: Hooks = NONE
+
+    def with_data(self):
+        """This plan with its file lists (the embedded dataset made on first use: one rank
+        makes it, the others wait for it); unchanged when they are known or a stream."""
+        if self.train_files is not None:
+            return self
+        train, test = ([], []) if self.cfg.stream else resolve_data(self.cfg)
+        start = self.start
+        if self.resume and not self.cfg.stream:     # a mid-epoch position, against them
+            start = start_point(self.cfg, self.resume, self.manifest, train, self.workers,
+                                piped=bool(self.schema.pipe_command))
+        return dataclasses.replace(self, train_files=train, test_files=test, start=start)
+
+
+def make_plan(cfg, comm=None, hooks=NONE):
+    """The RunPlan of ``cfg`` (see the module docstring).  The checkpoint to continue from is
+    chosen once, on rank 0 of ``comm`` (the newest in a root whose whole chain verifies),
+    and pinned as ``--resume`` so that every rank loads that one; its chain must agree with
+    itself and with this run on every setting that changes what its numbers mean, and its
+    position must lie in this run (and in its data, when they are given).  Raises
+    ValueError (CheckpointError, SchemaError) with the fix."""
+    schema = make_schema(cfg)            # a bad --schema file fails here, before any work
+    if not schema.label:
+        raise ValueError(f"{cfg.schema or 'the schema'}: label = \"\" (no label): training "
+                         f"needs each example's 0/1 label; name its column or slot (scoring "
+                         f"without labels is for python -m mpips.infer and serving)")
+    path = first_rank_decides(comm, lambda: choose_at_start(cfg))
+    elements = manifest = None
+    if path:
+        elements = chain_manifests(path)          # read once: its last is path's manifest
+        manifest = elements[-1][1]
+        check_kind(cfg, path, manifest)           # before pinning: --resume naming it allows it
+    cfg = pin(cfg, path)
+    train, test = _given_files(cfg)
+    width = cfg.simulate_workers or cfg.local_workers
+    workers = width
+    if comm is not None and comm.size > 1:
+        workers = comm.size - (cfg.servers or default_servers(comm.size))
+    start, last_pass = (0, 0), None
+    if cfg.resume:
+        check_resume(elements, cfg, schema)
+        last_pass = checked_meta(path, manifest, cfg).get("pass")
+        start = start_point(cfg, path, manifest, train, workers, piped=bool(schema.pipe_command))
+    hidden = cfg.hidden
+    return RunPlan(cfg=cfg, schema=schema, hidden=hidden,
+                   model=make_model(cfg, schema, hidden),
+                   width=width, workers=workers, sync=is_sync(cfg),
+                   resume=path, manifest=manifest, start=start, last_pass=last_pass,
+                   train_files=train, test_files=test, hooks=hooks)
+
+
+def _given_files(cfg):
+    """(--train files, --test files) when --train names files that resolve, else (None, None):
+    the embedded dataset (made at the run's start), a stream, or paths the run reports."""
+    if cfg.stream or not cfg.train:
+        return None, None
+    try:
+        return resolve_paths(cfg.train), (resolve_paths(cfg.test) if cfg.test else [])
+    except OSError:
+        return None, None
+
+
+def make_trainer(cfg, model, ps, n_servers, log=None, replica=None, n_workers=1,
+                 dense_sync=None, client=False):
+    """The Trainer of ``cfg``'s run (GEO: a GeoTrainer of ``n_workers``' deltas) of ``model``
+    against parameter store ``ps``, its ids planned over ``n_servers``; ``replica``: the
+    dense weights it trains (GEO: none, it keeps its own).  ``client``: ``ps`` is the
+    servers (a PSClient), so --overlap-pull and the servers' sync rule apply; in one process
+    (a LocalPS) they do not."""
+    settings = trainer_settings(cfg)
+    plan_fn = (lambda ids: plan_keys(ids, n_servers))
+    if cfg.mode == "geo":
+        return GeoTrainer(settings, model, ps, plan_fn, log=log, n_workers=n_workers)
+    return Trainer(settings, model, ps, plan_fn, log=log, replica=replica,
+                   overlap=client and cfg.mode == "async" and cfg.overlap_pull,
+                   dense_sync=dense_sync, sync=client and is_sync(cfg))
