@@ -242,12 +242,55 @@ SMALL = {"--rows": 4000, "--test-rows": 1000, "--synth-rows": 4000, "--synth-tes
 FIRST_OF_LIST = ("--real", "--sim", "--sync", "--seeds", "--runs")
 
 
+def slurm_up():
+    """True if a Slurm controller answers (sinfo), as on a cluster or under .ci/run."""
+    if not shutil.which("sinfo"):
+        return False
+    try:
+        return subprocess.run(["sinfo"], capture_output=True, timeout=20).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+# commands that serve until stopped: started, given SERVE_SECONDS, and stopped
+SERVERS = re.compile(r"(^|\s)(python -m mpips\.serve|tensorboard)\b")
+SERVE_SECONDS = 30
+
+
+def run_one(cmd, cwd, timeout):
+    """(status, detail) of one command run with bash in cwd; a server (SERVERS) passes if it
+    is still up after SERVE_SECONDS (then it is stopped with SIGTERM) or exits 0."""
+    serving = bool(SERVERS.search(cmd))
+    p = subprocess.Popen(["bash", "-c", cmd], cwd=cwd, env=run_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=SERVE_SECONDS if serving else timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 15)
+        try:
+            out, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 9)
+            out, err = p.communicate()
+        if serving:
+            return "pass", f"a server: up for {SERVE_SECONDS} s, then stopped"
+        return "FAIL", f"timeout after {timeout} s"
+    if p.returncode == 0:
+        return "pass", ""
+    return "FAIL", f"exit {p.returncode}: " + (err.strip() or out.strip())[-600:]
+
+
 def skip_reason(cmd):
     """Why a command cannot run here, or None."""
     if re.search(r"(^|\s)\.\.\.(\s|$)", cmd) or re.search(r"<[^>]+>", cmd):
         return "a placeholder (... or <...>) stands for the user's own arguments"
-    if cmd.startswith("sbatch ") and not shutil.which("sbatch"):
+    if cmd.startswith("sbatch ") and not slurm_up():
         return "needs a Slurm cluster (tests/test_slurm.py runs the scripts on a local one)"
+    m = re.match(r"^(\w+)\s", cmd)
+    if m and m.group(1) in ("tensorboard",) and not shutil.which(m.group(1)):
+        return f"needs the {m.group(1)} program, not installed here"
+    if "--tensorboard" in cmd and not have_module("tensorboardX"):
+        return "needs the tensorboard extra (tensorboardX), not installed here"
     if "local_cluster.sh" in cmd or "MPIPS_REQUIRE_SLURM=1" in cmd or "SLURM_CONF" in cmd:
         return "needs root, apt and a local Slurm (.ci/run starts one)"
     if re.search(r"bench/(bench_vs_torch|torch_ref)\.py", cmd) and not have_module("torch"):
@@ -339,8 +382,13 @@ REPO_LINKS = ("mpips", "data_prep", "bench", "tests", "tools", "jobs", ".ci", ".
 
 
 def repo_status():
-    return subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
-                          text=True).stdout
+    """What a command might write into the repository: files not tracked (and not ignored),
+    and tracked files other than sources and pages (a plot, a JSON), as git sees them.
+    (Edits of .py and .md files are left out: those are a developer's, made meanwhile.)"""
+    out = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
+                         text=True).stdout
+    return "\n".join(line for line in out.splitlines()
+                     if line.startswith("??") or not line.endswith((".py", ".md")))
 
 
 def run_commands(pages, timeout, keep, log=print):
@@ -380,18 +428,10 @@ def run_commands(pages, timeout, keep, log=print):
                     continue
                 small, notes = in_small(cmd, sandbox)
                 t0 = time.perf_counter()
-                try:
-                    r = subprocess.run(["bash", "-c", small],
-                                       cwd=sandbox, env=run_env(), capture_output=True,
-                                       text=True, timeout=timeout)
-                    status = "pass" if r.returncode == 0 else "FAIL"
-                    detail = "" if status == "pass" else \
-                        f"exit {r.returncode}: " + (r.stderr.strip() or r.stdout.strip())[-600:]
-                except subprocess.TimeoutExpired:
-                    status, detail = "FAIL", f"timeout after {timeout} s"
+                status, detail = run_one(small, sandbox, timeout)
                 dt = time.perf_counter() - t0
-                if notes and status == "pass":
-                    detail = "; ".join(notes)
+                if status == "pass":
+                    detail = "; ".join(notes + ([detail] if detail else []))
                 now = repo_status()
                 if now != before:                  # a command wrote into the repository
                     status, detail = "FAIL", "changed the repository: " + " ".join(
