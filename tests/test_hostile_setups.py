@@ -119,6 +119,20 @@ def test_hanging_pipe_under_mpirun_fails_the_job(tiny_data, tmp_path, script):
     assert gone(word), processes_with(word)
 
 
+def test_worker_waiting_on_its_pipe_answers_the_status_dump(tiny_data, tmp_path):
+    """--pipe-timeout above --peer-timeout: the servers time out first, and their dump
+    shows each worker waiting for its pipe's file (not NO ANSWER)."""
+    word, cmd = marker_cmd(tmp_path, "head -n 1500; exec sleep WORD")
+    proc = run_cmd(["-m", "mpips.train", "--train", tiny_data[0], "--fc", "16", "--epochs", "1",
+                    "--peer-timeout", "3", "--pipe-command", cmd, "--pipe-timeout", "60"],
+                   n=4, timeout=3 + 5 + SLACK)
+    assert proc.returncode != 0 and "PeerTimeout" in proc.stderr, proc.stderr[-2000:]
+    assert re.search(r"rank [23] \(worker [01]\): reading data: waiting for the next batch of "
+                     r"\S+part-\d+\.txt \(its --pipe-command\) \[for \d", proc.stderr)
+    assert "NO ANSWER" not in proc.stderr
+    assert gone(word), processes_with(word)
+
+
 def test_hanging_pipe_local_cli(tiny_data, tmp_path):
     word, cmd = marker_cmd(tmp_path, "cat; exec >&-; sleep WORD")
     t0 = time.monotonic()

@@ -34,6 +34,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +49,7 @@ from mpips.schema import Schema
 PREFETCH_DEPTH = 4  # batches queued ahead by the prefetch thread
 PUT_POLL_SECONDS = 0.1  # producer re-checks for close() this often when the queue is full
 GET_POLL_SECONDS = 1.0  # consumer re-checks that the producer is alive this often
+WAIT_POLL_SECONDS = 0.05  # and calls on_wait this often, when set
 EXAMPLES_KEPT = 5  # bad-line examples kept per file in stats
 
 
@@ -246,6 +248,9 @@ class DataReader:
         self._stop = threading.Event()
         self._thread = None
         self._queue = None
+        self.current = ""   # the file being read (set by the prefetch thread)
+        self.on_wait = None     # on_wait(t0): called while the consumer waits for a batch
+                                # since time.monotonic() t0 (a worker answers status requests)
 
     # ---- parsing (runs in the prefetch thread when prefetch=True) ----
     def _parse(self, fmt: str, data: bytes) -> criteo.ParseResult:
@@ -468,6 +473,7 @@ class DataReader:
                                       timeout=self.pipe_timeout)
         try:
             for path in self.files:
+                self.current = str(path)
                 if not isinstance(path, Span) and os.path.isdir(path):
                     yield from self._iter_part(path)
                     continue
@@ -515,13 +521,19 @@ class DataReader:
         return False
 
     def _consume(self, q: queue.Queue, thread: threading.Thread):
+        poll = GET_POLL_SECONDS if self.on_wait is None else WAIT_POLL_SECONDS
+        t0 = None
         while True:
             try:
-                item = q.get(timeout=GET_POLL_SECONDS)
+                item = q.get(timeout=poll)
             except queue.Empty:
                 if not thread.is_alive() and q.empty():
                     raise RuntimeError("data prefetch thread stopped without finishing")
+                if self.on_wait is not None:
+                    t0 = time.monotonic() if t0 is None else t0
+                    self.on_wait(t0)
                 continue
+            t0 = None
             if isinstance(item, Batch):
                 yield item
             elif item[0] == "end":

@@ -18,7 +18,7 @@ from mpips.job.build import batch_line, global_batch, make_reader, make_tables, 
 from mpips.comm.cluster import Cluster, default_servers
 from mpips.config import SAVE_MODES
 from mpips.data.files import eval_files, worker_files
-from mpips.comm.liveness import wait_collective
+from mpips.comm.liveness import WATCH, wait_collective
 from mpips.metrics import BinaryMetrics
 from mpips.tables.ownership import dense_bounds
 from mpips.job.progress import make_progress
@@ -200,6 +200,8 @@ class DistBackend:
                      f"files, or plain text files")
         reader = make_reader(self.cfg, mine, worker_batch(self.cfg, self.W, self.wi), log_line,
                              (epoch, self.wi), schema=self.schema) if mine else None
+        if reader is not None:
+            reader.on_wait = _answering(reader)
         prog = None
         if reader is not None and self.is_logger:
             prog = make_progress(self.cfg, [reader], label or f"epoch {epoch}",
@@ -274,6 +276,7 @@ class DistBackend:
         if mine:
             reader = make_reader(self.cfg, mine, worker_batch(self.cfg, self.W, self.wi),
                                  log_line, schema=self.schema)
+            reader.on_wait = _answering(reader)
             try:
                 local = self.trainer.evaluate(reader)
             finally:
@@ -396,6 +399,18 @@ class StopVote:
         self.mine[0] = STOP["flag"]
         self.req = self.comm.Iallreduce(self.mine, self.out, op=MPI.MAX)
         return self._answer()
+
+
+def _answering(reader):
+    """A reader's on_wait: while this worker waits for its next batch (a slow disk, a
+    --pipe-command), it answers status requests, saying what it waits for, so that a
+    dump shows the file instead of NO ANSWER."""
+    def on_wait(t0):
+        pipe = " (its --pipe-command)" if reader.schema.pipe_command else ""
+        WATCH.waiting(f"reading data: waiting for the next batch of {reader.current}{pipe} "
+                      f"[for {time.monotonic() - t0:.1f} s]", timed=False)
+        WATCH.poll()
+    return on_wait
 
 
 def staged(comm, hosts, fn):
