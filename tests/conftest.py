@@ -37,3 +37,26 @@ def tiny_data(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny")
     generate(str(out), rows=16000, parts=8, seed=3, test_rows=4000)
     return str(out / "train"), str(out / "test")
+
+
+# --- the suite's parts: `pytest -m unit` (in-process, seconds), `-m e2e` (starts python
+# processes), `-m mpi` (starts mpiexec).  A file's part is read from its text, so a new test
+# file is placed without a list to keep: a file that starts mpiexec anywhere is `mpi`, one
+# that starts other processes `e2e`, the rest `unit`.
+_SPAWNS_MPI = ("mpiexec", "mpirun", "n=2", "n=3", "n=4", "n=5", "n=6", "n=8", "srun", "sbatch")
+_SPAWNS = ("run_cmd(", "subprocess", "Popen", "os.fork", "multiprocessing")
+_PART = {}
+
+
+def suite_part(path):
+    """'mpi', 'e2e' or 'unit' for the test file at ``path``."""
+    if path not in _PART:
+        text = Path(path).read_text(encoding="utf-8")
+        _PART[path] = ("mpi" if any(s in text for s in _SPAWNS_MPI) else
+                       "e2e" if any(s in text for s in _SPAWNS) else "unit")
+    return _PART[path]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(getattr(pytest.mark, suite_part(str(item.fspath))))
