@@ -30,7 +30,6 @@ from mpips.serving.live import Live, Serving
 from mpips.serving.model import ServingModel
 
 MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
-CHILD_ENV = "MPIPS_SERVE_CHILD"
 HEADER = 7                 # kind, rows, slots, params, dim, meta bytes, port
 
 
@@ -74,7 +73,7 @@ def relaunch(n, argv):
     exe = exe if os.path.exists(exe) else shutil.which("mpiexec")
     if exe is None:
         raise RuntimeError("--processes needs mpiexec (pip install 'mpips[mpich]')")
-    env = dict(os.environ, **{CHILD_ENV: "1"})
+    env = dict(os.environ)
     for k in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env.setdefault(k, "1")
     sys.stdout.flush()
