@@ -472,8 +472,9 @@ def test_sigterm_finishes_the_request_in_flight(criteo):
 
 
 def test_processes_share_the_table_and_each_swaps(criteo, tmp_path):
-    """--processes 2: one port, both processes answer, each takes the new version; the
-    scores are Predictor's; SIGTERM ends both (exit 0)."""
+    """--processes 2 (the server re-runs itself under mpiexec): one port, both processes
+    answer, each takes the new version; the scores are Predictor's; SIGTERM ends both
+    (exit 0)."""
     folder = tmp_path / "exports"
     shutil.copytree(criteo["folder"], folder)
     srv = Server("--follow", str(folder), "--processes", "2", "--poll-seconds", "0.02")
