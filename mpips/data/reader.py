@@ -314,9 +314,8 @@ class DataReader:
             return cache[0]
         header = None
         if begin > 0 and self.text is not None and self.text.needs_header:
-            for data, _, _ in iter_chunks(span.path, self.chunk_bytes):
-                header = _split_header(data)[0]
-                break
+            with open(span.path, "rb") as f:            # (a span is a plain file)
+                header = f.readline(MAX_LINE_BYTES)
         return stream, base, header
 
     def iter_parsed(self, path, parse=None, stream=None):
