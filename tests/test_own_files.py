@@ -261,6 +261,15 @@ def test_bad_values_are_shown_criteo_and_slot(tmp_path):
     msgs = []
     list(DataReader(str(p), 4, fmt="slot", warn=msgs.append, prefetch=False))
     assert msgs[0].endswith(f"bad value in token 2: {line.split()[1].decode()!r}"), msgs
+    (tmp_path / "m.toml").write_text('format = "multislot"\nfields = ["click", "price", "site"]\n'
+                                     'label = "click"\n[[dense]]\nnames = ["price"]\n'
+                                     'norm = "none"\n[[sparse]]\nnames = ["site"]\n')
+    p.write_bytes(b"1 1 1 2.5 2 7 9\n1 0 1 x5 1 7\n")
+    msgs = []
+    rd = DataReader(str(p), 4, schema=load_schema(str(tmp_path / "m.toml")), prefetch=False,
+                    warn=msgs.append)
+    assert sum(len(b) for b in rd) == 1
+    assert msgs == [f"{p}:2: malformed line skipped: bad value of 'price': 'x5'"], msgs
 
 
 def test_missing_column_and_wrong_delimiter_messages(tmp_path):

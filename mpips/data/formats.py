@@ -165,6 +165,18 @@ def delimiter_for(line: str, n: int, delimiter: str):
     return None
 
 
+def multislot_values(line: bytes, f: int):
+    """The values of field ``f`` of a MultiSlot line (``count v1 .. vcount`` per field),
+    space-separated, or None."""
+    toks, pos, vals = line.split(), 0, None
+    for _ in range(f + 1):
+        if pos >= len(toks) or not toks[pos].isdigit():
+            return None
+        c = int(toks[pos])
+        vals, pos = toks[pos + 1:pos + 1 + c], pos + 1 + c
+    return b" ".join(vals) if vals else None
+
+
 def shown(value) -> str:
     """A field's bytes as a message shows them: repr of the text, cut at 40 characters."""
     t = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
@@ -239,6 +251,8 @@ class TextFormat:
         if fmt == "slot" and reason == B.BAD_VALUE and 0 <= detail < len(self.names):
             return slot_value(line, self.names[detail],
                               self.schema.token_order == "slot:feasign")
+        if fmt == "multislot" and reason == B.BAD_VALUE:
+            return multislot_values(line, detail)
         if fmt == "criteo" and reason in (K.BAD_INT, K.BAD_LABEL):
             k = detail if reason == K.BAD_INT else 0
             return field_of(line, k - (0 if self.has_label else 1),
