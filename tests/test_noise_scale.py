@@ -32,6 +32,27 @@ def test_estimates_are_unbiased_for_known_gradient_moments():
     assert np.mean(naive) - G @ G == pytest.approx(np.sum(sd ** 2) / (k * b), rel=0.05)
 
 
+def test_estimates_stay_unbiased_with_parts_of_unequal_size():
+    """Parts of 9, 8, 8 and 3 examples (a --global-batch remainder, a short last batch):
+    with b the harmonic mean of the sizes, DenseStep's pair averages to |G|^2 and
+    tr(Sigma)."""
+    from mpips.worker.dense_sync import noise_pair
+    rng = np.random.default_rng(2)
+    d, sizes = 20, np.array([9, 8, 8, 3])
+    G = rng.normal(size=d) * 0.3
+    sd = rng.uniform(0.5, 2.0, d)
+    b, B = len(sizes) / np.sum(1 / sizes), sizes.sum()
+    pairs = []
+    for _ in range(4000):
+        parts = [(G + rng.normal(size=(n, d)) * sd).sum(0) for n in sizes]
+        small = np.mean([np.sum((p / n) ** 2) for p, n in zip(parts, sizes)])
+        big = np.sum((np.sum(parts, 0) / B) ** 2)
+        pairs.append(noise_pair(small, big, b, B))
+    g2, tr = np.mean(pairs, 0)
+    assert g2 == pytest.approx(G @ G, rel=0.05)
+    assert tr == pytest.approx(np.sum(sd ** 2), rel=0.02)
+
+
 def curve(bnoise, n=1_000_000, points=40):
     """A run record with a constant B_noise and a test AUC linear in the examples."""
     xs = np.linspace(0, n, points)
@@ -53,17 +74,16 @@ def test_prediction_matches_the_closed_form_at_a_constant_noise_scale(bnoise):
 
 # ---- the noise scale a training job reports (mpips.worker.dense_sync.DenseStep) ----------
 def reference_blocks(steps, block):
-    """Plain numpy float64: per block of `block` counted steps (a step counts when its
-    parts, (n, summed gradient) each, are >= 2 and all of one size), the sums of the two
-    estimates."""
+    """Plain numpy float64: per block of `block` counted steps (a step counts when it has
+    >= 2 parts, (n, summed gradient) each; b is the parts' harmonic mean size), the sums of
+    the two estimates."""
     out, count = [], 0
     for parts in steps:
-        ns = {n for n, _ in parts}
-        if len(parts) < 2 or len(ns) != 1:
+        if len(parts) < 2:
             continue
-        b = ns.pop()
-        B = b * len(parts)
-        small = np.mean([np.sum((g.astype(np.float64) / b) ** 2) for _, g in parts])
+        ns = np.array([n for n, _ in parts], np.float64)
+        b, B = len(ns) / np.sum(1 / ns), np.sum(ns)
+        small = np.mean([np.sum((g.astype(np.float64) / n) ** 2) for n, g in parts])
         tot = np.sum([g.astype(np.float64) for _, g in parts], axis=0) / B
         big = np.sum(tot ** 2)
         if count % block == 0:
@@ -84,7 +104,8 @@ def test_dense_step_noise_blocks_match_numpy_and_shards_add_up():
     n_steps = NOISE_BLOCK * (NOISE_BLOCKS + 1) + 7  # more blocks than are reported
     steps = [[(32, ((mean * (1 + t % 3) + rng.normal(size=P)) * 32).astype(np.float32))
               for _ in range(4)] for t in range(n_steps)]
-    steps.insert(2, [(32, steps[0][0][1]), (7, steps[0][1][1])])   # a short part: skipped
+    steps.insert(2, [(32, steps[0][0][1]), (7, steps[0][1][1])])   # a short part: counted
+    steps.insert(3, [(33, steps[0][2][1]), (32, steps[0][3][1])])   # a G % W remainder
     steps.insert(4, [(32, steps[1][0][1])])                          # one part: skipped
     whole = DenseStep(DenseTable(np.zeros(P), OptimizerConfig("sgd", lr=0.1)))
     shards = [DenseStep(DenseTable(np.zeros(P), OptimizerConfig("sgd", lr=0.1)), lo, hi)

@@ -51,7 +51,8 @@ def sq_mean(grad_sum, n):
 
 def noise_pair(small, big, b, B):
     """McCandlish et al.'s unbiased (|G|^2, tr(Sigma)) from mean |G_b|^2 over batches of b
-    examples (``small``) and |G_B|^2 of their union of B examples (``big``)."""
+    examples (``small``; batches of unequal sizes: b their harmonic mean) and |G_B|^2 of
+    their union of B examples (``big``)."""
     return (B * big - b * small) / (B - b), (small - big) / (1.0 / b - 1.0 / B)
 
 
@@ -66,7 +67,8 @@ class DenseStep:
     ``|G|^2 = (B |G_B|^2 - b mean|G_b|^2) / (B - b)`` and
     ``tr(Sigma) = (mean|G_b|^2 - |G_B|^2) / (1/b - 1/B)``.  Both are sums over the
     weights, so the workers' shards add up to the whole vector's.  They are summed over
-    blocks of NOISE_BLOCK counted steps (parts of unequal size skipped) on [lo, hi);
+    blocks of NOISE_BLOCK counted steps on [lo, hi) (parts of unequal sizes b_i: b is
+    their harmonic mean, which keeps both unbiased);
     :meth:`noise` gives the last NOISE_BLOCKS blocks, and B_noise is the median of the
     blocks' tr(Sigma) / |G|^2 (:func:`mpips.job.report.noise_scale`; a median, so that a few
     steps with a large mean gradient cannot pull it down).  B_noise is the batch beyond
@@ -105,10 +107,14 @@ class DenseStep:
         return self.examples
 
     def _count_noise(self):
-        k, b = len(self._parts), self._parts[0][0] if self._parts else 0
-        if k < 2 or any(n != b for n, _ in self._parts):
+        k = len(self._parts)
+        if k < 2:
             return
-        B = k * b
+        # parts of unequal size (a --global-batch remainder, a short last batch): the mean
+        # of |G_bi|^2 has expectation |G|^2 + tr(Sigma) mean(1 / b_i), so b is their
+        # harmonic mean and the estimates stay unbiased
+        B = sum(n for n, _ in self._parts)
+        b = k / sum(1.0 / n for n, _ in self._parts)
         small = sum(sq for _, sq in self._parts) / k
         big = sq_mean(self.total, B)
         if not self._blocks or self._in_block == NOISE_BLOCK:
