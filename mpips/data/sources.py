@@ -253,14 +253,14 @@ def _register(op: str, group: int) -> None:
     global _guard
     with _lock:
         (_live.add if op == "+" else _live.discard)(group)
+        lines = f"{op}{group}\n"
         if _guard is None or _guard.poll() is not None:
             _guard = subprocess.Popen([sys.executable, "-I", "-S", "-c", _GUARD_CODE],
                                       stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL, start_new_session=True)
-            _guard.stdin.write("".join(f"+{g}\n" for g in _live).encode())
-        else:
-            _guard.stdin.write(f"{op}{group}\n".encode())
+            lines = "".join(f"+{g}\n" for g in _live)     # all that live, to a new guard
         try:
+            _guard.stdin.write(lines.encode())
             _guard.stdin.flush()
         except OSError:  # the guard is gone: the next registration starts another
             pass
