@@ -219,8 +219,9 @@ def test_sigterm_to_mpiexec_sync_then_resume_auto_equals_the_uninterrupted_run(t
 
 def test_a_signal_to_one_worker_stops_every_rank_at_the_same_step(tiny_data, tmp_path):
     """Only worker 0 gets SIGUSR1, after its batch 5 (async, 2 servers x 2 workers): the
-    workers' vote stops all of them after batch 6, a checkpoint is saved there, every rank
-    exits 75; the resumed run trains exactly the rest of the data."""
+    others hear of it with the next step's dense exchange and all stop after batch 6, a
+    checkpoint is saved there, every rank exits 75; the resumed run trains exactly the rest
+    of the data."""
     from tests.test_modes import metrics
     p = stop_run(tiny_data, tmp_path / "cut", n=4, signal_at="USR1:0:5")
     assert p.returncode == 75, p.stderr[-3000:]

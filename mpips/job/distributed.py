@@ -166,9 +166,7 @@ class DistBackend:
         self.lineage = ck.Lineage(cfg.save_dir, loaded) if cfg.save_dir and wi == 0 else None
         self.warned = False         # told the user this worker has no files
         self.fetched = False        # the dense replica holds the servers' values
-        self.vote = StopVote(wcomm.Dup() if W > 1 else None)
-        lockstep = trainer.replica is not None          # every worker steps together
-        trainer.should_stop = self.vote if lockstep else (lambda: STOP["flag"])
+        trainer.should_stop = lambda: STOP["flag"]     # heard by all with the dense exchange
 
     def _replica_ready(self):
         """At first use, start the dense replica from the servers' dense slices: the seed's
@@ -215,7 +213,6 @@ class DistBackend:
         finally:
             if reader is not None:
                 reader.close()
-        self.vote.close()
         if prog is not None:
             prog.finish(st.examples, st.loss_sum)
         self.client.barrier()                      # every worker's pushes are applied
@@ -349,56 +346,11 @@ class DistBackend:
     def stop_now(self):
         """Has a stop signal come to any worker (mpips.job.stop)?  Every worker asks, in
         step (between epochs); all get one answer."""
-        return self.vote.now()
+        return bool(self._sum(np.array([STOP["flag"]], np.float64))[0])
 
     def emit(self, rec):
         if self.is_logger:
             write_metrics(self.cfg.metrics_out, rec)
-
-
-class StopVote:
-    """The workers' agreement to stop (mpips.job.stop): every worker calls it at each step
-    boundary, in step, and all get the same answer: has any worker's stop flag been raised?
-
-    A step's vote (an Iallreduce of the flags on a communicator of its own) is answered at
-    the next step boundary, so it never waits on a step's compute: a flag raised before
-    step t's boundary stops every worker after step t + 1.  ``comm`` None (one worker):
-    the flag itself."""
-
-    def __init__(self, comm=None):
-        self.comm, self.req = comm, None
-        self.mine, self.out = np.zeros(1, np.int64), np.zeros(1, np.int64)
-
-    def __call__(self):
-        if self.comm is None:
-            return STOP["flag"]
-        agreed = self._answer()
-        if not agreed:
-            self.mine[0] = STOP["flag"]
-            self.req = self.comm.Iallreduce(self.mine, self.out, op=MPI.MAX)
-        return agreed
-
-    def _answer(self):
-        """The answer of the vote in flight (False when none is)."""
-        if self.req is None:
-            return False
-        wait_collective(self.req, "Iallreduce of the workers' stop flags")
-        self.req = None
-        return bool(self.out[0])
-
-    def close(self):
-        """Complete the vote in flight (at the end of an epoch; its answer is asked again
-        by :meth:`now`, the flags being still raised)."""
-        self._answer()
-
-    def now(self):
-        """A vote answered at once (between epochs)."""
-        if self.comm is None:
-            return STOP["flag"]
-        self._answer()
-        self.mine[0] = STOP["flag"]
-        self.req = self.comm.Iallreduce(self.mine, self.out, op=MPI.MAX)
-        return self._answer()
 
 
 def _answering(reader):

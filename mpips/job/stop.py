@@ -4,9 +4,11 @@ The handlers (:func:`install`, on every rank) only raise a flag, ``STOP["flag"]`
 reads it where stopping is safe:
 
 * a batch run at a step boundary: every worker finishes its step, the workers agree to stop
-  at the same step (``mpips.job.distributed.StopVote``: the flags of all workers, combined
-  at each step boundary), the job saves a checkpoint there (``--save-mode``, into
-  ``--save-dir``) and every rank exits with :data:`EXIT_STOPPED` after one line;
+  after the same step (each worker's flag travels with the step's dense gradient exchange,
+  ``mpips.worker.dense_sync.DenseExchange``, so all learn it at once at no extra message;
+  between epochs a sum over the workers; GEO's workers, not in step, each stop at their
+  next round), the job saves a checkpoint there (``--save-mode``, into ``--save-dir``) and
+  every rank exits with :data:`EXIT_STOPPED` after one line;
   ``--resume auto`` continues from it exactly as from any mid-epoch save;
 * a stream after its current pass (which it saves), exiting 0 (``mpips.job.stream``).
 

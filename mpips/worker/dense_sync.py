@@ -143,7 +143,7 @@ class DenseExchange:
         self.bounds = b = shard_bounds(n_params, W)
         self.lo, self.hi = b[me], b[me + 1]
         m = self.hi - self.lo
-        sizes = [b[k + 1] - b[k] + 2 for k in range(W)]            # shard + count + more
+        sizes = [b[k + 1] - b[k] + 2 for k in range(W)]            # shard + count + flags
         offs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist()
         self.send = np.zeros(n_params + 2 * W, np.float32)        # W blocks, one per owner
         self.blocks = [self.send[o:o + z] for o, z in zip(offs, sizes)]
@@ -154,16 +154,19 @@ class DenseExchange:
         self.req = self.wreq = None
         self.step = 0
         self.wait_s = 0.0              # seconds spent waiting for the other workers
+        self.stopping = False          # some worker asked to stop after the last step
 
-    def start(self, grad_sum, n, more, step):
+    def start(self, grad_sum, n, more, step, stop=False):
         """Send each owner its shard of this worker's gradient sum over n examples (not
-        read when n = 0) and whether this worker has a batch for the next step."""
+        read when n = 0), whether this worker has a batch for the next step, and whether
+        it asks to stop after this step (a stop signal: every worker learns it with this
+        step's exchange, so all stop after the same step at no extra message)."""
         for k, blk in enumerate(self.blocks):
             m = len(blk) - 2
             if n:
                 blk[:m] = grad_sum[self.bounds[k]:self.bounds[k + 1]]
             blk[m] = n
-            blk[m + 1] = 1.0 if more else 0.0
+            blk[m + 1] = (1.0 if more else 0.0) + (2.0 if stop else 0.0)
         self.step = step
         self.req = self.comm.Ialltoallv(self.send_spec, self.recv_spec)
 
@@ -185,7 +188,9 @@ class DenseExchange:
         m = self.hi - self.lo
         for w in range(self.comm.size):
             acc.add(int(self.recv[w, m]), self.recv[w, :m])
-        return bool(self.recv[:, m + 1].any())
+        flags = self.recv[:, m + 1].astype(np.int64)
+        self.stopping = bool((flags & 2).any())
+        return bool((flags & 1).any())
 
     def share(self, values):
         """Start sending my updated shard of `values` (the live weights) to every worker;

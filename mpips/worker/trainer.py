@@ -152,13 +152,17 @@ class Trainer:
         self.on_step = None        # callable(done, phase_steps) after each step (mid-epoch saves)
         self.examples_done = None  # at on_step: (this process's examples in the phase, all
                                    # workers' when a summed dense step counts them, else None)
-        self.should_stop = None    # callable() -> bool after each step with more to come: end
-                                   # the epoch there (every worker of a step gets one answer)
+        self.should_stop = None    # callable() -> bool: this worker was asked to stop (a
+                                   # signal); with a dense exchange every worker hears of it
+                                   # with the step's gradients, and all end the epoch there
         self.progress = None       # mpips.job.progress.Progress of this phase (first worker) or None
         self.on_report = None      # callable(step, loss, auc) at each TRAIN line (TensorBoard)
         self._emb = self._grad_emb = None
         self._empty = None
         self.clipped = [0, 0]      # --row-clip: rows clipped, rows pushed
+
+    def _stop_asked(self):
+        return self.should_stop is not None and bool(self.should_stop())
 
     def times_line(self, who):
         """One line with this worker's seconds per step phase (``self.times``) and wait."""
@@ -371,7 +375,7 @@ class Trainer:
                 more = bool(nxt)
                 push = self._push(parts, n_here, step)
             else:
-                sync_d.start(self.grad_dense, n_here, bool(nxt), step)
+                sync_d.start(self.grad_dense, n_here, bool(nxt), step, self._stop_asked())
                 if not summed:                     # rows averaged over this worker
                     push = self._push(parts, n_here, step)
                 td0 = time.perf_counter()
@@ -393,7 +397,7 @@ class Trainer:
             if self.on_step is not None:           # (batches done in the epoch, in this phase)
                 self.examples_done = (st.examples, every)
                 self.on_step(skip + step + 1, step + 1)
-            if more and self.should_stop is not None and self.should_stop():
+            if more and (sync_d.stopping if sync_d is not None else self._stop_asked()):
                 more, st.stopped = False, True
                 if self.overlap and nxt:           # the next step's rows, pulled ahead
                     h.wait()
@@ -558,8 +562,8 @@ class GeoTrainer(Trainer):
             full = len(round_) == n
             n = self._round_length(skip + step, max_steps) if full else 0
             round_ = self._read_round(it, n) if n else []
-            if round_ and self.should_stop is not None and self.should_stop():
-                round_, st.stopped = [], True      # this worker's own stop (GEO: no vote)
+            if round_ and self._stop_asked():
+                round_, st.stopped = [], True      # this worker's own stop (GEO: not in step)
             self._sync(step, self._new_ids(round_))
             if self.on_step is not None:           # a save sees this round's deltas
                 self.examples_done = (st.examples, None)
