@@ -19,9 +19,9 @@ import traceback
 from mpips import checkpoint as ck
 from mpips.comm.backoff import COLLECTIVE, Backoff
 from mpips.comm.cluster import check_servers, default_servers
-from mpips.config import parse_args, split_batch
+from mpips.config import parse_args
 from mpips.job import stop
-from mpips.job.build import batch_line, make_tables
+from mpips.job.build import make_tables
 from mpips.job.hooks import Hooks
 from mpips.job.loop import LocalBackend, admission_of, inner_table, run_epochs
 from mpips.job.plan import make_plan, make_trainer
@@ -71,7 +71,7 @@ def local_backend(plan):
                  f"rows read {cfg.sim_delay} step(s) early)")
     log_line(f"mpips local: {W} worker(s), {model.n_params} dense parameters"
              f"{model_note(model)}")
-    log_line(batch_line(cfg, W))
+    log_line(plan.batch_line())
     log_line(plan.schema.describe())
     if plan.resume:
         ck.load_local(plan.resume, inner_table(ps.sparse), ps.dense, admission_of(ps.sparse))
@@ -120,10 +120,7 @@ def _main(argv):
     try:
         cfg = parse_args(argv)
         if comm.size > 1:
-            servers = cfg.servers or default_servers(comm.size)
-            check_servers(servers, comm.size)
-            if cfg.global_batch:
-                split_batch(cfg.global_batch, comm.size - servers)
+            check_servers(cfg.servers or default_servers(comm.size), comm.size)
         plan = precheck(cfg, comm, hooks)
     except ValueError as e:
         if comm.rank == 0:

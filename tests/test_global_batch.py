@@ -43,24 +43,29 @@ def test_split_batch_deals_the_remainder_to_the_first_workers():
 
 def test_batch_in_force_start_line_and_dense_rate():
     from mpips.config import parse_args
-    from mpips.job.build import batch_line, dense_lr, global_batch, worker_batch
-    cfg = parse_args(["--local", "--local-workers", "3", "--global-batch", "100"])
-    assert [worker_batch(cfg, 3, i) for i in range(3)] == [34, 33, 33]
-    assert global_batch(cfg, 3) == 100
-    assert batch_line(cfg, 3) == ("mpips: batch: --global-batch 100 over 3 worker(s): 34 for "
-                                  "worker 0, 33 for the other 2; dense learning rate 0.001")
-    assert "4096 over 8 worker(s): 512 each" in batch_line(
-        parse_args(["--global-batch", "4096"]), 8)
+    from mpips.job.build import dense_lr
+    from mpips.job.plan import make_plan
+
+    def plan(*argv):
+        return make_plan(parse_args(["--local", "--fc", "8", *argv]))
+    p = plan("--local-workers", "3", "--global-batch", "100")
+    assert p.batches == (34, 33, 33) and p.global_batch == 100
+    assert p.batch_line() == ("mpips: batch: --global-batch 100 over 3 worker(s): 34 for "
+                              "worker 0, 33 for the other 2; dense learning rate 0.001")
+    assert "4096 over 8 worker(s): 512 each" in plan("--local-workers", "8", "--global-batch",
+                                                    "4096").batch_line()
+    assert plan("--simulate-workers", "4", "--global-batch", "7").batches == (2, 2, 2, 1)
+    assert plan("--global-batch", "300").batches == (300,)       # one process: batch G
     # the dense rate follows G, not W: one process's at batch G (--lr), at any W and rule
     for rule in ("auto", "linear", "sqrt"):
         g = parse_args(["--global-batch", "4096", "--dense-lr-rule", rule])
         assert [dense_lr(g, w) for w in (1, 2, 8, 64)] == [g.lr] * 4
     assert dense_lr(parse_args(["--global-batch", "4096", "--dense-lr-scale", "2"]), 8) == 2e-3
-    plain = parse_args([])                      # --batch-size in force: by W, as before
-    assert [worker_batch(plain, 4, i) for i in range(4)] == [512] * 4
-    assert dense_lr(plain, 4) == pytest.approx(4e-3)
-    assert batch_line(plain, 4) == ("mpips: batch: --batch-size 512 a worker x 4 worker(s) = "
-                                    "global batch 2048; dense learning rate 0.004")
+    plain = plan("--local-workers", "4")          # --batch-size in force: by W, as before
+    assert plain.batches == (512,) * 4 and plain.global_batch == 2048
+    assert dense_lr(plain.cfg, 4) == pytest.approx(4e-3)
+    assert plain.batch_line() == ("mpips: batch: --batch-size 512 a worker x 4 worker(s) = "
+                                  "global batch 2048; dense learning rate 0.004")
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -14,7 +14,6 @@ from mpips.data.files import resolve_paths
 from mpips.data.reader import DataReader
 from mpips.data.binary import load_stats
 from mpips.models.zoo import make_net
-from mpips.config import split_batch
 from mpips.schema import Schema, load_schema
 from mpips.tables.admission import AdmittedTable
 from mpips.tables.dense import DenseTable
@@ -62,35 +61,6 @@ def make_reader(cfg, files, batch_size, warn, shuffle=None, norm=None, schema=No
                       cont_min=cont_min, cont_diff=cont_diff, shuffle_window=window,
                       shuffle_seed=seed, max_bad_fraction=cfg.max_bad_fraction,
                       schema=schema, has_label=has_label, pipe_timeout=cfg.pipe_timeout)
-
-
-def worker_batch(cfg, workers, i):
-    """Worker ``i``'s batch of ``workers``: its share of ``--global-batch``, else
-    ``--batch-size``."""
-    if cfg.global_batch:
-        return split_batch(cfg.global_batch, workers)[i]
-    return cfg.batch_size
-
-
-def global_batch(cfg, workers):
-    """The examples of one step over all ``workers``: ``--global-batch``, else W x
-    ``--batch-size``."""
-    return cfg.global_batch or workers * cfg.batch_size
-
-
-def batch_line(cfg, workers):
-    """The start line saying which batch flag is in force and what each worker takes."""
-    rate = f"; dense learning rate {dense_lr(cfg, workers):g}"
-    if not cfg.global_batch:
-        return (f"mpips: batch: --batch-size {cfg.batch_size} a worker x {workers} "
-                f"worker(s) = global batch {workers * cfg.batch_size}{rate}")
-    split_batch(cfg.global_batch, workers)            # G < W: the one-line error
-    q, r = divmod(cfg.global_batch, workers)
-    first = "worker 0" if r == 1 else f"workers 0-{r - 1}"
-    share = (f"{q} each" if not r else
-             f"{q + 1} for {first}, {q} for the other {workers - r}")
-    return (f"mpips: batch: --global-batch {cfg.global_batch} over {workers} worker(s): "
-            f"{share}{rate}")
 
 
 def dense_lr(cfg, n_batches):

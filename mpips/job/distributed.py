@@ -14,7 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpips import checkpoint as ck
-from mpips.job.build import batch_line, global_batch, make_reader, make_tables, worker_batch
+from mpips.job.build import make_reader, make_tables
 from mpips.comm.cluster import Cluster, default_servers
 from mpips.config import SAVE_MODES
 from mpips.data.files import eval_files, worker_files
@@ -75,7 +75,7 @@ def run_distributed(plan, comm):
         log_line(f"mpips: {comm.size} ranks, {cluster.n_servers} servers x {cluster.n_workers} "
                  f"workers, mode {cfg.mode}, {model.n_params} dense parameters"
                  f"{model_note(model)}")
-        log_line(batch_line(cfg, cluster.n_workers))
+        log_line(plan.batch_line())
         log_line(schema.describe())
         for line, pid in zip(cluster.role_map(), pids):
             log_line(f"  {line} pid {pid}")
@@ -162,6 +162,7 @@ class DistBackend:
         self.cfg, self.trainer, self.client = cfg, trainer, client
         self.schema, self.hooks = plan.schema, plan.hooks
         self.wcomm, self.wi, self.W = wcomm, wi, W
+        self.batches = plan.batches                 # every worker's: --global-batch or -size
         self.is_logger = wi == 0
         self.lineage = ck.Lineage(cfg.save_dir, loaded) if cfg.save_dir and wi == 0 else None
         self.warned = False         # told the user this worker has no files
@@ -196,7 +197,7 @@ class DistBackend:
             log_line(f"mpips: warning: worker {self.wi} has no training data ({len(files)} "
                      f"file(s) for {self.W} workers, and {why}); give at least {self.W} "
                      f"files, or plain text files")
-        reader = make_reader(self.cfg, mine, worker_batch(self.cfg, self.W, self.wi), log_line,
+        reader = make_reader(self.cfg, mine, self.batches[self.wi], log_line,
                              (epoch, self.wi), schema=self.schema) if mine else None
         if reader is not None:
             reader.on_wait = _answering(reader)
@@ -231,7 +232,7 @@ class DistBackend:
         noise = np.zeros((0, 2)) if acc is None else acc.noise()   # my shard's share
         if len(noise):                  # (every worker counted the same steps: same shape)
             noise = self._sum(noise.ravel()).reshape(-1, 2)
-        extra.update(noise_fields(noise, global_batch(self.cfg, self.W)))
+        extra.update(noise_fields(noise, sum(self.batches)))
         if self.trainer.replica is not None:
             self._replica_whole()
             extra["dense_crc"] = self._replica_crcs()
@@ -271,7 +272,7 @@ class DistBackend:
         self._replica_ready()
         local = BinaryMetrics()
         if mine:
-            reader = make_reader(self.cfg, mine, worker_batch(self.cfg, self.W, self.wi),
+            reader = make_reader(self.cfg, mine, self.batches[self.wi],
                                  log_line, schema=self.schema)
             reader.on_wait = _answering(reader)
             try:

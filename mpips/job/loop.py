@@ -11,7 +11,7 @@ import sys
 import time
 
 from mpips import checkpoint as ck
-from mpips.job.build import global_batch, make_reader, worker_batch
+from mpips.job.build import make_reader
 from mpips.data import bags
 from mpips.data.files import eval_files, readers_for, worker_files
 from mpips.data.reader import Batch, DataError
@@ -68,7 +68,7 @@ def table_hook(cfg, backend, n_workers, then=None):
     every = cfg.table_every
     if not (every and backend.is_logger):
         return then
-    per_step = global_batch(cfg, n_workers)
+    per_step = sum(backend.batches)             # the global batch
     t0, trainer = time.perf_counter(), backend.trainer
     mark = [0]
 
@@ -106,6 +106,7 @@ class LocalBackend:
         self.cfg, self.trainer, self.ps = plan.cfg, trainer, ps
         self.schema, self.hooks = plan.schema, plan.hooks
         self.W = plan.width     # the workers read as: --simulate-workers or --local-workers W
+        self.batches = plan.batches                 # theirs: --global-batch or --batch-size
         trainer.should_stop = self.stop_now
         self.lineage = ck.Lineage(self.cfg.save_dir, loaded) if self.cfg.save_dir else None
 
@@ -115,7 +116,7 @@ class LocalBackend:
         W = max(readers_for(files, self.W, split), 1)
         seed = cfg.seed if cfg.shuffle else None
         parts = [worker_files(files, W, i, seed, epoch, split) for i in range(W)] if files else []
-        readers = [make_reader(cfg, p, worker_batch(cfg, self.W, i), log_line, (epoch, i),
+        readers = [make_reader(cfg, p, self.batches[i], log_line, (epoch, i),
                                schema=self.schema)
                    for i, p in enumerate(parts)]
         prog = self.trainer.progress = make_progress(
@@ -170,7 +171,7 @@ class LocalBackend:
         for i, part in enumerate(eval_files(files, W, i, split) for i in range(W)):
             if not part:
                 continue
-            reader = make_reader(self.cfg, part, worker_batch(self.cfg, W, i), log_line,
+            reader = make_reader(self.cfg, part, self.batches[i], log_line,
                                  schema=self.schema)
             try:
                 m = self.trainer.evaluate(reader)
@@ -310,7 +311,7 @@ def _epochs(plan, backend, tb):
         rec = epoch_record(cfg, epoch, st, test_m)
         if backend.is_logger:
             log_line(summary_line(rec))
-            if line := noise_line(rec, worker_batch(cfg, n_workers, 0), bool(cfg.global_batch)):
+            if line := noise_line(rec, plan.batches[0], bool(cfg.global_batch)):
                 log_line(line)
             backend.emit(rec)
             if tb is not None:

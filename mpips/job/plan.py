@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from mpips.checkpoint.compat import check_kind, check_resume
 from mpips.comm.cluster import default_servers
 from mpips.checkpoint.manifest import chain_manifests
-from mpips.config import Config
+from mpips.config import Config, split_batch
 from mpips.data.files import resolve_paths
-from mpips.job.build import make_model, make_schema, resolve_data
+from mpips.job.build import dense_lr, make_model, make_schema, resolve_data
 from mpips.job.hooks import NONE, Hooks
 from mpips.job.resume import checked_meta, choose_at_start, first_rank_decides, pin, start_point
 from mpips.schema import Schema
@@ -63,6 +63,8 @@ class RunPlan:
     width: int = 1                # batches one process's dense step averages: W of
                                   # --simulate-workers W, else of --local-workers W
     workers: int = 1              # the run's workers: the ranks less the servers, or width
+    batches: tuple = ()           # each worker's batch: its share of --global-batch, or
+                                  # --batch-size (split_batches)
     sync: bool = False            # the servers apply steps BSP (is_sync)
     resume: str = None            # the checkpoint directory to continue from, or None
     manifest: dict = field(default=None, compare=False, repr=False)   # its manifest
@@ -71,6 +73,24 @@ class RunPlan:
     train_files: list = None      # None until with_data (a stream: none)
     test_files: list = None
     hooks: Hooks = NONE
+
+    @property
+    def global_batch(self):
+        """The examples of one step over all workers: --global-batch, or W x --batch-size."""
+        return sum(self.batches)
+
+    def batch_line(self):
+        """The start line: which batch flag is in force, what each worker takes, and the
+        dense learning rate that follows from it."""
+        cfg, W = self.cfg, len(self.batches)
+        rate = f"; dense learning rate {dense_lr(cfg, W):g}"
+        if not cfg.global_batch:
+            return (f"mpips: batch: --batch-size {cfg.batch_size} a worker x {W} "
+                    f"worker(s) = global batch {self.global_batch}{rate}")
+        q, r = divmod(cfg.global_batch, W)
+        first = "worker 0" if r == 1 else f"workers 0-{r - 1}"
+        share = f"{q} each" if not r else f"{q + 1} for {first}, {q} for the other {W - r}"
+        return f"mpips: batch: --global-batch {cfg.global_batch} over {W} worker(s): {share}{rate}"
 
     def with_data(self):
         """This plan with its file lists (the embedded dataset made on first use: one rank
@@ -109,6 +129,7 @@ def make_plan(cfg, comm=None, hooks=NONE):
     workers = width
     if comm is not None and comm.size > 1:
         workers = comm.size - (cfg.servers or default_servers(comm.size))
+    batches = split_batches(cfg, workers)          # G < W: the one-line error, here
     start, last_pass = (0, 0), None
     if cfg.resume:
         check_resume(elements, cfg, schema)
@@ -117,9 +138,17 @@ def make_plan(cfg, comm=None, hooks=NONE):
     hidden = cfg.hidden
     return RunPlan(cfg=cfg, schema=schema, hidden=hidden,
                    model=make_model(cfg, schema, hidden),
-                   width=width, workers=workers, sync=is_sync(cfg),
+                   width=width, workers=workers, batches=batches, sync=is_sync(cfg),
                    resume=path, manifest=manifest, start=start, last_pass=last_pass,
                    train_files=train, test_files=test, hooks=hooks)
+
+
+def split_batches(cfg, workers):
+    """Each of ``workers`` workers' batch: its share of ``--global-batch G`` (G // W, the
+    first G % W one more: ``config.split_batch``), else ``--batch-size``."""
+    if cfg.global_batch:
+        return tuple(split_batch(cfg.global_batch, workers))
+    return (cfg.batch_size,) * workers
 
 
 def _given_files(cfg):
