@@ -76,11 +76,13 @@ def run_label(path, recs, paths):
 
 def label_of(rec):
     """A run's short name from a record: its id's first 6 digits, model, mode, workers x
-    servers (or local), batch and lr."""
+    servers (or local), batch (bB: --batch-size B a worker; GG: --global-batch G) and lr."""
     where = (f"{rec['workers']}x{rec.get('servers', 0)}" if rec.get("workers")
              else f"local x{rec.get('local_workers') or 1}")
+    batch = (f"G{rec.get('global_batch', '?')}" if rec.get("batch_flag") == "global_batch"
+             else f"b{rec.get('batch_size', '?')}")       # --global-batch G, or a worker's
     return (f"{str(rec['run_id'])[:6]} {rec.get('model', '')} {rec.get('mode', '')} {where} "
-            f"b{rec.get('batch_size', '?')} lr{rec.get('lr', '?')}")
+            f"{batch} lr{rec.get('lr', '?')}")
 
 
 def split_runs(recs):

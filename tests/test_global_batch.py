@@ -169,3 +169,11 @@ def test_sync_at_global_batch_equals_local_at_that_batch(tiny_data, tmp_path):
     assert dist[0]["test_auc"] == pytest.approx(local[0]["test_auc"], abs=1e-6)
     assert dist[0]["test_logloss"] == pytest.approx(local[0]["test_logloss"], abs=1e-6)
     assert dist[0]["train_loss"] == pytest.approx(local[0]["train_loss"], rel=1e-6)
+
+
+def test_plot_labels_name_the_batch_in_force():
+    from mpips.plot import label_of
+    rec = {"run_id": "abcdef123", "model": "dnn", "mode": "async", "workers": 8, "servers": 2,
+           "batch_size": 512, "lr": 0.001, "global_batch": 4096}
+    assert label_of(rec | {"batch_flag": "batch_size"}) == "abcdef dnn async 8x2 b512 lr0.001"
+    assert label_of(rec | {"batch_flag": "global_batch"}) == "abcdef dnn async 8x2 G4096 lr0.001"
