@@ -40,3 +40,23 @@ def test_the_checker_finds_what_is_broken(tmp_path):
                    ("README.md", "docs/a.md#nope", "no heading with anchor #nope"),
                    ("README.md", "mpips.config.MEANING", "mpips.config has no MEANING")]
     assert check_docs.slug("The `--flag` rule, measured (2x)") == "the---flag-rule-measured-2x"
+
+
+def test_commands_are_read_and_made_small_as_the_checker_says():
+    """The command reader joins continuations and quoted strings over lines and drops
+    comments; in small, sizes are cut, lists of worker counts keep their first, absolute
+    data paths move into the scratch folder, and [--optional] parts go (JSON stays)."""
+    page = ("text\n```sh\n# a comment\npython -m x --rows 1000000 \\\n    --real 2,4,8   # cut\n"
+            "curl -s localhost:8500/v1 -d '{\"a\": [1,\n  2]}'\n```\n```toml\n# file: run.toml\n"
+            "epochs = 3\n```\n")
+    cmds = [c for _, c in check_docs.shell_commands(page)]
+    assert cmds == ["python -m x --rows 1000000 --real 2,4,8",
+                    "curl -s localhost:8500/v1 -d '{\"a\": [1,\n2]}'"]
+    assert check_docs.named_files(page) == {"run.toml": "epochs = 3\n"}
+    small, _ = check_docs.in_small(cmds[0] + " --out /tmp/d [--dtype float16]", "/S")
+    assert small == "python -m x --rows 4000 --real 2 --out /S/tmp/d"
+    small, _ = check_docs.in_small(cmds[1], "/S")
+    assert small.startswith("curl --fail-with-body -s") and "[1,\n2]" in small
+    assert check_docs.skip_reason("python -m mpips.train --local ...")
+    assert check_docs.skip_reason("pip install -e '.[plot]'")
+    assert check_docs.skip_reason("python -m mpips.train --local") is None

@@ -25,6 +25,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -202,9 +203,35 @@ def shell_commands(text):
             buf.append(code[:-1].strip())
             continue
         buf.append(code.strip())
-        out.append((start, " ".join(b for b in buf if b)))
+        joined = " ".join(b for b in buf if b)
+        if open_quote(joined):                   # a quoted string goes on to the next line
+            buf = [joined + "\n"]
+            continue
+        out.append((start, joined.replace("\n ", "\n")))
         buf, start = [], None
     return out
+
+
+def open_quote(s):
+    """True if the shell text ends inside a '...' or "..." string."""
+    quote = None
+    i = 0
+    while i < len(s):
+        ch = s[i]
+        if quote == "'":
+            if ch == "'":
+                quote = None
+        elif quote == '"':
+            if ch == "\\":
+                i += 1
+            elif ch == '"':
+                quote = None
+        elif ch == "\\":
+            i += 1
+        elif ch in "'\"":
+            quote = ch
+        i += 1
+    return quote is not None
 
 
 def named_files(text):
@@ -238,8 +265,9 @@ INSTALL = re.compile(r"^(python3? -m venv|\. \S+/activate|module load|.*\bpip in
 # (flag, small value): a size flag is cut to this when larger (numbers) or set (lists)
 SMALL = {"--rows": 4000, "--test-rows": 1000, "--synth-rows": 4000, "--synth-test-rows": 1000,
          "--rows-per-pass": 200, "--days": 1, "--hours": 2, "--epochs": 1, "--rounds": 1,
-         "--probes": 4, "--every": 10, "--parts": 8, "--stream-timeout": 2}
-FIRST_OF_LIST = ("--real", "--sim", "--sync", "--seeds", "--runs")
+         "--probes": 4, "--every": 10, "--parts": 8, "--stream-timeout": 2, "--seconds": 2,
+         "--patch-seconds": 3, "--lines": 256}
+FIRST_OF_LIST = ("--real", "--sim", "--sync", "--seeds", "--runs", "--processes", "--batches")
 
 
 def slurm_up():
@@ -252,15 +280,54 @@ def slurm_up():
         return False
 
 
-# commands that serve until stopped: started, given SERVE_SECONDS, and stopped
+# commands that serve until stopped: started in the background, they serve the page's next
+# commands (curl) until the next server or the page's end; one that does not say it is ready
+# within SERVE_SECONDS (mpips.serve's "ready" line) or that exits first fails
 SERVERS = re.compile(r"(^|\s)(python -m mpips\.serve|tensorboard)\b")
-SERVE_SECONDS = 30
+SERVE_SECONDS = 120
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Background:
+    """A server command of a page, running in its own process group."""
+
+    def __init__(self, cmd, cwd):
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.p = subprocess.Popen(["bash", "-c", cmd], cwd=cwd, env=run_env(), stdout=self.log,
+                                  stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def wait_ready(self, pattern, seconds):
+        """(status, detail): pass once the output matches pattern, FAIL if it exits first."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.log.seek(0)
+            text = self.log.read()
+            if re.search(pattern, text):
+                return "pass", "a server: ready, serves the next commands of the page"
+            if self.p.poll() is not None:
+                return "FAIL", f"exit {self.p.returncode} before it was ready: {text[-600:]}"
+            time.sleep(0.2)
+        return "FAIL", f"not ready within {seconds} s: {text[-600:]}"
+
+    def stop(self):
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, 15)
+            try:
+                self.p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, 9)
+                self.p.wait()
+        self.log.close()
 
 
 def run_one(cmd, cwd, timeout):
-    """(status, detail) of one command run with bash in cwd; a server (SERVERS) passes if it
-    is still up after SERVE_SECONDS (then it is stopped with SIGTERM) or exits 0."""
-    serving = bool(SERVERS.search(cmd))
+    """(status, detail) of one command run with bash in cwd."""
+    serving = False
     p = subprocess.Popen(["bash", "-c", cmd], cwd=cwd, env=run_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -295,8 +362,6 @@ def skip_reason(cmd):
         return "needs root, apt and a local Slurm (.ci/run starts one)"
     if re.search(r"bench/(bench_vs_torch|torch_ref)\.py", cmd) and not have_module("torch"):
         return "needs the bench extra (torch), not installed here"
-    if "-m mpips.serve" in cmd or re.match(r"curl\s", cmd):
-        return "a server that runs until stopped, or a client of one (tests/test_serve.py runs both)"
     if "tools/check_docs.py --commands" in cmd:
         return "this checker itself"
     if "--plot" in cmd and not have_module("matplotlib"):
@@ -329,7 +394,7 @@ def in_small(cmd, sandbox):
 
     flags = "|".join(re.escape(f) for f in list(SMALL) + list(FIRST_OF_LIST))
     cmd = re.sub(rf"({flags})[ =]([^\s]+)", cut, cmd)
-    cmd = re.sub(r"\s\[[^\]]*\]", "", cmd)                      # [optional] parts: left out
+    cmd = re.sub(r"\s\[--?\w[^\]]*\]", "", cmd)                # [--optional] parts: left out
     if re.search(r"python -m mpips\.train\b", cmd) and not re.search(
             r"--(train|stream|help|config)\b", cmd):
         cmd += " --synth-rows 4000 --synth-test-rows 1000 --cache-dir cache"
@@ -346,6 +411,8 @@ def in_small(cmd, sandbox):
                 notes.append("outputs in the scratch folder")
     if "--stream " in cmd and "--stream-timeout" not in cmd:
         cmd += " --stream-timeout 2"
+    if re.match(r"curl\s", cmd):                # an HTTP error answer fails the command
+        cmd = "curl --fail-with-body" + cmd[4:]
     if re.search(r"python -m pytest -q$", cmd):
         cmd += " --collect-only"
         notes.append("the suite collected, not run (CI runs it)")
@@ -354,8 +421,9 @@ def in_small(cmd, sandbox):
 
 def fixtures(base, log):
     """What the pages take as given, made once: a small Criteo-format set at /data/criteo,
-    a stream of passes at /data/stream, and a run's checkpoint root `ckpt` (a base and deltas
-    every batch) and metrics files (`metrics.jsonl`, `async.jsonl`, `sync.jsonl`)."""
+    a stream of passes at /data/stream, a run's checkpoint root `ckpt` (a base and deltas
+    every batch) and metrics files (`metrics.jsonl`, `async.jsonl`, `sync.jsonl`), and a
+    sample of raw lines (`day_23_sample.txt`)."""
     steps = [
         "python -m data_prep.synth --rows 4000 --test-rows 1000 --parts 2 --out data/criteo",
         "python -m data_prep.stream_synth --out data/stream --days 1 --hours 2 --rows-per-pass 200",
@@ -363,6 +431,7 @@ def fixtures(base, log):
         "--save-dir ckpt --save-every 1 --save-mode delta --metrics-out metrics.jsonl "
         "--print-every 1000",
         "cp metrics.jsonl async.jsonl && cp metrics.jsonl sync.jsonl",
+        "head -n 20 data/criteo/test/part-00000.txt > day_23_sample.txt",
     ]
     for s in steps:
         r = subprocess.run(s, shell=True, cwd=base, env=run_env(), capture_output=True, text=True)
@@ -409,7 +478,8 @@ def run_commands(pages, timeout, keep, log=print):
             for name in REPO_LINKS:
                 os.symlink(os.path.join(ROOT, name), os.path.join(sandbox, name))
             written = " ".join(c for _, c in cmds)
-            for name in ("data", "ckpt", "metrics.jsonl", "async.jsonl", "sync.jsonl"):
+            for name in ("data", "ckpt", "metrics.jsonl", "async.jsonl", "sync.jsonl",
+                         "day_23_sample.txt"):
                 if re.search(rf"--(save-dir|out|metrics-out) {re.escape(name)}(\s|$)", written):
                     continue                       # the page makes its own
                 src = os.path.join(base, name)
@@ -420,6 +490,7 @@ def run_commands(pages, timeout, keep, log=print):
             for name, content in named_files(text).items():
                 with open(os.path.join(sandbox, name), "w") as f:
                     f.write(content.replace("/data/", f"{sandbox}/data/"))
+            port, server = str(free_port()), None
             for line, cmd in cmds:
                 why = skip_reason(cmd)
                 if why:
@@ -427,8 +498,16 @@ def run_commands(pages, timeout, keep, log=print):
                     log(f"SKIP {page}:{line}: {cmd}\n     ({why})")
                     continue
                 small, notes = in_small(cmd, sandbox)
+                small = re.sub(r"(--port |localhost:|127\.0\.0\.1:)8500\b", rf"\g<1>{port}", small)
                 t0 = time.perf_counter()
-                status, detail = run_one(small, sandbox, timeout)
+                if SERVERS.search(small):
+                    if server is not None:
+                        server.stop()
+                    server = Background(small, sandbox)
+                    ready = r"mpips\.serve: ready" if "mpips.serve" in small else r"http://"
+                    status, detail = server.wait_ready(ready, SERVE_SECONDS)
+                else:
+                    status, detail = run_one(small, sandbox, timeout)
                 dt = time.perf_counter() - t0
                 if status == "pass":
                     detail = "; ".join(notes + ([detail] if detail else []))
@@ -441,6 +520,8 @@ def run_commands(pages, timeout, keep, log=print):
                 log(f"{status.upper():4} {page}:{line} ({dt:.1f} s): {cmd}"
                     + (f"\n     ran: {small}" if small != cmd else "")
                     + (f"\n     {detail}" if detail else ""))
+            if server is not None:
+                server.stop()
     finally:
         if keep:
             log(f"kept {base}")
