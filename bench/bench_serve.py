@@ -24,9 +24,9 @@ protocol and server processes, while patches land, against the in-process limit.
    failed requests (non-2xx or no answer), the server's CPU time per request (user +
    system of its processes: the cost a busy machine does not hide), and the server's
    memory (PSS summed over its processes).
-4. Patches: the open loop at batch 1 while a new patch (1% of the rows changed) is
-   committed to the folder every second for ``--patch-seconds``; failures and p99 against
-   the steady run.
+4. Patches: on one server of ``--patch-processes`` processes, the open loop at batch 1 for
+   ``--patch-seconds`` steady, then as long again while a new patch (1% of the rows
+   changed) is committed to the folder every second; failures and p99 of the two.
 
 The machine is shared and has 2 cores: the load generator and the server compete for them;
 report the load average with the figures (printed at the end).
@@ -168,6 +168,9 @@ def in_process(bundle, lines, schema, batch, seconds):
 
 
 # ---------------------------------------------------------------------- load generator
+ERRORS = collections.Counter()     # answers other than 200, by status and message
+
+
 class _Conn:
     def __init__(self, port):
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
@@ -186,7 +189,8 @@ def load(port, reqs, mode, rate, concurrency, seconds, max_requests):
     sel = selectors.DefaultSelector()
     for c in conns:
         sel.register(c.sock, selectors.EVENT_READ, c)
-    idle, backlog = list(conns), collections.deque()
+    idle, backlog = collections.deque(conns), collections.deque()   # round robin: no
+    # connection sits unused long enough for the server's --idle-timeout to close it
     lat, fails, issued, k = [], 0, 0, 0
     t0 = time.perf_counter()
     end, hard = t0 + seconds, t0 + seconds + 30
@@ -209,18 +213,18 @@ def load(port, reqs, mode, rate, concurrency, seconds, max_requests):
                     backlog.append(next_t)
                     next_t += 1.0 / rate
                 while backlog and idle:
-                    c = idle.pop()
+                    c = idle.popleft()
                     c.sock.setblocking(True)
                     send(c, backlog.popleft())
                     c.sock.setblocking(False)
             else:
                 while idle and issued < max_requests:
-                    c = idle.pop()
+                    c = idle.popleft()
                     c.sock.setblocking(True)
                     send(c, now)
                     c.sock.setblocking(False)
         elif backlog and idle:                  # past the end: send what was scheduled
-            c = idle.pop()
+            c = idle.popleft()
             c.sock.setblocking(True)
             send(c, backlog.popleft())
             c.sock.setblocking(False)
@@ -235,6 +239,7 @@ def load(port, reqs, mode, rate, concurrency, seconds, max_requests):
             except BlockingIOError:
                 continue
             if not chunk:
+                ERRORS["connection closed by the server"] += 1
                 fails += 1
                 sel.unregister(c.sock)
                 conns.remove(c)
@@ -249,6 +254,9 @@ def load(port, reqs, mode, rate, concurrency, seconds, max_requests):
                 if len(c.buf) < i + 4 + n:
                     break
                 ok = c.buf[9:12] == b"200"
+                if not ok:
+                    ERRORS[c.buf[9:12].decode("latin-1") + " " + c.buf[i + 4:i + 4 + n][:120]
+                           .decode("utf-8", "replace")] += 1
                 c.buf = c.buf[i + 4 + n:]
                 t = time.perf_counter()
                 if ok:
@@ -264,7 +272,9 @@ def load(port, reqs, mode, rate, concurrency, seconds, max_requests):
 
 def summary(lat, fails, issued, wall, batch):
     q = (lambda p: float(np.percentile(lat, p) * 1e3)) if len(lat) else (lambda p: float("nan"))
-    return {"requests": issued, "failed": fails, "qps": round(len(lat) / wall, 1),
+    errors = dict(ERRORS)
+    ERRORS.clear()
+    return {"errors": errors, "requests": issued, "failed": fails, "qps": round(len(lat) / wall, 1),
             "instances_per_s": round(len(lat) * batch / wall, 1), "p50_ms": round(q(50), 3),
             "p99_ms": round(q(99), 3), "p999_ms": round(q(99.9), 3)}
 
@@ -333,14 +343,15 @@ def cpu_seconds(root_pid):
 
 
 def patcher(folder, m, keys, stop, every, log):
-    """Commit a new patch every ``every`` seconds until ``stop``; count them."""
-    files, seq = ["full-000001.h5"], 2
+    """Commit a new patch every ``every`` seconds until ``stop``; count them (the index
+    grows by one entry a patch: only the new file is read for its CRC)."""
+    entries, seq = [sm.entry(folder, "full-000001.h5")], 2
     while not stop.wait(every):
         name = f"patch-{seq:06d}.h5"
         m = sm.write_patch(os.path.join(folder, name), m, keys, seed=seq, seq=seq, frac=0.01,
                            evict=0.001)
-        files.append(name)
-        sm.commit(folder, files)
+        entries.append(sm.entry(folder, name))
+        sm.write_index(folder, entries)
         seq += 1
     log["patches"] = seq - 2
 
@@ -358,6 +369,8 @@ def main(argv=None):
     ap.add_argument("--seconds", type=float, default=10)
     ap.add_argument("--max-requests", type=int, default=200_000)
     ap.add_argument("--patch-seconds", type=float, default=30, help="0: no patch run")
+    ap.add_argument("--patch-processes", type=int, default=1, help="server processes of the "
+                    "patch run (default 1)")
     ap.add_argument("--out", default="", help="write the results as JSON")
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # stop the server on the way out
@@ -377,7 +390,7 @@ def main(argv=None):
             print(f"in-process batch {b}: predict_arrays {arr:,.0f} inst/s ({arr_cpu:,.0f} per "
                   f"CPU-second), predict_lines {lin:,.0f} inst/s ({lin_cpu:,.0f} per CPU-second)",
                   flush=True)
-        for procs in [int(x) for x in a.processes.split(",")]:
+        for procs in [int(x) for x in a.processes.split(",") if x]:
             proc, port = start(folder, procs, "ctr")
             try:
                 res.setdefault("pss_mb", {})[procs] = pss_mb(proc.pid)
@@ -401,20 +414,23 @@ def main(argv=None):
                 proc.terminate()
                 res.setdefault("exit_codes", {})[procs] = proc.wait(60)
         if a.patch_seconds > 0:                 # last: it moves the folder on
-            proc, port = start(folder, 1, "ctr")
+            proc, port = start(folder, a.patch_processes, "ctr")
             try:
-                stop, log = threading.Event(), {}
-                t = threading.Thread(target=patcher, args=(folder, m, keys, stop, 1.0, log))
-                t.start()
                 reqs = bodies(lines, insts, 1, protos[0], "ctr")
-                r = summary(*load(port, reqs, "open", a.rate, 32, a.patch_seconds,
-                                  a.max_requests), 1)
-                stop.set()
-                t.join()
-                r.update(processes=1, protocol=protos[0], batch=1, mode="open+patches",
-                         rate=a.rate, patches=log.get("patches"))
-                res["runs"].append(r)
-                print(json.dumps(r), flush=True)
+                for mode in ("open steady", "open+patches"):    # the same server, in turn
+                    stop, log = threading.Event(), {}
+                    t = threading.Thread(target=patcher, args=(folder, m, keys, stop, 1.0, log))
+                    if mode == "open+patches":
+                        t.start()
+                    r = summary(*load(port, reqs, "open", a.rate, 32, a.patch_seconds,
+                                      a.max_requests), 1)
+                    stop.set()
+                    if mode == "open+patches":
+                        t.join()
+                    r.update(processes=a.patch_processes, protocol=protos[0], batch=1,
+                             mode=mode, rate=a.rate, patches=log.get("patches"))
+                    res["runs"].append(r)
+                    print(json.dumps(r), flush=True)
             finally:
                 proc.terminate()
                 res.setdefault("exit_codes", {})["patches"] = proc.wait(60)

@@ -77,21 +77,28 @@ def write_patch(path, prev, keys, seed, seq, frac=0.3, evict=0.05):
     return bd.write_bundle(path, "patch", changed, values, evicted, dense, rec)
 
 
-def commit(folder, files, source=None):
-    """Write ``folder``'s index listing ``files`` (names, in order) as the export does;
-    ``source`` {name: path}: take that entry's size and CRC from another file (the one
-    that should have been there: a test's way to commit a file corrupted on disk)."""
-    entries = []
-    for f in files:
-        path = (source or {}).get(f) or os.path.join(folder, f)
-        m = bd.read_manifest(path)
-        entries.append({"file": f, "kind": m["kind"], "checkpoint": m["checkpoint"]["name"],
-                        "seq": m["checkpoint"]["seq"], "lineage": m["checkpoint"]["lineage"],
-                        "bytes": os.path.getsize(path), "crc32": bd.crc_of_file(path)})
+def entry(folder, name, source=None):
+    """The index entry of file ``name`` of ``folder`` (size and CRC of ``source`` if given:
+    the file that should have been there, a test's way to commit a corrupted one)."""
+    path = source or os.path.join(folder, name)
+    m = bd.read_manifest(path)
+    return {"file": name, "kind": m["kind"], "checkpoint": m["checkpoint"]["name"],
+            "seq": m["checkpoint"]["seq"], "lineage": m["checkpoint"]["lineage"],
+            "bytes": os.path.getsize(path), "crc32": bd.crc_of_file(path)}
+
+
+def write_index(folder, entries):
+    """Commit ``entries`` as ``folder``'s index (tmp + rename, as the export does)."""
     tmp = os.path.join(folder, exports.INDEX + ".tmp")
     with open(tmp, "w") as fh:
         json.dump({"format": exports.FORMAT, "version": exports.VERSION, "entries": entries}, fh)
     os.replace(tmp, os.path.join(folder, exports.INDEX))
+
+
+def commit(folder, files, source=None):
+    """Write ``folder``'s index listing ``files`` (names, in order); ``source`` {name:
+    path}: take that entry's size and CRC from another file (see ``entry``)."""
+    write_index(folder, [entry(folder, f, (source or {}).get(f)) for f in files])
 
 
 def criteo_lines(n, seed=0):
