@@ -245,3 +245,22 @@ def test_a_signal_in_the_last_step_of_an_epoch_stops_after_it(tiny_data, tmp_pat
     p = stop_run(tiny_data, tmp_path / "ck", "--local", "--resume", "auto")
     assert p.returncode == 0, p.stderr[-2000:]
     assert [r["epoch"] for r in metrics(str(tmp_path / "ck") + ".jsonl")] == [0, 1]
+
+
+def test_keep_with_delta_saves_keeps_the_chain_a_resume_needs(tmp_path):
+    """--save-mode delta --save-every 3: a batch run's saves are one chain (a base, then each
+    delta on the one before), so --keep 2 keeps all of it (the newest needs every one); the
+    chain verifies and --resume auto continues from its newest."""
+    root = tmp_path / "ck"
+    common = ["-m", "mpips.train", "--local", *TINY, "--cache-dir", str(tmp_path / "data"),
+              "--save-dir", str(root), "--save-mode", "delta", "--save-every", "3", "--keep", "2"]
+    p = run_cmd(common)                               # 12 batches: a base and 4 deltas
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert names(root) == ["ckpt-000001-base"] + [f"ckpt-{i:06d}-delta" for i in range(2, 6)]
+    assert "KEEP -->" not in p.stdout
+    p = run_cmd(common + ["--resume", "auto", "--epochs", "2"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    kept = names(root)
+    assert len(kept) == 10 and kept[0] == "ckpt-000001-base", kept
+    ck.verify(str(root / kept[-1]))
+    assert ck.read_manifest(str(root / kept[-1]))["meta"]["epoch"] == 1
