@@ -128,7 +128,7 @@ def start_point(cfg, path, m, files=None, workers=None, piped=False):
     if meta.get("complete", True):
         return epoch + 1, 0
     steps = meta.get("steps", 0)             # saved mid-epoch after `steps` batches
-    batch = cfg.batch_size
+    batch, flag = cfg.batch_size, "--global-batch" if cfg.global_batch else "--batch-size"
     if cfg.global_batch:
         batch = cfg.global_batch // workers if workers else None   # unknown: not checked
     if files is not None and not piped and batch:     # a command's output can be any size
@@ -138,7 +138,7 @@ def start_point(cfg, path, m, files=None, workers=None, piped=False):
                 f"checkpoint seq {m['seq']} ({path}) was saved after "
                 f"{steps} batches of epoch {epoch}, but the training data hold at most "
                 f"{most} batches of {batch} (<= {rows} rows): resume with the "
-                "--train data and --batch-size (or --global-batch) it was saved with")
+                f"--train data and {flag} it was saved with")
     return epoch, steps
 
 
