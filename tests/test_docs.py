@@ -60,3 +60,12 @@ def test_commands_are_read_and_made_small_as_the_checker_says():
     assert check_docs.skip_reason("python -m mpips.train --local ...")
     assert check_docs.skip_reason("pip install -e '.[plot]'")
     assert check_docs.skip_reason("python -m mpips.train --local") is None
+
+
+def test_every_page_is_in_the_index():
+    """Every page of docs/ is linked from docs/README.md (the guide and the studies index)."""
+    index = open(os.path.join(ROOT, "docs", "README.md"), encoding="utf-8").read()
+    linked = {os.path.normpath(os.path.join("docs", m.group(1).split("#")[0]))
+              for m in check_docs.LINK.finditer(index)}
+    pages = {p for p in check_docs.doc_files(ROOT) if p.startswith("docs" + os.sep)}
+    assert pages - linked == {os.path.join("docs", "README.md")}

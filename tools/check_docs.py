@@ -422,8 +422,8 @@ def in_small(cmd, sandbox):
 def fixtures(base, log):
     """What the pages take as given, made once: a small Criteo-format set at /data/criteo,
     a stream of passes at /data/stream, a run's checkpoint root `ckpt` (a base and deltas
-    every batch) and metrics files (`metrics.jsonl`, `async.jsonl`, `sync.jsonl`), and a
-    sample of raw lines (`day_23_sample.txt`)."""
+    every batch) and metrics files (`metrics.jsonl`, `async.jsonl`, `sync.jsonl`), a sample
+    of raw lines (`day_23_sample.txt`), and a stand-in for Criteo's `train.txt`."""
     steps = [
         "python -m data_prep.synth --rows 4000 --test-rows 1000 --parts 2 --out data/criteo",
         "python -m data_prep.stream_synth --out data/stream --days 1 --hours 2 --rows-per-pass 200",
@@ -432,6 +432,7 @@ def fixtures(base, log):
         "--print-every 1000",
         "cp metrics.jsonl async.jsonl && cp metrics.jsonl sync.jsonl",
         "head -n 20 data/criteo/test/part-00000.txt > day_23_sample.txt",
+        "cat data/criteo/train/part-*.txt > train.txt",
     ]
     for s in steps:
         r = subprocess.run(s, shell=True, cwd=base, env=run_env(), capture_output=True, text=True)
@@ -479,7 +480,7 @@ def run_commands(pages, timeout, keep, log=print):
                 os.symlink(os.path.join(ROOT, name), os.path.join(sandbox, name))
             written = " ".join(c for _, c in cmds)
             for name in ("data", "ckpt", "metrics.jsonl", "async.jsonl", "sync.jsonl",
-                         "day_23_sample.txt"):
+                         "day_23_sample.txt", "train.txt"):
                 if re.search(rf"--(save-dir|out|metrics-out) {re.escape(name)}(\s|$)", written):
                     continue                       # the page makes its own
                 src = os.path.join(base, name)
