@@ -157,8 +157,9 @@ def test_async_checkpoint_infers_what_training_evaluated(tiny_data, tmp_path):
     """Round trip of the dense replicas through a checkpoint: 2x2 async, saved; mpips.infer
     from the checkpoint scores the test file as the run's own evaluation did.  The run's two
     workers each evaluate half of the one test file (byte ranges, mpips.data.files.eval_files),
-    so the AUC's histogram counts are equal and the logloss, two partial sums added, agrees to
-    float64 rounding (a wrong dense replica moves it in the third digit)."""
+    in batches that start at other rows than infer's, and a float32 GEMM's rounding depends on
+    the rows it is given: the AUC's histogram counts are equal, and the logloss agrees to 1e-9
+    (measured ~1e-10; a wrong dense replica moves it in the third digit)."""
     one = sorted(glob.glob(f"{tiny_data[1]}/*"))[0]
     out = tmp_path / "rec.jsonl"
     proc = run_cmd(["-m", "mpips.train", "--train", tiny_data[0], "--test", one, "--fc", "32,16",
@@ -173,4 +174,4 @@ def test_async_checkpoint_infers_what_training_evaluated(tiny_data, tmp_path):
     got = json.loads(inf.read_text())
     assert got["test_examples"] == rec["test_examples"] > 0
     assert got["test_auc"] == rec["test_auc"]
-    assert got["test_logloss"] == pytest.approx(rec["test_logloss"], rel=1e-12, abs=0)
+    assert got["test_logloss"] == pytest.approx(rec["test_logloss"], rel=1e-9, abs=0)
