@@ -32,6 +32,7 @@ SIM_SPARSE = ("async", "sync")              # mpips.worker.simulate.SPARSE
 
 STALE_RULES = ("none", "inverse", "sqrt")     # --stale-lr: learning-rate factor by staleness s
 STALE_CHOICES = STALE_RULES + ("auto",)       # what --stale-lr takes
+PUSH_RULES = ("none", "count", "each")        # --sync-sparse-lr (mpips.tables.push)
 MAX_COUNT = 1 << 24       # float32 counts are exact integers up to here
 
 
@@ -121,7 +122,7 @@ class Config:
                                      "the step's pushes are summed into one step at --lr "
                                      "(none: one process with the global batch) or at --lr x "
                                      "the workers whose batches held the row (count)",
-                             choices=("none", "count", "each"))
+                             choices=PUSH_RULES)
     overlap_pull: bool = _f(False, "async: send the next batch's pull before computing this "
                                    "one (its rows then miss this step's pushes; measured "
                                    "worse at 2-8 workers, docs/modes.md) instead of after "

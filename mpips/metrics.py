@@ -22,10 +22,13 @@ abs_err_sum, sq_err_sum, n_nan]``.
 With one class only (no positives or no negatives) the AUC is undefined and
 ``auc()`` returns NaN (as sklearn, which raises); ``logloss()`` etc. return NaN when
 no example was counted. NaN predictions are not counted but tallied in ``n_nan``.
+
+``Stopwatch`` adds up the seconds of named phases (the trainer's TIMES line).
 """
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
@@ -161,3 +164,35 @@ class BinaryMetrics:
     def __repr__(self) -> str:
         return (f"BinaryMetrics(count={self.count}, auc={self.auc():.6f}, "
                 f"logloss={self.logloss():.6f})")
+
+
+class Stopwatch:
+    """Seconds per named phase, summed over the blocks timed: ``with watch("read"): ...``
+    adds the block's seconds to ``watch.seconds["read"]``; ``watch.last`` holds the seconds
+    of the block that ended last.  Blocks may nest (an outer phase includes inner ones)."""
+    __slots__ = ("seconds", "last")
+
+    def __init__(self, names=()):
+        self.seconds = dict.fromkeys(names, 0.0)     # phase -> seconds
+        self.last = 0.0
+
+    def __call__(self, name):
+        return _Lap(self, name)
+
+
+class _Lap:
+    __slots__ = ("watch", "name", "t0")
+
+    def __init__(self, watch, name):
+        self.watch, self.name = watch, name
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        dt = time.perf_counter() - self.t0
+        w = self.watch
+        w.seconds[self.name] = w.seconds.get(self.name, 0.0) + dt
+        w.last = dt
+        return False

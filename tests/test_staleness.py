@@ -422,7 +422,7 @@ def test_parts_holding_counts_the_workers_whose_batch_held_each_row():
     unique key lists) that hold it; against a plain-Python count."""
     from collections import Counter
 
-    from mpips.tables.staleness import parts_holding
+    from mpips.tables.push import parts_holding
     rng = np.random.default_rng(5)
     parts = [np.unique(rng.integers(-50, 50, size=rng.integers(0, 60))) for _ in range(5)]
     every = np.concatenate(parts).astype(np.int64)
@@ -453,8 +453,9 @@ def test_sync_sparse_lr_count_steps_rows_by_the_parts_holding_them():
         table = SparseTable(2, OptimizerConfig(name="sgd", lr=lr), seed=0, init_range=0.0)
         me = SimpleNamespace(cfg=SimpleNamespace(sync_sparse_lr=rule), ps=LocalPS(table, None),
                              dense_sync=None, clip=lambda p, g, n: None)   # no --row-clip
-        parts = [(SimpleNamespace(plan=KeyPlan(k, None, np.array([0, len(k)], np.int64))),
-                  g.copy()) for k, g in ((k1, g1), (k2, g2))]
+        parts = [(SimpleNamespace(plan=KeyPlan(k, None, np.array([0, len(k)], np.int64)),
+                                  batch=SimpleNamespace(label=np.zeros(n))), g.copy())
+                 for k, g, n in ((k1, g1, 3), (k2, g2, 1))]     # 3 + 1 = examples
         Trainer._push(me, parts, examples, 0)
         out = np.empty((3, 2), np.float32)
         table.pull(np.array([3, 5, 8], np.int64), out)
@@ -528,3 +529,39 @@ def test_row_clip_against_a_per_row_reference():
     keep = got.copy()
     assert clip_rows(got, rows, counts, n, 0.0, floor) == 0  # off: untouched
     np.testing.assert_array_equal(got, keep)
+
+
+def test_push_rules_merge_and_scale_against_plain_python():
+    """mpips.tables.push (shared by servers, trainer and simulator): ``each`` keeps the parts
+    apart and scales each by its own examples; ``none``/``count`` scale by the step's
+    examples and sum per id, ``count`` with each row's lr factor = the parts holding it.
+    Against a plain-Python dict of sums."""
+    from mpips.tables import push
+    rng = np.random.default_rng(3)
+    keys = [np.unique(rng.integers(0, 40, size=rng.integers(1, 25))) for _ in range(4)]
+    grads = [rng.normal(size=(len(k), 3)).astype(np.float32) for k in keys]
+    own = [5, 2, 7, 1]
+    for rule in push.RULES:
+        parts = [(k, g.copy()) for k, g in zip(keys, grads)]
+        for (_, g), n in zip(parts, own):
+            assert push.scale(rule, g, n, sum(own)) == (n if rule == "each" else sum(own))
+        out = push.merge(rule, parts)
+        if rule == "each":
+            assert len(out) == 4
+            for (k, g, lr), k0, g0, n in zip(out, keys, grads, own):
+                assert lr is None and k is k0
+                np.testing.assert_array_equal(g, g0 * np.float32(1.0 / n))
+            continue
+        want, held = {}, {}
+        for k0, g0 in zip(keys, grads):
+            for key, row in zip(k0.tolist(), g0 * np.float32(1.0 / sum(own))):
+                want[key] = want.get(key, 0) + row.astype(np.float64)
+                held[key] = held.get(key, 0) + 1
+        [(k, g, lr)] = out
+        assert k.tolist() == sorted(want)
+        np.testing.assert_allclose(g, [want[x] for x in k.tolist()], rtol=1e-6)
+        if rule == "count":
+            assert lr.tolist() == [float(held[x]) for x in k.tolist()]
+        else:
+            assert lr is None
+    assert push.merge("none", []) == [] and push.merge("each", []) == []

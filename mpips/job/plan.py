@@ -22,7 +22,8 @@ from mpips.job.hooks import NONE, Hooks
 from mpips.job.resume import checked_meta, choose_at_start, first_rank_decides, pin, start_point
 from mpips.schema import Schema
 from mpips.tables.ownership import plan_keys
-from mpips.worker.trainer import GeoTrainer, Trainer
+from mpips.worker.geo import GeoTrainer
+from mpips.worker.trainer import Trainer
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,6 @@ import numpy as np
 from mpi4py import MPI
 
 from mpips.comm.backoff import IDLE, Backoff
-from mpips.kernels.embedding import sum_duplicates
 from mpips.comm.liveness import WATCH, discard, err_line, wait_for
 from mpips.tables.ownership import owners
 from mpips.comm.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, MAX_LINE_BYTES,
@@ -55,8 +54,8 @@ from mpips.comm.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, MAX_LINE_
                             decode)
 from mpips.server.checks import RequestChecks
 from mpips.tables.dense import pack_state, unpack_state
-from mpips.tables.staleness import (RULES, StalenessTracker, counts_staleness, lr_factors,
-                                    parts_holding)
+from mpips.tables import push as push_rules
+from mpips.tables.staleness import RULES, StalenessTracker, counts_staleness, lr_factors
 
 CHECK_EVERY = 0.05  # seconds between liveness checks of an idle server
 MAX_REJECT_LINES = 100  # malformed requests logged one line each; later ones only counted
@@ -429,20 +428,12 @@ class Server(RequestChecks):
             self._new_phase()
 
     def _apply_sync(self, pushes):
-        """One update from the sum of the workers' gradients of this step, taken in
-        worker-rank order (each worker scaled its rows by 1 / the step's examples); with
-        --sync-sparse-lr each, one update per worker's push, in worker-rank order (each
-        worker scaled its rows by 1 / its own examples)."""
-        keyed = [pushes[w] for w in sorted(pushes) if pushes[w].count]
-        if self.sync_sparse_lr == "each":
-            for r in keyed:
-                self.sparse.push(r.keys, r.values)
-        elif keyed:
-            keys = np.concatenate([r.keys for r in keyed])
-            grads = np.concatenate([r.values for r in keyed])
-            ukeys, ugrads = sum_duplicates(keys, grads)
-            self.sparse.push(ukeys, ugrads, lr_scale=parts_holding(keys, ukeys)
-                             if self.sync_sparse_lr == "count" else None)
+        """Apply this step's pushes, one part per worker in worker-rank order, by the
+        --sync-sparse-lr rule (``mpips.tables.push``: summed into one update, or with
+        ``each`` one update per worker's push)."""
+        keyed = [(pushes[w].keys, pushes[w].values) for w in sorted(pushes) if pushes[w].count]
+        for keys, grads, lr_scale in push_rules.merge(self.sync_sparse_lr, keyed):
+            self.sparse.push(keys, grads, lr_scale=lr_scale)
 
     # ---- sends
     def _send(self, arr, dest, tag):

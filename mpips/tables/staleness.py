@@ -200,8 +200,3 @@ def lr_factors(rule, staleness):
         return (1.0 / np.sqrt(1.0 + s)).astype(np.float32)
     raise ValueError(f"--stale-lr must be one of {', '.join(RULES)}; got {rule!r}")
 
-
-def parts_holding(every, keys):
-    """float32 (u,): of each of the sorted unique ``keys``, how many of the concatenated
-    parts' unique key lists ``every`` hold it (the workers whose batches held the row)."""
-    return np.bincount(np.searchsorted(keys, every), minlength=len(keys)).astype(np.float32)

@@ -26,10 +26,8 @@ Pulls and pushes carry ``worker=k`` and ``step=t``, so a LocalPS built with a st
 tracker counts what the servers of a real run count (and applies ``--stale-lr``).
 """
 import collections
-import time
 
-import numpy as np
-
+from mpips.tables import push as push_rules
 from mpips.worker.trainer import EpochStats
 
 SPARSE = ("async", "sync")      # --sim-sparse: a push per worker on arrival, or summed per step
@@ -86,9 +84,9 @@ class SparseSchedule:
         if self.sparse == "sync":
             self.push_sum([(p, g) for (_, p), g in zip(parts, grads)], sum(examples), t)
             return
-        for (k, p), g, n in zip(parts, grads, examples):
-            if n:
-                g *= np.float32(1.0 / n)
+        for (k, p), g, n in zip(parts, grads, examples):    # as async servers apply them:
+            if n:                                             # the "each" rule, on arrival
+                push_rules.scale("each", g, n, sum(examples))
                 if self.clip is not None:
                     self.clip(p, g, n)
                 self.ps.push(p.plan, g, step=t, worker=k)
@@ -118,9 +116,8 @@ class Simulator:
         """The steps' parts [(k, _Prepared)], at most max_steps of them (0: all)."""
         tr, it, t = self.trainer, iter(steps), 0
         while not (max_steps and t >= max_steps):
-            t0 = time.perf_counter()
-            group = next(it, None)
-            tr.times["read"] += time.perf_counter() - t0
+            with tr.watch("read"):
+                group = next(it, None)
             if group is None:
                 return
             yield [(k, tr._prepare(b)) for k, b in group]
@@ -131,21 +128,19 @@ class Simulator:
         tr, st = self.trainer, EpochStats()
         params, acc = tr.params[0], tr.acc
         acc.noise_reset()                          # this epoch's noise scale (DenseStep)
-        t_start = time.perf_counter()
 
         def grad(t, parts):
-            t0 = time.perf_counter()
-            acc.reset()
-            grads, examples = [], []
-            for _, p in parts:
-                loss, probs, g = tr._step_math(p, params, 1.0)
-                n = len(p.batch.label)
-                st.loss_sum += loss * n
-                st.metrics.update(probs, p.batch.label)
-                acc.add(n, tr.grad_dense)
-                grads.append(g)
-                examples.append(n)
-            tr.compute_s += time.perf_counter() - t0
+            with tr.watch("compute"):
+                acc.reset()
+                grads, examples = [], []
+                for _, p in parts:
+                    loss, probs, g = tr._step_math(p, params, 1.0)
+                    n = len(p.batch.label)
+                    st.loss_sum += loss * n
+                    st.metrics.update(probs, p.batch.label)
+                    acc.add(n, tr.grad_dense)
+                    grads.append(g)
+                    examples.append(n)
             st.examples += sum(examples)
             acc.apply()
             return grads, examples
@@ -155,9 +150,10 @@ class Simulator:
                 tr.on_step(t + 1, t + 1)
             tr._report(epoch, t + 1, st)
 
-        st.steps = self.sched.run(self._prepared(steps, max_steps), grad, after)
-        reset = getattr(getattr(tr.ps, "tracker", None), "reset", None)
-        if reset is not None:                      # a phase ends: forget its pulls
-            reset()
-        st.seconds = time.perf_counter() - t_start
+        with tr.watch("epoch"):
+            st.steps = self.sched.run(self._prepared(steps, max_steps), grad, after)
+            reset = getattr(getattr(tr.ps, "tracker", None), "reset", None)
+            if reset is not None:                  # a phase ends: forget its pulls
+                reset()
+        st.seconds = tr.watch.last
         return st

@@ -23,21 +23,21 @@ Step ordering (step t uses batch t):
   t; the servers decide when to answer it (sync: after step t was applied by all workers).
 Every worker takes part in every step until no worker has data left (a worker without a
 batch contributes no examples, and sends empty pushes; in sync mode empty pulls too).
+
+GEO-SGD trains locally and sends deltas every K steps: ``mpips.worker.geo.GeoTrainer``, a
+sibling of ``Trainer`` on the same ``StepMath`` (key plans, forward/backward, evaluation,
+the epoch's bookkeeping).
 """
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpips.kernels.embedding import gather_rows, scatter_add_rows, sum_duplicates
+from mpips.kernels.embedding import gather_rows, scatter_add_rows
 from mpips.kernels.pooling import pool_backward, pool_forward
-from mpips.metrics import BinaryMetrics
+from mpips.metrics import BinaryMetrics, Stopwatch
+from mpips.tables import push as push_rules
 from mpips.tables.ownership import KeyPlan
-from mpips.comm.protocol import Op
-from mpips.tables.dense import DenseTable
-from mpips.tables.optim import OptimizerConfig
-from mpips.tables.sparse import SparseTable
-from mpips.tables.staleness import parts_holding
 from mpips.worker.dense_sync import DenseStep
 
 
@@ -53,6 +53,11 @@ class EpochStats:
     stopped: bool = False          # ended early at a step boundary: should_stop() said so
 
 
+# phases of a training step, in seconds on the TIMES line (with ps.wait_s, the whole loop):
+# reading and parsing a batch, dedup + key plan, embedding gather, forward/backward,
+# gradient scatter-add, AUC buckets, pull/push calls (message packing and sends, or the
+# table work itself for a LocalPS), waiting for the workers' dense gradients or weights,
+# the dense optimizer step
 TIMES = ("read", "plan", "gather", "fwd_bwd", "scatter", "metrics", "send", "dense_wait",
          "dense_opt")
 
@@ -116,37 +121,25 @@ class _Handles:
         return self
 
 
-class Trainer:
-    """Runs epochs of CTR-DNN training against a parameter store `ps`.
+class StepMath:
+    """What the trainers share: a batch's key plan and pull, its forward/backward against
+    the pulled rows, evaluation, the TRAIN/PROGRESS lines and an epoch's bookkeeping.
 
-    replica: DenseTable of all dense weights (this worker's replica; in one process the
-    table itself); dense_sync: a DenseAllgather among the workers, or None in one process
-    (or with one worker); overlap: async --overlap-pull (pull t+1 before computing t);
-    sync: the servers apply steps BSP (sync mode, ssp with staleness 0).
+    params: (P,) float32, the dense weights the model computes with.  A subclass trains an
+    epoch in ``_epoch``.
     """
+    replica = dense_sync = None   # Trainer: the dense replica and its exchange (None: GEO)
 
-    def __init__(self, cfg, model, ps, plan_fn, log=None, overlap=False, replica=None,
-                 dense_sync=None, sync=False):
+    def __init__(self, cfg, model, ps, plan_fn, params, log=None):
         self.cfg, self.model, self.ps = cfg, model, ps
         self.plan_fn = plan_fn                    # ids -> KeyPlan for ps's servers
         self.log = log                            # callable(str) on the logging worker, else None
-        self.overlap, self.sync = overlap, sync
         self.dim = model.row_dim                  # table row width (dim, or dim + 1 with w)
-        P = model.n_params
-        self.replica, self.dense_sync = replica, dense_sync
-        if replica is not None:
-            self.params = [replica.values]        # the live weights: every update lands there
-            self.acc = (DenseStep(replica) if dense_sync is None else
-                        DenseStep(replica, dense_sync.lo, dense_sync.hi))
-        else:                                     # GEO keeps its own dense copy
-            self.params = [np.zeros(P, np.float32)]
-        self.grad_dense = np.zeros(P, np.float32)
-        self.compute_s = 0.0       # gather + fwd_bwd + scatter
-        # seconds per phase of a training step (with ps.wait_s, the whole loop): reading
-        # and parsing a batch, dedup + key plan, embedding gather, forward/backward,
-        # gradient scatter-add, AUC buckets, pull/push calls (message packing and sends,
-        # or the table work itself for a LocalPS)
-        self.times = dict.fromkeys(TIMES, 0.0)
+        self.params = [params]                    # the live weights: every update lands there
+        self.grad_dense = np.zeros(model.n_params, np.float32)
+        # seconds per phase (TIMES), "compute" (the steps' forward/backward, metrics and
+        # local updates: gather + fwd_bwd + scatter + metrics and more) and "epoch"
+        self.watch = Stopwatch(TIMES + ("compute", "epoch"))
         self.step_delay = 0.0      # seconds slept per step: slows one worker in tests
         self.stretch = 0.0         # benchmarks: sleep this fraction of each step's compute
         self.on_step = None        # callable(done, phase_steps) after each step (mid-epoch saves)
@@ -158,16 +151,45 @@ class Trainer:
         self.progress = None       # mpips.job.progress.Progress of this phase (first worker) or None
         self.on_report = None      # callable(step, loss, auc) at each TRAIN line (TensorBoard)
         self._emb = self._grad_emb = None
-        self._empty = None
         self.clipped = [0, 0]      # --row-clip: rows clipped, rows pushed
 
     def _stop_asked(self):
         return self.should_stop is not None and bool(self.should_stop())
 
+    @property
+    def compute_s(self):
+        """Seconds of the steps' computation so far."""
+        return self.watch.seconds["compute"]
+
     def times_line(self, who):
-        """One line with this worker's seconds per step phase (``self.times``) and wait."""
-        parts = " ".join(f"{k}_s: {v:.2f}" for k, v in self.times.items())
+        """One line with this worker's seconds per step phase (TIMES) and wait."""
+        parts = " ".join(f"{k}_s: {self.watch.seconds[k]:.2f}" for k in TIMES)
         return f"TIMES --> {who} {parts} wait_s: {self.ps.wait_s:.2f}"
+
+    def clip_summary(self):
+        """{"row_clip_frac": the share of this trainer's pushed rows --row-clip clipped}, or
+        {} when it is off: for the epoch record."""
+        if self.cfg.row_clip <= 0:
+            return {}
+        return {"row_clip_frac": self.clipped[0] / max(self.clipped[1], 1)}
+
+    def train_epoch(self, batches, epoch, max_steps=0, skip=0):
+        """Train over an iterable of Batch (Trainer: or of lists of Batch, one per part),
+        after skipping `skip` of them (trained before a resume); return this worker's
+        EpochStats.  max_steps: stop after this many batches of the epoch (the skipped
+        ones count)."""
+        st = EpochStats()
+        it = iter(batches)
+        for _ in range(skip):
+            next(it, None)
+        with self.watch("epoch"):
+            st.steps = self._epoch(it, epoch, st, max_steps, skip)
+        st.seconds = self.watch.last
+        return st
+
+    def _epoch(self, it, epoch, st, max_steps, skip):
+        """Train the epoch's batches from `it` into `st`; return the steps taken."""
+        raise NotImplementedError
 
     def _report(self, epoch, step, st):
         """TRAIN line every --print-every steps; the PROGRESS line when it is due."""
@@ -184,20 +206,16 @@ class Trainer:
     def _prepare(self, batch):
         if batch is None:
             return None
-        t0 = time.perf_counter()
-        if batch.offsets is not None:
-            check_bags(batch, self.model.n_sparse)
-        prep = _Prepared(batch, self.plan_fn(batch.sparse), self.dim, bool(self.cfg.entry))
-        self.times["plan"] += time.perf_counter() - t0
-        return prep
+        with self.watch("plan"):
+            if batch.offsets is not None:
+                check_bags(batch, self.model.n_sparse)
+            return _Prepared(batch, self.plan_fn(batch.sparse), self.dim, bool(self.cfg.entry))
 
     def _pull(self, prep, step, dense_buf, create=True):
         counts = prep.counts if create else None
-        t0 = time.perf_counter()
-        h = self.ps.pull(prep.plan, prep.rows, dense_buf, step=step, create=create,
-                         counts=counts)
-        self.times["send"] += time.perf_counter() - t0
-        return h
+        with self.watch("send"):
+            return self.ps.pull(prep.plan, prep.rows, dense_buf, step=step, create=create,
+                                counts=counts)
 
     def _buffers(self, n_rows):
         """Reused (n_rows, dim) buffers for the gathered embeddings and their gradients."""
@@ -225,25 +243,75 @@ class Trainer:
         Gradients of the mean loss (scale None), or of scale x the summed loss."""
         b = prep.batch
         n = len(b.label)
-        tm = self.times
-        t0 = time.perf_counter()
-        emb, grad_emb = self._buffers(n * self._slots(b))                  # (B*slots, dim)
-        self._embed(prep, emb)
-        t1 = time.perf_counter()
-        loss, probs = self.model.forward_backward(params, emb.reshape(n, -1), b.dense, b.label,
-                                                  self.grad_dense, grad_emb.reshape(n, -1),
-                                                  scale)
-        t2 = time.perf_counter()
-        grads = np.empty_like(prep.rows)                                    # (u, dim)
-        if b.offsets is None:                                               # zero grads first
-            scatter_add_rows(grad_emb, prep.plan.inverse, grads)
-        else:
-            pool_backward(grad_emb.reshape(n, -1), prep.plan.inverse, b.offsets,
-                          self.model.pooling, grads)
-        tm["scatter"] += time.perf_counter() - t2
-        tm["fwd_bwd"] += t2 - t1
-        tm["gather"] += t1 - t0
+        tm = self.watch
+        with tm("gather"):
+            emb, grad_emb = self._buffers(n * self._slots(b))              # (B*slots, dim)
+            self._embed(prep, emb)
+        with tm("fwd_bwd"):
+            loss, probs = self.model.forward_backward(params, emb.reshape(n, -1), b.dense,
+                                                      b.label, self.grad_dense,
+                                                      grad_emb.reshape(n, -1), scale)
+        with tm("scatter"):
+            grads = np.empty_like(prep.rows)                                # (u, dim)
+            if b.offsets is None:                                           # zero grads first
+                scatter_add_rows(grad_emb, prep.plan.inverse, grads)
+            else:
+                pool_backward(grad_emb.reshape(n, -1), prep.plan.inverse, b.offsets,
+                              self.model.pooling, grads)
         return loss, probs, grads
+
+    def evaluate(self, batches, max_steps=0):
+        """Predict over an iterable of Batch with the current parameters (no rows created)."""
+        return self._evaluate(batches, max_steps, None)
+
+    def _evaluate(self, batches, max_steps, dense_out):
+        """evaluate(), the first pull also filling ``dense_out`` (the servers' dense
+        weights) when it is not None."""
+        m = BinaryMetrics()
+        params = self.params[0]
+        it = iter(batches)
+        cur = self._prepare(next(it, None))
+        if cur is None:
+            return m
+        h = self._pull(cur, 0, dense_out, create=False)
+        step = 0
+        while cur is not None:
+            step += 1
+            nxt = None if max_steps and step >= max_steps else self._prepare(next(it, None))
+            h.wait()
+            if nxt is not None:
+                h = self._pull(nxt, 0, None, create=False)
+            b = cur.batch
+            n = len(b.label)
+            emb = np.empty((n * self._slots(b), self.dim), np.float32)
+            self._embed(cur, emb)
+            probs = np.empty(n, np.float32)
+            self.model.predict(params, emb.reshape(n, -1), b.dense, probs)
+            m.update(probs, b.label)
+            cur = nxt
+        return m
+
+
+class Trainer(StepMath):
+    """Runs epochs of CTR-DNN training against a parameter store `ps`, a step at a time.
+
+    replica: DenseTable of all dense weights (this worker's replica; in one process the
+    table itself); dense_sync: a DenseAllgather among the workers, or None in one process
+    (or with one worker); overlap: async --overlap-pull (pull t+1 before computing t);
+    sync: the servers apply steps BSP (sync mode, ssp with staleness 0).
+    """
+
+    def __init__(self, cfg, model, ps, plan_fn, log=None, overlap=False, replica=None,
+                 dense_sync=None, sync=False):
+        if replica is None:
+            raise ValueError("Trainer needs the dense weights it trains: pass replica= (a "
+                             "DenseTable of all of them; in one process ps.dense)")
+        super().__init__(cfg, model, ps, plan_fn, replica.values, log)
+        self.overlap, self.sync = overlap, sync
+        self.replica, self.dense_sync = replica, dense_sync
+        self.acc = (DenseStep(replica) if dense_sync is None else
+                    DenseStep(replica, dense_sync.lo, dense_sync.hi))
+        self._empty = None
 
     # ---- one step's pieces
     def _group(self, it, done, max_steps):
@@ -251,9 +319,8 @@ class Trainer:
         after `done` batches of the epoch (--max-steps counts batches skipped on resume)."""
         if max_steps and done >= max_steps:
             return []
-        t0 = time.perf_counter()
-        item = next(it, None)
-        self.times["read"] += time.perf_counter() - t0
+        with self.watch("read"):
+            item = next(it, None)
         if item is None:
             return []
         return [self._prepare(b) for b in (item if isinstance(item, list) else [item])]
@@ -272,6 +339,26 @@ class Trainer:
             return _Done()
         return _Handles([self._pull(p, step, None) for p in group])
 
+    def _compute(self, group, params, st):
+        """Forward/backward of the step's parts: ([(part, row grads of its summed loss)],
+        the step's examples here); loss and metrics into `st`; in one process (no dense
+        exchange) the parts' dense gradients into the dense step."""
+        parts, n_here = [], 0
+        one_process = self.dense_sync is None
+        if one_process:
+            self.acc.reset()
+        for p in group:
+            loss, probs, grads = self._step_math(p, params, 1.0)
+            n = len(p.batch.label)
+            n_here += n
+            st.loss_sum += loss * n
+            with self.watch("metrics"):
+                st.metrics.update(probs, p.batch.label)
+            parts.append((p, grads))
+            if one_process:
+                self.acc.add(n, self.grad_dense)
+        return parts, n_here
+
     def clip(self, p, g, n):
         """--row-clip on a part's row gradients g (averaged over n examples), counted."""
         if self.cfg.row_clip > 0:
@@ -280,61 +367,53 @@ class Trainer:
                                          self.cfg.row_clip_floor)
             self.clipped[1] += len(g)
 
-    def clip_summary(self):
-        """{"row_clip_frac": the share of this trainer's pushed rows --row-clip clipped}, or
-        {} when it is off: for the epoch record."""
-        if self.cfg.row_clip <= 0:
-            return {}
-        return {"row_clip_frac": self.clipped[0] / max(self.clipped[1], 1)}
-
     def _push(self, parts, examples, step):
-        """Scale each part's row gradients by 1 / examples and push them (one process: the
-        parts' rows summed per id in part order, as the servers sum the workers'; with
-        --sync-sparse-lr each, every part is scaled by its own examples and pushed on its
-        own, in part order, as sync servers apply the workers' pushes)."""
+        """Push the step's parts' row gradients (of each part's summed loss), scaled and
+        combined by the --sync-sparse-lr rule (``mpips.tables.push``; one part alone is
+        pushed with its own key plan).  `examples`: the step's examples."""
         if not parts:
             if self.dense_sync is None:
                 return _Done()
             p = self._empty_prep()                 # keeps sync/ssp servers' step count
             return self.ps.push(p.plan, p.rows, step=step)
-        if self.cfg.sync_sparse_lr == "each":      # (one part: the same as the sum below)
+        rule = self.cfg.sync_sparse_lr
+        for p, g in parts:
+            self.clip(p, g, push_rules.scale(rule, g, len(p.batch.label), examples))
+        if push_rules.apart(rule) or len(parts) == 1:
             for p, g in parts:
-                g *= np.float32(1.0 / len(p.batch.label))
-                self.clip(p, g, len(p.batch.label))
                 done = self.ps.push(p.plan, g, step=step)
             return done
-        inv = np.float32(1.0 / examples)
-        for p, g in parts:
-            g *= inv
-            self.clip(p, g, examples)
-        if len(parts) == 1:
-            return self.ps.push(parts[0][0].plan, parts[0][1], step=step)
-        every = np.concatenate([p.plan.keys for p, _ in parts])
-        keys, grads = sum_duplicates(every, np.concatenate([g for _, g in parts]))
-        plan = KeyPlan(keys, None, np.array([0, len(keys)], np.int64))
-        if self.cfg.sync_sparse_lr == "count":          # as the sync servers do
-            return self.ps.push(plan, grads, step=step, lr_scale=parts_holding(every, keys))
-        return self.ps.push(plan, grads, step=step)
+        [(keys, grads, lr_scale)] = push_rules.merge(rule, [(p.plan.keys, g) for p, g in parts])
+        plan = KeyPlan(keys, None, np.array([0, len(keys)], np.int64))   # one process
+        return self.ps.push(plan, grads, step=step, lr_scale=lr_scale)
 
-    def train_epoch(self, batches, epoch, max_steps=0, skip=0):
-        """Train over an iterable of Batch, or of lists of Batch (one per part), after
-        skipping `skip` of them (trained before a resume); return this worker's EpochStats."""
-        if self.replica is None:
-            raise ValueError("Trainer.train_epoch needs the dense weights it trains: pass "
-                             "replica= (a DenseTable of all of them; in one process ps.dense)")
-        st = EpochStats()
-        it = iter(batches)
-        for _ in range(skip):
-            next(it, None)
-        t_start = time.perf_counter()
-        params, sync_d, acc = self.params[0], self.dense_sync, self.acc
+    def _exchange(self, parts, n_here, more, step):
+        """Send the step's pushes and, among workers, its dense gradient (reduced in
+        shards: mpips.worker.dense_sync); returns (the last push's handle, whether any
+        worker has a next step).  Sync servers that sum the step's pushes want rows scaled
+        by the step's examples over all workers, known once the dense exchange is done."""
+        sync_d, tm = self.dense_sync, self.watch
+        if sync_d is None:
+            with tm("send"):
+                return self._push(parts, n_here, step), more
+        summed = self.sync and not push_rules.apart(self.cfg.sync_sparse_lr)
+        push = _Done()
+        with tm("send"):
+            sync_d.start(self.grad_dense, n_here, more, step, self._stop_asked())
+            if not summed:                         # rows averaged over this worker
+                push = self._push(parts, n_here, step)
+        with tm("dense_wait"):
+            more = sync_d.finish(self.acc)
+        if summed:                                 # sync: over the step's examples
+            with tm("send"):
+                push = self._push(parts, self.acc.examples, step)
+        return push, more
+
+    def _epoch(self, it, epoch, st, max_steps, skip):
+        params, sync_d, acc, tm = self.params[0], self.dense_sync, self.acc, self.watch
         acc.noise_reset()                          # this epoch's noise scale (DenseStep)
-        # sync servers sum a step's pushes (rows scaled by the step's examples) unless
-        # --sync-sparse-lr each: then each push is a step of its own (rows scaled by the
-        # worker's examples), as async pushes are
-        summed = self.sync and self.cfg.sync_sparse_lr != "each"
         if max_steps and skip >= max_steps:        # --max-steps counts the skipped batches
-            return st
+            return 0
         cur = self._group(it, skip, max_steps)
         h = self._pull_group(cur, 0, True)
         push = _Done()
@@ -346,52 +425,21 @@ class Trainer:
             if self.overlap and nxt:
                 h = self._pull_group(nxt, step + 1, True)
             if sync_d is not None:                 # the last step's weights, whole again
-                td0 = time.perf_counter()
-                sync_d.wait_shared()
-                self.times["dense_wait"] += time.perf_counter() - td0
-            t0 = time.perf_counter()
-            parts, n_here = [], 0
-            if sync_d is None:
-                acc.reset()
-            for p in cur:
-                loss, probs, grads = self._step_math(p, params, 1.0)
-                n = len(p.batch.label)
-                n_here += n
-                st.loss_sum += loss * n
-                tm0 = time.perf_counter()
-                st.metrics.update(probs, p.batch.label)
-                self.times["metrics"] += time.perf_counter() - tm0
-                parts.append((p, grads))
-                if sync_d is None:
-                    acc.add(n, self.grad_dense)
-            dt = time.perf_counter() - t0
-            self.compute_s += dt
+                with tm("dense_wait"):
+                    sync_d.wait_shared()
+            with tm("compute"):
+                parts, n_here = self._compute(cur, params, st)
             if self.stretch:
-                time.sleep(self.stretch * dt)
+                time.sleep(self.stretch * tm.last)
             st.examples += n_here
             push.wait()
-            ts0 = time.perf_counter()
-            if sync_d is None:
-                more = bool(nxt)
-                push = self._push(parts, n_here, step)
-            else:
-                sync_d.start(self.grad_dense, n_here, bool(nxt), step, self._stop_asked())
-                if not summed:                     # rows averaged over this worker
-                    push = self._push(parts, n_here, step)
-                td0 = time.perf_counter()
-                self.times["send"] += td0 - ts0
-                more = sync_d.finish(acc)
-                every += acc.examples
-                ts0 = time.perf_counter()
-                self.times["dense_wait"] += ts0 - td0
-                if summed:                         # sync: over the step's examples
-                    push = self._push(parts, acc.examples, step)
-            self.times["send"] += time.perf_counter() - ts0
-            td0 = time.perf_counter()
-            acc.apply()
+            push, more = self._exchange(parts, n_here, bool(nxt), step)
             if sync_d is not None:
-                sync_d.share(params)
-            self.times["dense_opt"] += time.perf_counter() - td0
+                every += acc.examples
+            with tm("dense_opt"):
+                acc.apply()
+                if sync_d is not None:
+                    sync_d.share(params)
             if self.step_delay:
                 time.sleep(self.step_delay)
             if self.on_step is not None:           # (batches done in the epoch, in this phase)
@@ -411,188 +459,4 @@ class Trainer:
         if sync_d is not None:
             sync_d.wait_shared()
         push.wait()
-        st.steps = step
-        st.seconds = time.perf_counter() - t_start
-        return st
-
-    def evaluate(self, batches, max_steps=0):
-        """Predict over an iterable of Batch with the current parameters (no rows created).
-
-        With a dense replica its weights are used; otherwise (GEO) the servers' are pulled."""
-        m = BinaryMetrics()
-        params = self.params[0]
-        it = iter(batches)
-        cur = self._prepare(next(it, None))
-        if cur is None:
-            return m
-        h = self._pull(cur, 0, params if self.replica is None else None, create=False)
-        step = 0
-        while cur is not None:
-            step += 1
-            nxt = None if max_steps and step >= max_steps else self._prepare(next(it, None))
-            h.wait()
-            if nxt is not None:
-                h = self._pull(nxt, 0, None, create=False)
-            b = cur.batch
-            n = len(b.label)
-            emb = np.empty((n * self._slots(b), self.dim), np.float32)
-            self._embed(cur, emb)
-            probs = np.empty(n, np.float32)
-            self.model.predict(params, emb.reshape(n, -1), b.dense, probs)
-            m.update(probs, b.label)
-            cur = nxt
-        return m
-
-
-class GeoTrainer(Trainer):
-    """GEO-SGD (Paddle's a_sync k_steps): local training, deltas sent every K steps.
-
-    The worker trains a local copy of the rows it touches and of the dense weights with
-    the configured optimizer (Paddle requires SGD for GEO; `--optimizer sgd` is exactly
-    Paddle's GEO-SGD, adam/adagrad keep their state locally on the worker).  Training runs
-    in rounds of K batches (shorter before a `--save-every` point and at the end).  Before
-    a round the worker reads its batches and pulls the servers' rows of the ids new to its
-    local copy (after a resume, or ids another worker created, they are not the initial
-    values).  After a round it sends, for the ids touched in it, `(local - base) / W`
-    (base = the values at the last sync; W workers, as Paddle's GEO communicator scales)
-    and the dense delta; servers add them; the worker pulls the fresh values (in the same
-    request as the next round's new ids) and makes them its new local and base values
-    (local optimizer state is kept).  With `--entry` the pull carries each touched id's
-    occurrences in the round, so admission counts occurrences as in the other modes;
-    until an id is admitted its deltas are dropped and it reads zeros.
-    """
-
-    def __init__(self, cfg, model, ps, plan_fn, log=None, n_workers=1):
-        super().__init__(cfg, model, ps, plan_fn, log, overlap=False)
-        self.scale = np.float32(1.0 / n_workers)     # Paddle scales GEO deltas by 1/trainers
-        self.opt = OptimizerConfig(name=cfg.optimizer, lr=cfg.lr,
-                                   initial_accumulator=cfg.adagrad_init)
-        self.local = SparseTable(model.row_dim, self.opt, cfg.seed, cfg.init_range)
-        self.base = SparseTable(model.row_dim, OptimizerConfig(name="sgd"), cfg.seed,
-                                cfg.init_range)
-        self.dense_local = None     # DenseTable with the local optimizer state
-        self.dense_base = None      # (P,) dense values at the last sync
-        self.touched = []           # [(unique keys, occurrences)] of the round's batches
-        self.save_every = 0 if cfg.stream or not cfg.save_dir else cfg.save_steps
-
-    def _round_length(self, done, max_steps):
-        """Batches in the round starting after `done` batches of the epoch (0: stop)."""
-        n = self.cfg.geo_steps
-        if self.save_every:
-            n = min(n, self.save_every - done % self.save_every)
-        if max_steps:
-            n = min(n, max_steps - done)
-        return max(n, 0)
-
-    def _new_ids(self, round_):
-        """Unique ids of the round's batches that the local copy does not hold yet."""
-        if not round_:
-            return np.empty(0, np.int64)
-        keys = np.unique(np.concatenate([p.plan.keys for p in round_]))
-        return keys[self.local.rows_of(keys) < 0]
-
-    def _sync(self, step, new_ids):
-        """Send deltas of touched ids and dense, then rebase on the servers' values.
-
-        The same pull fetches the servers' rows of `new_ids` (the next round's ids new to
-        the local copy; they count no occurrence) and, the first time, the dense weights.
-        """
-        first = self.dense_local is None
-        if not self.touched and not len(new_ids) and not first:
-            return
-        keys = [k for k, _ in self.touched]
-        occ = [c for _, c in self.touched]
-        self.touched = []
-        sent = self.plan_fn(np.concatenate(keys)) if keys else self.plan_fn(
-            np.empty(0, np.int64))
-        params = self.params[0]
-        h = None
-        if keys:
-            cur = np.empty((len(sent.keys), self.dim), np.float32)   # (u, dim)
-            old = np.empty_like(cur)
-            self.local.pull(sent.keys, cur, create=False)
-            self.base.pull(sent.keys, old, create=False)
-            h = self.ps.push(sent, (cur - old) * self.scale,
-                             (params - self.dense_base) * self.scale, step=step, op=Op.ADD)
-        plan = self.plan_fn(np.concatenate(keys + [new_ids]))
-        counts = None
-        if self.cfg.entry:
-            w = np.concatenate(occ + [np.zeros(len(new_ids), np.float32)])
-            counts = np.bincount(plan.inverse, weights=w, minlength=len(plan.keys)).astype(
-                np.float32).reshape(-1, 1)
-        fresh = np.empty((len(plan.keys), self.dim), np.float32)
-        h2 = self.ps.pull(plan, fresh, params if keys or first else None, step=step,
-                          create=True, counts=counts)
-        if h is not None:
-            h.wait()
-        h2.wait()
-        self.local.assign(plan.keys, fresh)
-        self.base.assign(plan.keys, fresh)
-        if first:
-            self.dense_base = params.copy()
-            self.dense_local = DenseTable(params, self.opt)
-        elif keys:
-            self.dense_local.assign(params)
-            self.dense_base[:] = params
-
-    def _read_round(self, it, n):
-        out = []
-        for batch in it:
-            out.append(self._prepare(batch))
-            if len(out) >= n:
-                break
-        return out
-
-    def train_epoch(self, batches, epoch, max_steps=0, skip=0):
-        st = EpochStats()
-        t_start = time.perf_counter()
-        params = self.params[0]
-        step = 0
-        it = iter(batches)
-        for _ in range(skip):
-            next(it, None)
-        n = self._round_length(skip, max_steps)
-        round_ = self._read_round(it, n) if n else []
-        self._sync(step, self._new_ids(round_))        # (the first time: dense weights too)
-        while round_:
-            for prep in round_:
-                self._local_step(prep, params, st)
-                step += 1
-                self._report(epoch, step, st)
-            full = len(round_) == n
-            n = self._round_length(skip + step, max_steps) if full else 0
-            round_ = self._read_round(it, n) if n else []
-            if round_ and self._stop_asked():
-                round_, st.stopped = [], True      # this worker's own stop (GEO: not in step)
-            self._sync(step, self._new_ids(round_))
-            if self.on_step is not None:           # a save sees this round's deltas
-                self.examples_done = (st.examples, None)
-                self.on_step(skip + step, step)
-        st.steps = step
-        st.seconds = time.perf_counter() - t_start
-        return st
-
-    def _local_step(self, prep, params, st):
-        """One optimizer step on the local copy (sparse rows and dense weights)."""
-        self.local.pull(prep.plan.keys, prep.rows, create=True)
-        self.base.pull(prep.plan.keys, np.empty_like(prep.rows), create=True)
-        t0 = time.perf_counter()
-        loss, probs, grads = self._step_math(prep, params)
-        self.local.push(prep.plan.keys, grads)                  # local optimizer step
-        self.dense_local.push(self.grad_dense)
-        self.dense_local.pull(params)
-        self.compute_s += time.perf_counter() - t0
-        occ = prep.counts[:, 0] if prep.counts is not None else np.ones(len(prep.plan.keys),
-                                                                        np.float32)
-        self.touched.append((prep.plan.keys, occ))
-        n = len(prep.batch.label)
-        st.examples += n
-        st.loss_sum += loss * n
-        st.metrics.update(probs, prep.batch.label)
-
-    def evaluate(self, batches, max_steps=0):
-        m = super().evaluate(batches, max_steps)
-        if self.dense_local is not None:      # evaluate pulled the servers' dense weights
-            self.dense_base[:] = self.params[0]
-            self.dense_local.assign(self.params[0])
-        return m
+        return step
