@@ -254,7 +254,8 @@ def test_no_label_and_options(tmp_path):
 def test_producer_error_reaches_consumer(synth_dir, monkeypatch):
     def boom(self, fmt, data):
         raise RuntimeError("disk on fire")
-    monkeypatch.setattr(DataReader, "_parse", boom)
+    from mpips.data.parsers import LineParser
+    monkeypatch.setattr(LineParser, "parse", boom)
     rd = DataReader(synth_dir, 10, prefetch=True)
     with pytest.raises(RuntimeError, match="disk on fire"):
         list(rd)

@@ -39,11 +39,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpips.data import bagparts, bags, binary, criteo, formats, slot, sources
+from mpips.data import bagparts, bags, binary, criteo, formats, sources
 from mpips.data.files import Span, resolve_paths
+from mpips.data.parsers import LineParser
 from mpips.data.sources import CHUNK_BYTES, MAX_LINE_BYTES, iter_chunks, split_unterminated
-from mpips.kernels.tsv_parse import BAD_INT as K_BAD_INT
-from mpips.kernels.tsv_parse import BAD_LABEL as K_BAD_LABEL
 from mpips.schema import Schema
 
 PREFETCH_DEPTH = 4  # batches queued ahead by the prefetch thread
@@ -114,11 +113,6 @@ def detect_format(path: str) -> str:
                 if len(stripped) < 6:  # 'click:' may straddle two reads
                     stripped += f.read(6)
                 return "slot" if stripped.startswith(b"click:") else "tsv"
-
-
-def _detect_bytes(head: bytes) -> str:
-    """'slot' if ``head`` (the first chunk) starts with 'click:' after blanks, else 'tsv'."""
-    return "slot" if head.lstrip(b"\r\n\t ").startswith(b"click:") else "tsv"
 
 
 def _split_header(data: bytes):
@@ -216,27 +210,16 @@ class DataReader:
                  schema: Schema | None = None, pipe_timeout: float = sources.PIPE_TIMEOUT):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1; got {batch_size}")
-        if fmt not in ("auto", "tsv", "slot"):
-            raise ValueError(f"fmt must be 'auto', 'tsv' or 'slot'; got {fmt!r}")
-        if hash_bucket < 0:
-            raise ValueError(f"hash_bucket must be >= 0 (0 = full int64 ids); got {hash_bucket}")
+        self.parser = LineParser(schema, fmt=fmt, has_label=has_label, hash_bucket=hash_bucket,
+                                 cont_min=cont_min, cont_diff=cont_diff, pad=not strict)
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1; got {chunk_bytes}")
         self.files = resolve_paths(files)
         self.batch_size = int(batch_size)
         self.fmt, self.strict, self.hash_bucket = fmt, strict, int(hash_bucket)
-        self.schema = Schema.criteo() if schema is None else schema
-        self.text = None  # the reader of a non-default schema (formats.TextFormat)
-        if self.schema.is_criteo:
-            self.norm = criteo.make_norm(cont_min, cont_diff)
-        else:
-            if fmt != "auto":
-                raise ValueError(f"fmt {fmt!r} names a Criteo reader; a {self.schema.format} "
-                                 f"schema reads its own format (use fmt='auto')")
-            self.norm = None
-            self.text = formats.TextFormat(self.schema, has_label=has_label,
-                                           hash_bucket=hash_bucket, cont_min=cont_min,
-                                           cont_diff=cont_diff, pad=not strict)
+        self.schema = self.parser.schema
+        self.text = self.parser.text  # the reader of a non-default schema (formats.TextFormat)
+        self.norm = self.parser.norm  # the Criteo schema's dense normalisation
         self.explicit_norm = cont_min is not None or cont_diff is not None
         self.has_label, self.prefetch, self.drop_last = has_label, prefetch, drop_last
         self.warn = warn or _stderr_warn
@@ -253,36 +236,6 @@ class DataReader:
                                 # since time.monotonic() t0 (a worker answers status requests)
 
     # ---- parsing (runs in the prefetch thread when prefetch=True) ----
-    def _parse(self, fmt: str, data: bytes) -> criteo.ParseResult:
-        if fmt == "slot" and self.text is None:
-            return slot.parse_slot_bytes(data, hash_bucket=self.hash_bucket)
-        if fmt == "tsv":
-            return criteo.parse_tsv_bytes(data, has_label=self.has_label, pad=not self.strict,
-                                          hash_bucket=self.hash_bucket, norm=self.norm)
-        return self.text.parse(data)
-
-    def _format(self, path: str, head: bytes) -> str:
-        """'tsv' or 'slot' (the default Criteo schema's readers, by ``head``, the first
-        chunk), else the schema's format."""
-        if self.text is not None:
-            return self.schema.format
-        return _detect_bytes(head) if self.fmt == "auto" else self.fmt
-
-    def _describe(self, reason: int, detail: int, line: bytes | None = None) -> str:
-        """Words for a bad-line record; with the ``line``, a bad value is shown."""
-        if self.text is not None:
-            return self.text.describe(reason, detail, line)
-        text = criteo.describe_bad(reason, detail, self.has_label)
-        value = None
-        if line is not None and reason == criteo.BAD_SLOT_VALUE:
-            toks = line.split()
-            value = toks[detail] if detail < len(toks) else None
-        elif line is not None and reason in (K_BAD_INT, K_BAD_LABEL) and (
-                self.has_label or reason == K_BAD_INT):
-            value = formats.field_of(line, detail - (0 if self.has_label else 1)
-                                     if reason == K_BAD_INT else 0)
-        return text if value is None else f"{text}: {formats.shown(value)}"
-
     def _report(self, path: str, fst: FileStats, records, base=None, text=None) -> None:
         """Count and report bad lines ``records``: iterable of (line0, reason, detail);
         ``base()`` gives the line number the line0s count from (a span's first line),
@@ -291,7 +244,7 @@ class DataReader:
             shown = self.strict or len(fst.examples) < EXAMPLES_KEPT or fst.bad < self.max_warnings
             if shown:
                 line = line0 + (base() if base is not None else 0)
-                words = self._describe(reason, detail, None if text is None else text(line0))
+                words = self.parser.describe(reason, detail, None if text is None else text(line0))
                 msg = f"{path}:{line + 1}: malformed line skipped: {words}"
                 if self.strict:
                     raise ValueError(msg + " (strict mode; run without --strict to skip such lines)")
@@ -313,7 +266,7 @@ class DataReader:
                 cache.append(sources.lines_before(span.path, begin))
             return cache[0]
         header = None
-        if begin > 0 and self.text is not None and self.text.needs_header:
+        if begin > 0 and self.parser.needs_header:
             with open(span.path, "rb") as f:            # (a span is a plain file)
                 header = f.readline(MAX_LINE_BYTES)
         return stream, base, header
@@ -328,19 +281,19 @@ class DataReader:
         name = str(path)
         fst = self.stats.files.setdefault(name, FileStats())
         fmt = base = last = None
-        parse = parse or self._parse
+        parse = parse or self.parser.parse
         if isinstance(path, Span):
             stream, base, header = self._open_span(path)
             path = path.path
             if header is not None:
                 fmt = self.schema.format
-                parse = self.text.with_header(header, path)
+                parse = self.parser.with_header(header, path)
         for data, first, too_long in iter_chunks(path, self.chunk_bytes, stream=stream):
             if fmt is None:
-                fmt = self._format(path, data)
-                if self.text is not None and self.text.needs_header:
+                fmt = self.parser.format_of(data)
+                if self.parser.needs_header:
                     header, data = _split_header(data)
-                    parse = self.text.with_header(header, path)
+                    parse = self.parser.with_header(header, path)
                     first += 1
             self._report(path, fst, ((ln, criteo.BAD_LINE_TOO_LONG, MAX_LINE_BYTES)
                                      for ln in too_long), base)
@@ -406,7 +359,7 @@ class DataReader:
         raise DataError(
             f"{path}: {fst.bad} of {fst.bad + fst.rows} lines malformed ({100 * share:.0f}%"
             f"{'' if not fst.rows else f', above --max-bad-fraction {limit:g}'}); most common: "
-            f"{self._describe(reason, detail)} ({k} of the "
+            f"{self.parser.describe(reason, detail)} ({k} of the "
             f"{sum(fst.reasons.values())} bad lines examined); "
             f"hint: {self._hint(path, fmt, reason, detail)}")
 

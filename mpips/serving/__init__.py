@@ -2,6 +2,6 @@
 lines, the export folder a stream writes, and (``mpips.serve``) the network server over them.
 
 ``mpips.serving.Predictor`` is the public name (kept from when this was one module)."""
-from mpips.serving.predictor import LineError, Predictor, parse_lines, parse_text_lines, text_parser
+from mpips.serving.predictor import LineError, Predictor, line_parser, parse_lines
 
-__all__ = ["LineError", "Predictor", "parse_lines", "parse_text_lines", "text_parser"]
+__all__ = ["LineError", "Predictor", "line_parser", "parse_lines"]

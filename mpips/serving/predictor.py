@@ -12,9 +12,8 @@
     p = Predictor.follow("exports/")            # the newest state of a stream's --export-dir
     p.refresh()                                 # catch up (True if the model changed)
 
-The lines are parsed by the training parsers (``mpips.data.criteo`` / ``mpips.data.slot``;
-another schema's by ``mpips.data.formats.TextFormat``) with the bundle's data settings
-(format, ``hash_bucket``, normalisation), and scored by
+The lines are parsed by the training readers' parser (``mpips.data.parsers``) with the
+bundle's data settings (format, ``hash_bucket``, normalisation), and scored by
 a ``mpips.serving.model.ServingModel`` (the training forward pass).  The predictor holds ONE
 reference to its current model; a scoring call reads it once, and ``apply``/``refresh``
 build the new model aside and then swap the reference, so a concurrent reader sees the
@@ -22,149 +21,49 @@ old model or the new one, never half of each.  When a patch or a followed folder
 file is bad, one ``BundleError`` is raised and the model stays as it was.
 numpy/numba only (no MPI).
 """
-import functools
-
 import numpy as np
 
 import mpips.serving.bundle as bd
 import mpips.serving.exports as exports
-from mpips.data import bags, criteo, slot
-from mpips.data.formats import TextFormat
+from mpips.data import criteo, parsers
+from mpips.data.parsers import LineParser
 from mpips.serving.model import ServingModel
-
-SLOT_PREFIX = (b"click:", b"dense_feature:")
 
 
 # ---------------------------------------------------------------------- lines
-def _as_bytes(line):
-    b = line.encode() if isinstance(line, str) else bytes(line)
-    if b.endswith(b"\n"):
-        b = b[:-1]
-    if b.endswith(b"\r"):
-        b = b[:-1]
-    if b"\n" in b:
-        raise ValueError("a line must not contain a newline inside it")
-    return b
-
-
-@functools.lru_cache(maxsize=32)
-def _norm(cont_min, cont_diff):
-    """make_norm of tuples (or None), made once: a server parses a few lines a call."""
-    return criteo.make_norm(cont_min, cont_diff)
-
-
-def _parser(data, slot_format, has_label):
-    bucket = int(data["hash_bucket"])
-    if slot_format:
-        return lambda buf: slot.parse_slot_bytes(buf, hash_bucket=bucket)
-    lo, diff = data["cont_min"], data["cont_diff"]
-    norm = _norm(None if lo is None else tuple(lo), None if diff is None else tuple(diff))
-    return lambda buf: criteo.parse_tsv_bytes(buf, has_label=has_label, hash_bucket=bucket,
-                                              norm=norm, pad=True)  # as the reader does
-
-
-def _parse_group(raw, parse, why, index, has_label):
-    """(dense, ids, ok) of lines ``raw`` parsed by ``parse``; ok marks lines with a row.
-
-    ``why[index[j]]`` gets the reason line j has no row (blank, or the parser's reason)."""
-    ok = np.array([bool(b.strip()) for b in raw], np.bool_)
-    for j in np.flatnonzero(~ok):
-        why[int(index[j])] = "blank line"
-    step = len(raw) if len(raw) <= criteo.MAX_BAD_RECORDS else criteo.MAX_BAD_RECORDS
-    res = parse(b"\n".join(raw))
-    if res.n_bad <= len(res.bad):
-        _mark_bad(res.bad, 0, ok, why, index, has_label)
-        return res.dense, res.sparse, ok
-    dense, ids = [], []                      # more bad lines than recorded: find them in pieces
-    for lo in range(0, len(raw), step):
-        res = parse(b"\n".join(raw[lo:lo + step]))
-        _mark_bad(res.bad, lo, ok, why, index, has_label)
-        dense.append(res.dense)
-        ids.append(res.sparse)
-    return np.concatenate(dense), np.concatenate(ids), ok
-
-
-def _mark_bad(bad, lo, ok, why, index, has_label):
-    """Lines of parser records ``bad`` ((line, reason, detail) rows, lines from ``lo``)."""
-    ok[lo + bad[:, 0]] = False
-    for line, reason, detail in bad.tolist():
-        text = criteo.describe_bad(reason, detail, has_label)
-        if reason == criteo.K.BAD_FIELDS and has_label:
-            text += " (39 without the label column)"
-        why[int(index[lo + line])] = text
-
-
-def parse_lines(lines, data, why=None):
-    """(dense, ids, ok) for raw lines: the parsed rows and which lines they are (bool (n,)).
-
-    Blank and malformed lines have no row (``ok`` False; with a dict ``why``, ``why[i]``
-    says why line i has none).  Each TSV line may come with or without its label column
-    (39 or 38 tabs); a slot line without a ``click:`` token gets ``click:0``.  The format
-    is the bundle's, or (``auto``) that of the first non-blank line, as the reader decides
-    for a file.
-    """
-    why = {} if why is None else why
-    raw = [_as_bytes(x) for x in lines]
-    every = np.arange(len(raw))
-    first = next((b for b in raw if b.strip()), b"")
-    fmt = data["data_format"]
-    slot_format = fmt == "slot" or (fmt == "auto" and first.lstrip().startswith(SLOT_PREFIX))
-    if slot_format:
-        raw = [b if b.lstrip().startswith(b"click:") else b"click:0 " + b for b in raw]
-        return _parse_group(raw, _parser(data, True, True), why, every, True)
-    no_label = np.array([b.count(b"\t") == criteo.N_DENSE + criteo.N_SPARSE - 1 for b in raw],
-                        np.bool_)
-    if not no_label.any() or no_label.all():
-        has_label = not no_label.any()
-        return _parse_group(raw, _parser(data, False, has_label), why, every, has_label)
-    dense = np.zeros((len(raw), criteo.N_DENSE), np.float32)
-    ids = np.zeros((len(raw), criteo.N_SPARSE), np.int64)
-    ok = np.zeros(len(raw), np.bool_)
-    for has_label in (False, True):
-        idx = np.flatnonzero(no_label != has_label)
-        d, i, k = _parse_group([raw[j] for j in idx], _parser(data, False, has_label), why,
-                               idx, has_label)
-        dense[idx[k]], ids[idx[k]], ok[idx] = d, i, k
-    return dense[ok], ids[ok], ok
-
-
-def text_parser(model, header=None):
-    """The parse function of a non-Criteo model's lines: the training readers' parser
-    (``mpips.data.formats.TextFormat``) with the bundle's data settings; a CSV schema
-    with ``header = true`` needs ``header``, the column names line of its files."""
+def line_parser(model, header=None):
+    """The LineParser (``mpips.data.parsers``, the training readers' parser) of a model's
+    lines, with the bundle's data settings; a CSV schema with ``header = true`` needs
+    ``header``, the column names line of its files."""
     schema, data = model.schema, model.data
-    fmt = TextFormat(schema, has_label=False, hash_bucket=int(data["hash_bucket"]),
-                     cont_min=data.get("cont_min"), cont_diff=data.get("cont_diff"))
-    if fmt.needs_header or (header is not None and schema.format == "csv"):
+    if schema.is_criteo:
+        return _criteo_parser(data)
+    parser = LineParser(schema, has_label=False, hash_bucket=int(data["hash_bucket"]),
+                        cont_min=data.get("cont_min"), cont_diff=data.get("cont_diff"))
+    if parser.needs_header or (header is not None and schema.format == "csv"):
         if header is None:
             raise ValueError("this model's schema is CSV with a header line: give it, "
                              "Predictor(bundle, header=\"col1,col2,...\") (the first line of "
                              "its data files)")
-        fmt.with_header(_as_bytes(header), "the predictor's header")
-    return fmt
+        parser.with_header(parsers.as_line(header), "the predictor's header")
+    return parser
 
 
-def parse_text_lines(lines, fmt, why=None):
-    """(piece, ok) for raw lines of a TextFormat ``fmt``: the parsed rows as a batch piece
-    (dense, sparse, label, offsets) and which lines they are (bool (n,)); blank and bad
-    lines have no row (``why[i]`` says why, as in ``parse_lines``)."""
-    why = {} if why is None else why
-    raw = [_as_bytes(x) for x in lines]
-    ok = np.array([bool(b.strip()) for b in raw], np.bool_)
-    for j in np.flatnonzero(~ok):
-        why[int(j)] = "blank line"
-    index = np.flatnonzero(ok)
-    step = criteo.MAX_BAD_RECORDS
-    pieces = []
-    for lo in range(0, len(index), step):    # at most MAX_BAD_RECORDS bad lines a parse
-        res = fmt.parse(b"\n".join(raw[j] for j in index[lo:lo + step]) + b"\n")
-        for line, reason, detail in res.bad.tolist():
-            ok[index[lo + line]] = False
-            why[int(index[lo + line])] = fmt.describe(reason, detail)
-        pieces.append((res.dense, res.sparse, res.label, res.offsets))
-    if not pieces:
-        return None, ok
-    return bags.concat(pieces), ok
+def _criteo_parser(data):
+    """The Criteo schema's parser (lines with or without their label, per line)."""
+    return LineParser(fmt=data["data_format"], hash_bucket=int(data["hash_bucket"]),
+                      cont_min=data["cont_min"], cont_diff=data["cont_diff"])
+
+
+def parse_lines(lines, data, why=None):
+    """(dense, ids, ok) for raw Criteo lines (TSV or slot) with a bundle's data settings
+    ``data``: the parsed rows and which lines they are (bool (n,)); blank and malformed
+    lines have no row (``why[i]`` says why; ``mpips.data.parsers.parse_lines``)."""
+    piece, ok = parsers.parse_lines(lines, _criteo_parser(data), why)
+    if piece is None:
+        return (np.zeros((0, criteo.N_DENSE), np.float32),
+                np.zeros((0, criteo.N_SPARSE), np.int64), ok)
+    return piece[0], piece[1], ok
 
 
 class LineError(ValueError):
@@ -195,7 +94,7 @@ class Predictor:
             model = ServingModel.from_arrays(m, arrays)
         self._model = model
         self.header = header        # CSV schemas: the column names line of the data files
-        self._text = (None, None)   # (model, its TextFormat) of non-Criteo schemas
+        self._parsing = (None, None)    # (model, its LineParser)
         self.folder = None
         self.bad_lines = 0          # bad lines given NaN by predict_lines(errors="nan")
         self.last_bad = []          # [(index, reason)] of the last such call
@@ -224,25 +123,10 @@ class Predictor:
         if errors not in ("raise", "nan"):
             raise ValueError(f"errors must be 'raise' or 'nan'; got {errors!r}")
         model = self._model
-        if not model.schema.is_criteo:
-            return self._predict_text(model, lines, errors)
+        if self._parsing[0] is not model:
+            self._parsing = (model, line_parser(model, self.header))
         why = {}
-        dense, ids, ok = parse_lines(lines, model.data, why)
-        bad = sorted(why.items())
-        if bad and errors == "raise":
-            raise LineError(bad, len(ok))
-        out = np.full(len(ok), np.nan, np.float32)
-        if len(ids):
-            out[ok] = model.predict(dense, ids)
-        self.last_bad = bad
-        self.bad_lines += len(bad)
-        return out
-
-    def _predict_text(self, model, lines, errors):
-        if self._text[0] is not model:
-            self._text = (model, text_parser(model, self.header))
-        why = {}
-        piece, ok = parse_text_lines(lines, self._text[1], why)
+        piece, ok = parsers.parse_lines(lines, self._parsing[1], why)
         bad = sorted(why.items())
         if bad and errors == "raise":
             raise LineError(bad, len(ok))
