@@ -345,14 +345,14 @@ def test_d11_a_flipped_byte_is_passed_over(tmp_path):
                       "in dataset sparse/values (the file is corrupted)"]
     flip_byte(os.path.join(base, ck.shard_name(0, 1)))
     reads = []
-    real = ck.load._Shard.verify
-    ck.load._Shard.verify = lambda self, name: (reads.append((self.path, name)),
+    real = ck.h5io.Shard.verify
+    ck.h5io.Shard.verify = lambda self, name: (reads.append((self.path, name)),
                                                 real(self, name))[1]
     try:
         warned = []
         assert ck.resolve(root, warned.append) == full
     finally:
-        ck.load._Shard.verify = real
+        ck.h5io.Shard.verify = real
     assert len(warned) == 3 and all("checksum mismatch in dataset dense/values" in w
                                     for w in warned)
     assert f"{deltas[0]} needs ckpt-000002-base: " in warned[1]

@@ -6,180 +6,16 @@ chain verifies (:func:`verify`: manifests, file sizes, and every dataset's CRC-3
 server then calls :func:`load_shard_into` with its own index and the new server count;
 ids are re-assigned by ``owner_of``, so S servers' files load into any S'.  Sizes, shapes,
 dtypes and CRC-32s are verified against the manifest again as the rows are read; any
-problem raises CheckpointError.
+problem raises CheckpointError.  The files themselves are read by ``mpips.checkpoint.h5io``.
 """
 import os
-import zlib
-from contextlib import contextmanager
 
-import h5py
 import numpy as np
 
+from mpips.checkpoint.h5io import Shard, dense_slice, fold_removed, tables_schema
 from mpips.checkpoint.manifest import (_DIR_RE, MANIFEST, SKIPPED_FIELDS, CheckpointError,
                                        chain_manifests, list_checkpoints, read_manifest,
                                        stderr_warn)
-from mpips.tables.ownership import owners
-
-LOAD_ROWS = 1 << 16                    # rows per read + import_rows call (its np.unique
-                                       # is ~4x faster per row on cache-sized pieces)
-VERIFY_BYTES = 1 << 24                 # bytes per read while verifying a dataset's CRC
-
-
-@contextmanager
-def _h5_errors(path):
-    """Turn h5py/HDF5 failures into a CheckpointError naming the file."""
-    try:
-        yield
-    except CheckpointError:
-        raise
-    except (OSError, KeyError, RuntimeError, ValueError, TypeError) as e:
-        raise CheckpointError(f"{path}: corrupted or unreadable HDF5 file "
-                              f"({type(e).__name__}: {e})") from None
-
-
-def _rows_schema(table, group, rows_key, evicted_key):
-    """Datasets of a table's row fields under group: name -> (dtype, shape of an entry)."""
-    out = {}
-    for f, arr in table.export_rows(np.empty(0, np.int64)).items():
-        if f not in SKIPPED_FIELDS:
-            out[f"{group}/{f}"] = (arr.dtype, lambda e, t=arr.shape[1:]: (e[rows_key],) + t)
-    out[f"{group}/evicted"] = (np.dtype(np.int64), lambda e: (e[evicted_key],))
-    return out
-
-
-def _schema(sparse, dense, admission=None):
-    """Expected datasets: name -> (dtype, shape given the shard's manifest entry).
-
-    With ``admission`` (the AdmittedTable loaded into), the ``/admission/`` datasets too;
-    shards saved without them (older checkpoints, runs without --entry) are read as
-    holding no waiting counts.
-    """
-    out = _rows_schema(sparse, "sparse", "rows", "evicted")
-    out["dense/values"] = (np.dtype(np.float32), lambda e: (e["dense_size"],))
-    for name, per_el in dense.opt.state_arrays():
-        out[f"dense/{name}"] = (np.dtype(np.float32),
-                                (lambda e: (e["dense_size"],)) if per_el else (lambda e: (1,)))
-    if admission is not None:
-        adm = _rows_schema(admission.counts, "admission", "admission_rows", "admission_evicted")
-        adm["admission/admitted"] = (np.dtype(np.int64), lambda e: (1,))
-        out.update({k: v + (True,) for k, v in adm.items()})
-    return out
-
-
-def _for_entry(schema, entry):
-    """The part of the schema a shard entry has: optional (admission) datasets if saved."""
-    has_adm = "admission_rows" in entry
-    return {k: v[:2] for k, v in schema.items() if len(v) == 2 or has_adm}
-
-
-class _Shard:
-    """One shard file, opened and checked against its manifest entry and the schema."""
-
-    def __init__(self, ckpt_dir, entry, schema):
-        self.path = os.path.join(ckpt_dir, entry["file"])
-        self.entry = entry
-        schema = _for_entry(schema, entry)
-        self.has_admission = "admission/keys" in schema
-        if not os.path.exists(self.path):
-            raise CheckpointError(f"{self.path}: shard file listed in {MANIFEST} is missing")
-        size = os.path.getsize(self.path)
-        if size != entry["bytes"]:
-            raise CheckpointError(f"{self.path}: file is {size} bytes, {MANIFEST} says "
-                                  f"{entry['bytes']} (truncated or overwritten)")
-        self._check_entry(schema, size)
-        with _h5_errors(self.path):
-            self.file = h5py.File(self.path, "r", locking=False)
-            try:
-                for name in schema:
-                    self._check_dataset(name)
-            except BaseException:
-                self.file.close()
-                raise
-
-    def _check_entry(self, schema, size):
-        e = self.entry
-        missing = sorted(set(schema) - set(e["datasets"]))
-        if missing:
-            raise CheckpointError(f"{self.path}: lacks datasets {missing} (saved with a "
-                                  "different optimizer?)")
-        total = 0
-        for name, (dtype, shape_fn) in schema.items():
-            d = e["datasets"][name]
-            want = list(shape_fn(e))
-            if np.dtype(d["dtype"]) != dtype or d["shape"] != want:
-                raise CheckpointError(f"{self.path}: {name} is {d['dtype']} {d['shape']}; "
-                                      f"expected {dtype.name} {want}")
-            total += int(np.prod(want, dtype=np.float64)) * dtype.itemsize
-        if total > size:
-            raise CheckpointError(f"{self.path}: claims {e['rows']} rows, {e['evicted']} "
-                                  f"evicted ids and {e['dense_size']} dense values "
-                                  f"({total} bytes) but the file holds {size} bytes")
-
-    def _check_dataset(self, name):
-        if name not in self.file:
-            raise CheckpointError(f"{self.path}: dataset {name} is missing")
-        ds = self.file[name]
-        d = self.entry["datasets"][name]
-        if ds.dtype != np.dtype(d["dtype"]) or list(ds.shape) != d["shape"]:
-            raise CheckpointError(f"{self.path}: dataset {name} is {ds.dtype} {list(ds.shape)}; "
-                                  f"{MANIFEST} says {d['dtype']} {d['shape']}")
-        nbytes = int(np.prod(ds.shape, dtype=np.float64)) * ds.dtype.itemsize
-        if ds.chunks is not None or ds.compression is not None or (
-                nbytes and ds.id.get_storage_size() != nbytes):
-            raise CheckpointError(f"{self.path}: dataset {name} is not stored as a whole "
-                                  f"contiguous array of {nbytes} bytes")
-
-    def verify(self, name):
-        """Check a dataset's CRC-32, reading it in pieces of about VERIFY_BYTES."""
-        with _h5_errors(self.path):
-            ds = self.file[name]
-            row = max(int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize, 1)
-            step = max(VERIFY_BYTES // row, 1)
-            crc = 0
-            for lo in range(0, ds.shape[0] if ds.shape else 1, step):
-                crc = zlib.crc32(np.ascontiguousarray(ds[lo:lo + step] if ds.shape else ds[()]),
-                                 crc)
-        self._verify(name, crc)
-
-    def read(self, name):
-        """A whole dataset, checksum verified."""
-        with _h5_errors(self.path):
-            arr = self.file[name][()]
-        self._verify(name, zlib.crc32(np.ascontiguousarray(arr)))
-        return arr
-
-    def _verify(self, name, crc):
-        if crc != self.entry["datasets"][name]["crc32"]:
-            raise CheckpointError(f"{self.path}: checksum mismatch in dataset {name} "
-                                  "(the file is corrupted)")
-
-    def import_into(self, sparse, fields, server_id, n_servers, removed, group="sparse"):
-        """Import the rows of ``group`` server_id owns, except ids in ``removed`` (sorted);
-        CRC checked.  Returns the number of rows owned by server_id.
-        """
-        n = self.entry["rows" if group == "sparse" else "admission_rows"]
-        owned = 0
-        crcs = dict.fromkeys(fields, 0)
-        for lo in range(0, n, LOAD_ROWS):
-            with _h5_errors(self.path):
-                chunk = {f: self.file[f"{group}/{f}"][lo:lo + LOAD_ROWS] for f in fields}
-            for f in fields:
-                crcs[f] = zlib.crc32(chunk[f], crcs[f])
-            keep = None if n_servers == 1 else owners(chunk["keys"], n_servers) == server_id
-            owned += len(chunk["keys"]) if keep is None else int(keep.sum())
-            if len(removed):
-                alive = ~_in_sorted(chunk["keys"], removed)
-                keep = alive if keep is None else keep & alive
-            if keep is not None:
-                chunk = {f: a[keep] for f, a in chunk.items()}
-            if len(chunk["keys"]):
-                sparse.import_rows(chunk)
-        for f in fields:
-            self._verify(f"{group}/{f}", crcs[f])
-        return owned
-
-    def close(self):
-        self.file.close()
 
 
 def _check_target(path, m, sparse, dense, server_id, n_servers, bounds):
@@ -202,19 +38,6 @@ def _check_target(path, m, sparse, dense, server_id, n_servers, bounds):
         raise ValueError(f"load needs an empty sparse table; this one has {len(sparse)} rows")
 
 
-def _sorted_unique(x):
-    x = np.sort(x)
-    return x[np.concatenate(([True], x[1:] != x[:-1]))] if len(x) else x
-
-
-def _in_sorted(x, table):
-    """Bool mask: which of ``x`` are in the sorted unique int64 array ``table``."""
-    if not len(table):
-        return np.zeros(len(x), np.bool_)
-    pos = np.minimum(np.searchsorted(table, x), len(table) - 1)
-    return table[pos] == x
-
-
 def _removed_ids(groups, name="sparse"):
     """Sorted ids whose last event in the chain is an eviction (never to be imported).
 
@@ -226,38 +49,9 @@ def _removed_ids(groups, name="sparse"):
         evicted = np.concatenate([s.read(f"{name}/evicted") for s in group])
         if not len(removed) and not len(evicted):
             continue
-        keys = _sorted_unique(np.concatenate([s.read(f"{name}/keys") for s in group]))
-        removed = _sorted_unique(np.concatenate([removed, evicted]))
-        if len(keys):
-            removed = removed[~_in_sorted(removed, keys)]
+        keys = np.concatenate([s.read(f"{name}/keys") for s in group])
+        removed = fold_removed(removed, evicted, keys)
     return removed
-
-
-def _dense_slice(ckpt_dir, m, schema, dense, lo, hi):
-    """Dense state of [lo, hi) assembled from the saved slices of the last element."""
-    per_el = dict(dense.opt.state_arrays(), values=True)
-    out = {k: np.empty(hi - lo if p else 1, np.float32) for k, p in per_el.items()}
-    covered, have_scalars = 0, False
-    for entry in m["shards"]:
-        slo, shi = entry["dense_lo"], entry["dense_lo"] + entry["dense_size"]
-        a, b = max(lo, slo), min(hi, shi)
-        if b <= a and (have_scalars or lo != hi):
-            continue
-        shard = _Shard(ckpt_dir, entry, schema)
-        try:
-            for k, p in per_el.items():
-                arr = shard.read(f"dense/{k}")
-                if p and b > a:
-                    out[k][a - lo:b - lo] = arr[a - slo:b - slo]
-                elif not p and not have_scalars:
-                    out[k][:] = arr
-        finally:
-            shard.close()
-        covered += max(b - a, 0)
-        have_scalars = True
-    if covered != hi - lo:
-        raise CheckpointError(f"{ckpt_dir}: dense slices do not cover [{lo}, {hi})")
-    return out
 
 
 def load_shard_into(path, sparse, dense, server_id, n_servers, dense_bounds, admission=None):
@@ -280,17 +74,17 @@ def load_shard_into(path, sparse, dense, server_id, n_servers, dense_bounds, adm
     bounds = [int(b) for b in dense_bounds]
     for d, m in elements:
         _check_target(d, m, sparse, dense, server_id, n_servers, bounds)
-    schema = _schema(sparse, dense, admission)
+    schema = tables_schema(sparse, dense, admission)
     tables = [("sparse", sparse)] + ([("admission", admission.counts)] if admission is not None
                                      else [])
     groups = []                           # per element: its shard files this server reads
     try:
         for d, m in elements:
             same = m["n_servers"] == n_servers
-            groups.append([_Shard(d, e, schema)
+            groups.append([Shard(d, e, schema)
                            for e in ([m["shards"][server_id]] if same else m["shards"])])
         d, m = elements[-1]
-        state = _dense_slice(d, m, schema, dense, bounds[server_id], bounds[server_id + 1])
+        state = dense_slice(d, m, schema, dense, bounds[server_id], bounds[server_id + 1])
         for name, table in tables:
             _import_chain(elements, groups, name, table, server_id, n_servers)
         if admission is not None and groups[-1][0].has_admission:
@@ -348,7 +142,7 @@ def verify_element(ckpt_dir, m):
     """Raise CheckpointError unless every shard file of one checkpoint directory is there,
     at its size, and every dataset its manifest lists matches its shape, dtype and CRC."""
     for entry in m["shards"]:
-        shard = _Shard(ckpt_dir, entry, _listed_schema(entry))
+        shard = Shard(ckpt_dir, entry, _listed_schema(entry))
         try:
             for name in entry["datasets"]:
                 shard.verify(name)

@@ -15,6 +15,7 @@ import zlib
 import h5py
 import numpy as np
 
+from mpips.checkpoint.h5io import write_whole
 from mpips.checkpoint.manifest import (FORMAT, MANIFEST, MODES, SKIPPED_FIELDS, VERSION,
                                        check_mode, fsync, new_checkpoint_dir, shard_name,
                                        write_manifest)
@@ -22,13 +23,6 @@ from mpips.checkpoint.manifest import (FORMAT, MANIFEST, MODES, SKIPPED_FIELDS, 
 CHUNK_ROWS = 1 << 18                   # rows per HDF5 write (bounds the extra memory)
 DATASET_OVERHEAD = 8 << 10             # bytes of HDF5 headers allowed per dataset
 FILE_OVERHEAD = 256 << 10              # and per file (superblock, groups, attributes)
-
-
-def _write_whole(group, name, arr, datasets):
-    arr = np.ascontiguousarray(arr)
-    group.create_dataset(name, data=arr)
-    datasets[f"{group.name.strip('/')}/{name}"] = {
-        "shape": list(arr.shape), "dtype": arr.dtype.name, "crc32": zlib.crc32(arr)}
 
 
 def _tracked(table, mode):
@@ -64,17 +58,17 @@ def _write_groups(f, sparse, rows, n, evicted, state, datasets):
     object outlives it, so a failed write ends here, not in a later deallocation)."""
     grp = f.create_group("sparse")
     _write_rows(grp, sparse, rows, n, datasets)
-    _write_whole(grp, "evicted", evicted, datasets)
+    write_whole(grp, "evicted", evicted, datasets)
     dgrp = f.create_group("dense")
     for key, arr in state.items():
-        _write_whole(dgrp, key, arr, datasets)
+        write_whole(dgrp, key, arr, datasets)
 
 
 def _write_admission(f, counts, c_rows, c_n, c_evicted, admission, datasets):
     agrp = f.create_group("admission")
     _write_rows(agrp, counts, c_rows, c_n, datasets)
-    _write_whole(agrp, "evicted", c_evicted, datasets)
-    _write_whole(agrp, "admitted", np.array([admission.admitted], np.int64), datasets)
+    write_whole(agrp, "evicted", c_evicted, datasets)
+    write_whole(agrp, "admitted", np.array([admission.admitted], np.int64), datasets)
 
 
 def _row_bytes(table):

@@ -33,18 +33,14 @@ import zlib
 import h5py
 import numpy as np
 
-from mpips.checkpoint.load import _dense_slice, _in_sorted, _Shard, _sorted_unique
-from mpips.checkpoint.load import _schema as shard_schema
+from mpips.checkpoint.h5io import (Shard, dense_values, element_rows, fold_removed, in_sorted,
+                                   sorted_unique, write_whole)
 from mpips.checkpoint.load import resolve
 from mpips.checkpoint.manifest import CheckpointError, chain_manifests, fsync, saved_settings
-from mpips.checkpoint.save import _write_whole
 from mpips.checkpoint.compat import check_compatible, check_elements
 from mpips.data.criteo import make_norm
 from mpips.data.binary import load_stats
 from mpips.schema import SchemaError, stored_schema
-from mpips.tables.dense import DenseTable
-from mpips.tables.optim import OptimizerConfig
-from mpips.tables.sparse import SparseTable
 
 FORMAT = "mpips-bundle"
 VERSION = 1
@@ -68,9 +64,9 @@ def merge_rows(keys, values, new_keys, new_values, evicted):
     or, when ``keys`` is empty, the new rows themselves.
     """
     if len(keys):
-        drop = _sorted_unique(np.concatenate([np.asarray(evicted, np.int64), new_keys]))
+        drop = sorted_unique(np.concatenate([np.asarray(evicted, np.int64), new_keys]))
         if len(drop):
-            keep = ~_in_sorted(keys, drop)
+            keep = ~in_sorted(keys, drop)
             keys, values = keys[keep], values[keep]
     else:                                        # nothing to drop from: no copy
         return new_keys, new_values.astype(values.dtype, copy=False)
@@ -78,45 +74,7 @@ def merge_rows(keys, values, new_keys, new_values, evicted):
             np.concatenate([values, new_values.astype(values.dtype, copy=False)]))
 
 
-def _fold_removed(removed, evicted, new_keys):
-    """Ids whose last event is an eviction, after one more change set."""
-    removed = _sorted_unique(np.concatenate([removed, evicted]))
-    return removed[~_in_sorted(removed, _sorted_unique(new_keys))] if len(new_keys) \
-        else removed
-
-
 # ------------------------------------------------------------- checkpoint reading
-def _ckpt_schema(manifest):
-    """The checkpoint module's dataset schema for this manifest's tables."""
-    opt = OptimizerConfig(**manifest["optimizer"])
-    return shard_schema(SparseTable(manifest["embedding_dim"], opt, 0, capacity=16),
-                      DenseTable(np.zeros(1, np.float32), opt))
-
-
-def _element_rows(ckpt_dir, manifest):
-    """(keys, values, evicted) of one checkpoint element, all shards, CRCs verified."""
-    schema = _ckpt_schema(manifest)
-    keys, values, evicted = [], [], []
-    for entry in manifest["shards"]:
-        shard = _Shard(ckpt_dir, entry, schema)
-        try:
-            keys.append(shard.read("sparse/keys"))
-            values.append(shard.read("sparse/values"))
-            evicted.append(shard.read("sparse/evicted"))
-        finally:
-            shard.close()
-    dim = manifest["embedding_dim"]
-    return (np.concatenate(keys) if keys else np.empty(0, np.int64),
-            np.concatenate(values) if values else np.empty((0, dim), np.float32),
-            np.concatenate(evicted) if evicted else np.empty(0, np.int64))
-
-
-def _dense_values(ckpt_dir, manifest):
-    schema = _ckpt_schema(manifest)
-    dense = DenseTable(np.zeros(1, np.float32), OptimizerConfig(**manifest["optimizer"]))
-    return _dense_slice(ckpt_dir, manifest, schema, dense, 0, manifest["n_params"])["values"]
-
-
 def read_changes(elements, dim, removed=True):
     """Fold checkpoint elements [(dir, manifest)] in order: (keys, values, removed ids).
 
@@ -125,10 +83,10 @@ def read_changes(elements, dim, removed=True):
     keys, values = np.empty(0, np.int64), np.empty((0, dim), np.float32)
     gone = np.empty(0, np.int64) if removed else None
     for d, m in elements:
-        k, v, e = _element_rows(d, m)
+        k, v, e = element_rows(d, m)
         keys, values = merge_rows(keys, values, k, v, e)
         if removed:
-            gone = _fold_removed(gone, e, k)
+            gone = fold_removed(gone, e, k)
     return keys, values, gone
 
 
@@ -147,7 +105,7 @@ class Snapshot:
         self.keys = self.values = self.dense = None
         if load:
             self.keys, self.values, _ = read_changes(self.elements, self.dim, removed=False)
-            self.dense = _dense_values(*self.elements[-1])
+            self.dense = dense_values(*self.elements[-1])
 
     @property
     def name(self):
@@ -214,10 +172,10 @@ def write_bundle(path, kind, keys, values, evicted, dense, info, dtype="float32"
     tmp = path + ".tmp"
     with h5py.File(tmp, "w", locking=False) as f:
         sp, dn = f.create_group("sparse"), f.create_group("dense")
-        _write_whole(sp, "keys", np.asarray(keys, np.int64), datasets)
-        _write_whole(sp, "values", np.asarray(values).astype(dtype, copy=False), datasets)
-        _write_whole(sp, "evicted", np.asarray(evicted, np.int64), datasets)
-        _write_whole(dn, "values", np.asarray(dense, np.float32), datasets)
+        write_whole(sp, "keys", np.asarray(keys, np.int64), datasets)
+        write_whole(sp, "values", np.asarray(values).astype(dtype, copy=False), datasets)
+        write_whole(sp, "evicted", np.asarray(evicted, np.int64), datasets)
+        write_whole(dn, "values", np.asarray(dense, np.float32), datasets)
         manifest = dict(info, format=FORMAT, version=VERSION, kind=kind, dtype=dtype,
                         rows=len(keys), evicted=len(evicted), created=time.time(),
                         datasets=datasets)
@@ -287,7 +245,7 @@ def export_patch(ckpt, since, out, dtype="float32", stats=""):
     if diff:
         raise BundleError(f"{path}: feature schema differs from the bundle to patch: {diff} "
                           "(bundle vs checkpoint)")
-    return write_bundle(out, "patch", keys, values, removed, _dense_values(*elements[-1]), info,
+    return write_bundle(out, "patch", keys, values, removed, dense_values(*elements[-1]), info,
                         dtype)
 
 
@@ -347,7 +305,7 @@ def read_bundle(path):
              "rows": m["rows"], "evicted": m["evicted"],
              "dense_size": m["model"]["n_params"], "datasets": m["datasets"]}
     try:
-        shard = _Shard(os.path.dirname(os.path.abspath(path)), entry, _bundle_schema(m))
+        shard = Shard(os.path.dirname(os.path.abspath(path)), entry, _bundle_schema(m))
         try:
             arrays = {name: shard.read(name) for name in DATASETS}
         finally:
