@@ -57,7 +57,8 @@ sys.path.insert(0, ROOT)
 from mpips.data.criteo import make_norm  # noqa: E402
 from mpips.schema import load_schema, Schema  # noqa: E402
 from mpips.serving import Predictor  # noqa: E402
-from mpips.serving.predictor import parse_lines, parse_text_lines, text_parser  # noqa: E402
+from mpips.data import parsers  # noqa: E402
+from mpips.serving.predictor import line_parser, parse_lines  # noqa: E402
 from tests import serve_models as sm  # noqa: E402
 
 SHAPES = {"criteo": {"dim": 10, "fc": "400,400,400"},
@@ -148,10 +149,10 @@ def in_process(bundle, lines, schema, batch, seconds):
         dense, ids, _ = parse_lines(lines, model.data)
         arrays = lambda lo: (dense[lo:lo + batch], ids[lo:lo + batch], None)  # noqa: E731
     else:
-        fmt = text_parser(model)
+        fmt = line_parser(model)
         rows = []
         for lo in range(0, len(lines) - batch + 1, batch):
-            piece, _ = parse_text_lines(lines[lo:lo + batch], fmt)
+            piece, _ = parsers.parse_lines(lines[lo:lo + batch], fmt)
             rows.append((piece[0], piece[1], piece[3]))
         arrays = lambda lo: rows[(lo // batch) % len(rows)]  # noqa: E731
     rates = []

@@ -13,10 +13,11 @@ import numpy as np
 
 from mpips.data.criteo import make_norm
 from mpips.models.zoo import make_net
+from mpips.data import parsers
 from mpips.schema import Schema
 from mpips.serving import bundle as bd
 from mpips.serving import exports
-from mpips.serving.predictor import parse_lines, parse_text_lines, text_parser
+from mpips.serving.predictor import line_parser, parse_lines
 
 LINEAGE = "ckpt-000001-base@1.000000"
 
@@ -26,13 +27,12 @@ def ids_of(lines, schema, data, header=None):
     if schema.is_criteo:
         _, ids, _ = parse_lines(lines, data)
         return np.unique(ids)
-    fmt = text_parser(_Shim(schema, data), header)
-    piece, _ = parse_text_lines(lines, fmt)
+    piece, _ = parsers.parse_lines(lines, line_parser(_Shim(schema, data), header))
     return np.unique(piece[1])
 
 
 class _Shim:
-    """What ``text_parser`` reads of a model: its schema and data settings."""
+    """What ``line_parser`` reads of a model: its schema and data settings."""
 
     def __init__(self, schema, data):
         self.schema, self.data = schema, data
