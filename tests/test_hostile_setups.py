@@ -9,13 +9,11 @@ import dataclasses
 import gzip
 import os
 import re
-import resource
 import signal
 import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 from mpips.data import sources

@@ -23,7 +23,6 @@ import argparse
 import ast
 import os
 import re
-import shlex
 import shutil
 import socket
 import subprocess

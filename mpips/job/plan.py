@@ -171,7 +171,10 @@ def make_trainer(cfg, model, ps, n_servers, log=None, replica=None, n_workers=1,
     servers (a PSClient), so --overlap-pull and the servers' sync rule apply; in one process
     (a LocalPS) they do not."""
     settings = trainer_settings(cfg)
-    plan_fn = (lambda ids: plan_keys(ids, n_servers))
+
+    def plan_fn(ids):
+        return plan_keys(ids, n_servers)
+
     if cfg.mode == "geo":
         return GeoTrainer(settings, model, ps, plan_fn, log=log, n_workers=n_workers)
     return Trainer(settings, model, ps, plan_fn, log=log, replica=replica,
