@@ -411,6 +411,9 @@ def main(argv=None):
                                          cpu / max(1, len(out[0])) * 1e6))
                             res["runs"].append(r)
                             print(json.dumps(r), flush=True)
+                res.setdefault("pss_mb_after", {})[procs] = pss_mb(proc.pid)
+                print(f"server processes {procs}: PSS {res['pss_mb_after'][procs]} MB after "
+                      "the runs", flush=True)
             finally:
                 proc.terminate()
                 res.setdefault("exit_codes", {})[procs] = proc.wait(60)

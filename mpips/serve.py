@@ -8,8 +8,8 @@ lines, with Prometheus ``/metrics``; ``--follow`` applies the stream's new bundl
 patches in the background and swaps them in atomically.  Prints one ``mpips.serve:
 ready`` line (URL, model, version, rows, schema) when it answers, and exits 0 on
 SIGTERM/SIGINT after finishing the requests in flight.  ``--processes N`` serves one port
-from N processes (SO_REUSEPORT) that hold the table once, in shared memory
-(``mpips.serving.shared``).  Needs the ``serve`` extra (prometheus-client).
+from N processes forked after the model is loaded, holding the table once, in shared
+memory (``mpips.serving.shared``).  Needs the ``serve`` extra (prometheus-client).
 """
 import argparse
 import os
@@ -68,6 +68,9 @@ def main(argv=None):
     if bad:
         print(f"mpips.serve: error: {bad}", file=sys.stderr)
         return 2
+    if args.processes > 1:          # one BLAS/OpenMP thread a process (before numpy loads)
+        for k in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            os.environ.setdefault(k, "1")
     try:
         from mpips.serving import server
     except ImportError as e:

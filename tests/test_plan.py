@@ -78,7 +78,6 @@ def test_hooks_are_read_from_the_environment_given():
 # Modules below the entry points that may read the environment, and why.
 READS_ENV = {
     "mpips/job/hooks.py": "reads the debug hooks, once, for the entry point",
-    "mpips/serving/shared.py": "which launcher started the process (MPI's own variables)",
 }
 
 

@@ -471,27 +471,31 @@ def test_sigterm_finishes_the_request_in_flight(criteo):
     assert srv.proc.wait(30) == 0
 
 
-def test_processes_share_the_table_and_each_swaps(criteo, tmp_path):
-    """--processes 2 (the server re-runs itself under mpiexec): one port, both processes
-    answer, each takes the new version; the scores are Predictor's; SIGTERM ends both
-    (exit 0)."""
+def test_processes_share_the_table_each_swaps_and_a_crash_is_restarted(criteo, tmp_path):
+    """--processes 2 (two processes forked by a master): one port, both processes answer,
+    each takes the new version; the scores are Predictor's; a process killed is restarted
+    at the version being served; SIGTERM ends all (exit 0)."""
     folder = tmp_path / "exports"
     shutil.copytree(criteo["folder"], folder)
     srv = Server("--follow", str(folder), "--processes", "2", "--poll-seconds", "0.02")
     insts = [instance(x) for x in criteo["lines"][:20]]
     want = expected_by_version(criteo, insts)
-    try:
-        assert "processes 2" in srv.ready
 
-        def versions_by_process(n=200):
-            seen = {}
-            for _ in range(n):                 # new connections: the kernel spreads them
-                text = srv.call("GET", "/metrics")[2].decode()
-                idx = int(float(text.split("\nmpips_process_index ")[1].split()[0]))
-                seen[idx] = text.split('mpips_model_info{version="')[1].split('"')[0]
-                if len(seen) == 2 and len(set(seen.values())) == 1:
-                    break
-            return seen
+    def versions_by_process(n=200):
+        seen = {}
+        for _ in range(n):                 # new connections: either process may take one
+            text = srv.call("GET", "/metrics")[2].decode()
+            idx = int(float(text.split("\nmpips_process_index ")[1].split()[0]))
+            seen[idx] = text.split('mpips_model_info{version="')[1].split('"')[0]
+            if len(seen) == 2 and len(set(seen.values())) == 1:
+                break
+        return seen
+
+    def children():
+        with open(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children") as fh:
+            return [int(x) for x in fh.read().split()]
+    try:
+        assert "processes 2" in srv.ready and len(children()) == 2
         assert versions_by_process() == {0: "ckpt-000001-base", 1: "ckpt-000001-base"}
         name = os.path.basename(criteo["patches"][0])
         shutil.copy(criteo["patches"][0], folder / name)
@@ -504,6 +508,17 @@ def test_processes_share_the_table_and_each_swaps(criteo, tmp_path):
             assert s == 200 and v == "ckpt-000002-delta"
             assert np.array_equal(np.array(json.loads(body)["predictions"], np.float32),
                                   want[v])
+        victim = children()[0]
+        os.kill(victim, signal.SIGKILL)
+        end = time.monotonic() + 60
+        while not any("restarting it" in x for x in srv.log):
+            assert time.monotonic() < end, srv.log
+            time.sleep(0.01)              # polling the log, bounded by the deadline
+        assert any(f"(pid {victim}) ended (signal 9); restarting it" in x for x in srv.log)
+        end = time.monotonic() + 60
+        while versions_by_process() != {0: "ckpt-000002-delta", 1: "ckpt-000002-delta"}:
+            assert time.monotonic() < end, "the restarted process does not answer"
+        assert victim not in children() and len(children()) == 2
     finally:
         code = srv.stop(60)
     assert code == 0

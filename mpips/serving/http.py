@@ -177,13 +177,15 @@ class _Conn(asyncio.Protocol):
 
 
 class HttpServer:
-    """``await start()``, then ``await stop()``; ``port`` is the bound port."""
+    """``await start()``, then ``await stop()``; ``port`` is the bound port.  ``sock``: a
+    listening socket to accept from instead of binding ``host:port`` (inherited from the
+    process that forked this one; closing it here leaves the others' copies open)."""
 
     def __init__(self, handler, host="127.0.0.1", port=8500, *, max_body=16 << 20,
-                 max_head=16 << 10, idle_timeout=30.0, reuse_port=False, on_refused=None):
-        self.handler, self.host, self.port = handler, host, port
+                 max_head=16 << 10, idle_timeout=30.0, on_refused=None, sock=None):
+        self.handler, self.host, self.port, self.sock = handler, host, port, sock
         self.max_body, self.max_head, self.idle_timeout = max_body, max_head, idle_timeout
-        self.reuse_port, self.on_refused = reuse_port, on_refused
+        self.on_refused = on_refused
         self.conns, self.stopping, self._srv, self._event = set(), False, None, None
 
     def call(self, req):
@@ -203,8 +205,12 @@ class HttpServer:
     async def start(self):
         loop = asyncio.get_running_loop()
         self._event = asyncio.Event()
-        self._srv = await loop.create_server(lambda: _Conn(self), self.host, self.port,
-                                             reuse_port=self.reuse_port or None, backlog=1024)
+        if self.sock is not None:               # a listening socket shared with other processes
+            self._srv = await loop.create_server(lambda: _Conn(self), sock=self.sock,
+                                                 backlog=1024)
+        else:
+            self._srv = await loop.create_server(lambda: _Conn(self), self.host, self.port,
+                                                 backlog=1024)
         self.port = self._srv.sockets[0].getsockname()[1]
         self._sweeper = loop.create_task(self._sweep())
 

@@ -5,7 +5,7 @@ lines and the encoder of its instances, all built before it is published).  A re
 reads ``live.current`` once and uses that object to the end, so it is scored and labelled
 by one version.  Following a folder, a background thread polls the index
 (``EXPORTS.json``: its size and mtime, so an unchanged folder costs one ``stat``), builds
-the next model aside with ``exports.catch_up`` (patches applied to a copy, every file
+the next model aside with ``exports.catch_up`` (patches into a new overlay, every file
 CRC-checked against the index), scores one row with it so its kernels and workspace are
 warm, and then hands it to ``publish``, which swaps the reference (in the event loop's
 thread: no request is between its two halves).  A file that is missing, truncated,

@@ -1,12 +1,13 @@
 """One immutable scoring model: dense network + read-only embedding table + data settings.
 
 ``ServingModel`` scores with the training forward pass (the network's ``predict``) on embeddings
-looked up in a read-only hash map built with the sparse table's own kernels
-(``rebuild_slots`` / ``lookup_rows`` / ``read_rows``); ids without a row read zeros, as
-in evaluation.  ``mpips.infer`` builds one from a checkpoint (``bundle.Snapshot``), the
-predictor from a bundle.  Nothing in it changes after construction: a patched model is a
-new object (``patched``), so a reader holding a reference always sees one whole model.
-Scoring is thread-safe: each thread gets its own network workspace.
+looked up in a read-only ``mpips.serving.table.Table`` (a hash map of the sparse table's
+layout, plus an overlay of the rows patched since it was built); ids without a row read
+zeros, as in evaluation.  ``mpips.infer`` builds one from a checkpoint (``bundle.Snapshot``),
+the predictor from a bundle.  Nothing in it changes after construction: a patched model is
+a new object (``patched``: the same base table, a new overlay, O(rows patched)), so a
+reader holding a reference always sees one whole model.  Scoring is thread-safe: each
+thread gets its own network workspace (shared by the versions patched from one model).
 """
 import threading
 
@@ -15,33 +16,27 @@ import numpy as np
 import mpips.serving.bundle as bd
 from mpips.config import parse_fc
 from mpips.data.criteo import make_norm
-from mpips.kernels.hashmap import lookup_rows, read_rows, rebuild_slots
 from mpips.kernels.pooling import pool_forward
 from mpips.models.zoo import emb_dim, make_net
 from mpips.schema import Schema
-from mpips.tables.sparse import slots_for
+from mpips.serving.table import Table, hash_slots  # noqa: F401 - hash_slots: mpips.infer's
 
 CHUNK_ROWS = 8192        # rows scored per forward pass in predict (bounds memory)
-
-
-def hash_slots(keys, out=None):
-    """The open-addressing slot array of ``keys`` (into ``out``, sized by ``slots_for``)."""
-    out = np.empty(slots_for(len(keys)), np.int32) if out is None else out
-    rebuild_slots(keys, len(keys), out)
-    return out
 
 
 class ServingModel:
     """Dense weights + embedding rows + data settings; immutable once built.
 
-    keys (n,) int64 unique; values (n, dim) float (stored as float32); dense (n_params,);
+    keys (n,) int64 unique; values (n, dim) float (stored as float32), or ``table`` (a
+    ``Table``) instead of both; dense (n_params,);
     model {model (--model; default dnn), embedding_dim (row width), fc, n_params};
     data {data_format, hash_bucket, cont_min, cont_diff};
     version: where it came from (a bundle's ``checkpoint`` record); schema: the feature
     schema it was trained on (a ``Schema``; default Criteo's).
     """
 
-    def __init__(self, keys, values, dense, model, data, version=None, slots=None, schema=None):
+    def __init__(self, keys, values, dense, model, data, version=None, slots=None, schema=None,
+                 table=None):
         self.dim = int(model["embedding_dim"])                   # table row width
         hidden = parse_fc(model["fc"])
         self.model_cfg, self.data, self.version = dict(model), dict(data), dict(version or {})
@@ -58,29 +53,51 @@ class ServingModel:
             raise bd.BundleError(f"dense weights have {self.params.shape[0]} values; a "
                                  f"{self.name} with --fc {model['fc']} --embedding-dim "
                                  f"{self._emb_dim} has {probe.n_params}")
-        self.keys = np.ascontiguousarray(keys, np.int64)
-        self.values = np.ascontiguousarray(values, np.float32)
-        if self.values.shape != (len(self.keys), self.dim):
-            raise bd.BundleError(f"values {self.values.shape} do not match {len(self.keys)} "
-                                 f"keys of dim {self.dim}")
-        self.slots = hash_slots(self.keys) if slots is None else slots   # else: built before
+        if table is None:
+            keys = np.ascontiguousarray(keys, np.int64)
+            values = np.ascontiguousarray(values, np.float32)
+            if values.shape != (len(keys), self.dim):
+                raise bd.BundleError(f"values {values.shape} do not match {len(keys)} "
+                                     f"keys of dim {self.dim}")
+            table = Table(keys, values, slots)             # slots: built before, or here
+        self.table = table
         self.norm = (None if data.get("cont_min") is None else    # no min-max dense value
                      make_norm(data["cont_min"], data["cont_diff"], self.n_dense))
         self.hash_bucket = int(data["hash_bucket"])
         self._local = threading.local()
 
-    def arrays(self):
-        """The model's arrays by name (what ``with_arrays`` takes back)."""
-        return {"keys": self.keys, "values": self.values, "slots": self.slots,
-                "params": self.params}
+    @property
+    def keys(self):
+        """(n,) int64: every id with a row (a folded copy when the table has an overlay)."""
+        return self.table.rows()[0]
 
-    def with_arrays(self, arrays):
-        """The same model over other storage of equal arrays (e.g. shared memory)."""
-        return ServingModel(arrays["keys"], arrays["values"], arrays["params"], self.model_cfg,
-                            self.data, self.version, arrays["slots"], self.schema)
+    @property
+    def values(self):
+        """(n, dim) float32: their rows, in the order of ``keys``."""
+        return self.table.rows()[1]
+
+    def with_table(self, table, params=None, data=None, version=None):
+        """This model with another table (e.g. in shared memory, or patched), dense weights
+        and settings; the network and its per-thread workspaces are shared."""
+        out = object.__new__(ServingModel)
+        out.__dict__.update(self.__dict__)
+        out.table = table
+        if params is not None:
+            out.params = np.ascontiguousarray(params, np.float32)
+            if out.params.shape != self.params.shape:
+                raise bd.BundleError(f"dense weights have {out.params.shape[0]} values; "
+                                     f"the model has {self.params.shape[0]}")
+        if data is not None and data != self.data:
+            out.data = dict(data)
+            out.norm = (None if data.get("cont_min") is None else
+                        make_norm(data["cont_min"], data["cont_diff"], self.n_dense))
+            out.hash_bucket = int(data["hash_bucket"])
+        if version is not None:
+            out.version = dict(version)
+        return out
 
     def __len__(self):
-        return len(self.keys)
+        return len(self.table)
 
     def network(self):
         """This thread's network (its workspace is not shareable between threads)."""
@@ -96,10 +113,7 @@ class ServingModel:
         """(B, n_sparse * dim) float32 slot embeddings: of one-hot ids (B, n_sparse), or the
         pooled bags of CSR ids (nnz,) with offsets (B*n_sparse + 1,) starting at 0."""
         flat = np.ascontiguousarray(ids, np.int64).reshape(-1)
-        rows = np.empty(flat.shape[0], np.int64)
-        lookup_rows(self.slots, self.keys, flat, rows)
-        emb = np.empty((flat.shape[0], self.dim), np.float32)
-        read_rows(self.values, rows, emb)
+        emb = self.table.gather(flat, np.empty((flat.shape[0], self.dim), np.float32))
         if offsets is None:
             return emb.reshape(ids.shape[0], -1)
         out = np.empty(((len(offsets) - 1) // self.n_sparse, self.n_sparse * self.dim),
@@ -175,7 +189,10 @@ class ServingModel:
         if diff:
             raise bd.BundleError(f"patch to {manifest['checkpoint']['name']} has another feature "
                                  f"schema than this predictor: {diff} (this vs the patch's)")
-        keys, values = bd.merge_rows(self.keys, self.values, arrays["sparse/keys"],
-                                     arrays["sparse/values"], arrays["sparse/evicted"])
-        return ServingModel(keys, values, arrays["dense/values"], self.model_cfg, manifest["data"],
-                            manifest["checkpoint"], schema=self.schema)
+        if arrays["sparse/values"].shape != (len(arrays["sparse/keys"]), self.dim):
+            raise bd.BundleError(f"patch values {arrays['sparse/values'].shape} do not match "
+                                 f"{len(arrays['sparse/keys'])} keys of dim {self.dim}")
+        table = self.table.patched(arrays["sparse/keys"], arrays["sparse/values"],
+                                   arrays["sparse/evicted"])
+        return self.with_table(table, arrays["dense/values"], manifest["data"],
+                               manifest["checkpoint"])
