@@ -41,6 +41,13 @@ shape's model for both sides.  mpips runs print their PROFILE lines (``--profile
 from them, where the time goes (``time_goes`` in the JSON): servers' CPU seconds per 1M
 examples, workers' MB sent + received per 1k examples (pulls, pushes and the dense
 exchange), and the workers' mean seconds outside forward/backward (train span - compute).
+
+The bound: before the rounds, ``bench/bound.py`` times the model's GEMMs (forward and both
+backward products, one thread) with every BLAS this Python has (NumPy's OpenBLAS, SciPy's,
+PyTorch's MKL) and takes the fastest as examples/s per core.  Each run's train ex/s is then
+also printed as a share of the bound of the cores it may use (``bound``: ``--local`` 1 core,
+PyTorch its 2 threads, 4-rank runs every core, each capped at the machine's cores), beside
+its ratio to the reference.  ``--no-bound`` skips it.
 """
 import argparse
 import hashlib
@@ -55,6 +62,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import RUNS, run  # noqa: E402
+from bound import per_core, report as bound_report  # noqa: E402
 from common import ENV, ROOT  # noqa: E402
 
 # name -> (torch_ref flags, OpenMP wait policy).  PASSIVE: an idle OpenMP thread sleeps
@@ -157,10 +165,24 @@ def parse_runs(names, custom):
     return {n: table[n] for n in names}
 
 
-def line(rnd, name, rec, ref):
+def run_cores(spec):
+    """Cores a run may use: PyTorch its OpenMP threads, mpips one per rank (a local run one),
+    at most the machine's."""
+    want = int(TORCH_ENV["OMP_NUM_THREADS"]) if spec[0] == "torch" else spec[2]
+    return max(1, min(want, os.cpu_count() or 1))
+
+
+def bound_share(rec, spec, bound):
+    """Train ex/s over the GEMM bound of the run's cores (None without a bound)."""
+    if not bound:
+        return None
+    return rec["examples_per_sec"] / (per_core(bound) * run_cores(spec))
+
+
+def line(rnd, name, rec, ref, share=None):
     ex, job = rec["examples_per_sec"], rec["train_examples"] / rec["wall_seconds"]
     s = (f"{rnd:>5} {name:14s} {ex:>9.0f} {job:>9.0f} {rec['test_auc']:>8.4f} "
-         f"{rec['test_logloss']:>8.4f}")
+         f"{rec['test_logloss']:>8.4f} {_pct(share):>6s}")
     if ref is not None:
         rj = ref["train_examples"] / ref["wall_seconds"]
         s += (f"   x{ex / ref['examples_per_sec']:.2f}   x{job / rj:.2f} "
@@ -169,10 +191,15 @@ def line(rnd, name, rec, ref):
 
 
 HEADER = (f"{'round':>5} {'run':14s} {'train/s':>9} {'job/s':>9} {'AUC':>8} {'logloss':>8}"
-          f"  {'train':>6} {'job':>6} {'dAUC':>8}  (ratios and dAUC vs the same round's ref)")
+          f" {'bound':>6s}  {'train':>6} {'job':>6} {'dAUC':>8}  (bound: share of the GEMM "
+          f"bound of the run's cores; ratios and dAUC vs the same round's ref)")
 
 
-def medians(results, ref):
+def _pct(x):
+    return "-" if x is None else f"{x:.0%}"
+
+
+def medians(results, ref, runs=None, bound=None):
     """name -> median figures over rounds (ratios taken per round, then the median)."""
     out = {}
     for name, recs in results.items():
@@ -182,6 +209,9 @@ def medians(results, ref):
         m = {"rounds": len(recs)}
         for key in ("examples_per_sec", "test_auc", "test_logloss"):
             m[key] = statistics.median(x[key] for _, x in recs)
+        if bound and runs and name in runs:
+            m["bound_share"] = bound_share(m, runs[name], bound)
+            m["bound_cores"] = run_cores(runs[name])
         m["job_examples_per_sec"] = statistics.median(
             x["train_examples"] / x["wall_seconds"] for _, x in recs)
         pairs = [(x, results[ref][r]) for r, x in recs if ref in results and results[ref][r]]
@@ -196,7 +226,7 @@ def medians(results, ref):
     return out
 
 
-def bench_model(a, runs, data, out, name, model):
+def bench_model(a, runs, data, out, name, model, bound=None):
     """Every run of ``runs`` for ``a.rounds`` alternated rounds with the model flags
     ``model``; returns (name -> records per round, name -> medians)."""
     results = {n: [] for n in runs}
@@ -224,16 +254,20 @@ def bench_model(a, runs, data, out, name, model):
         ref = results[a.ref][rnd] if a.ref in results else None
         print(HEADER)
         for name in runs:
-            if results[name][rnd] is not None:
-                print(line(rnd, name, results[name][rnd], None if name == a.ref else ref))
+            rec = results[name][rnd]
+            if rec is not None:
+                print(line(rnd, name, rec, None if name == a.ref else ref,
+                           bound_share(rec, runs[name], bound)))
         sys.stdout.flush()
-    med = medians(results, a.ref)
-    print(f"\nmedian of {a.rounds} round(s); ratios are per round to {a.ref!r}, then the median")
-    print(f"{'run':14s} {'train/s':>9} {'job/s':>9} {'AUC':>8} {'logloss':>8} {'x train':>8} "
-          f"{'x job':>6} {'dAUC':>8}")
+    med = medians(results, a.ref, runs, bound)
+    print(f"\nmedian of {a.rounds} round(s); ratios are per round to {a.ref!r}, then the median"
+          + (f"; bound: share of {per_core(bound):.0f} ex/s per core x the run's cores"
+             if bound else ""))
+    print(f"{'run':14s} {'train/s':>9} {'job/s':>9} {'AUC':>8} {'logloss':>8} {'bound':>6} "
+          f"{'x train':>8} {'x job':>6} {'dAUC':>8}")
     for name, m in med.items():
         print(f"{name:14s} {m['examples_per_sec']:>9.0f} {m['job_examples_per_sec']:>9.0f} "
-              f"{m['test_auc']:>8.4f} {m['test_logloss']:>8.4f} "
+              f"{m['test_auc']:>8.4f} {m['test_logloss']:>8.4f} {_pct(m.get('bound_share')):>6s} "
               f"{m.get('ratio_train', float('nan')):>8.2f} {m.get('ratio_job', float('nan')):>6.2f}"
               f" {m.get('dauc', float('nan')):>+8.4f}")
     if a.seeds:
@@ -280,6 +314,30 @@ def print_models(done, ref):
         print(f"| `{name}` | {_cell(r, False)} | {_cell(lo)} | {_cell(asy)} | {diff} |")
 
 
+def gemm_bound(a, schema):
+    """bench/bound.py's figures for the runs' shape (schema, --dim, --fc, batch size from
+    --extra), measured in a process of its own (one BLAS thread there), printed."""
+    from mpips.schema import Schema, load_schema
+    sch = load_schema(schema) if schema else Schema.criteo()
+    dim = a.dim or SHAPES[a.shape]["dim"]
+    hidden = tuple(int(x) for x in (a.fc or SHAPES[a.shape]["fc"]).split(","))
+    extra = shlex.split(a.extra)
+    batch = int(extra[extra.index("--batch-size") + 1]) if "--batch-size" in extra else 512
+    out = ROOT / "bench" / "out" / f"bound-{os.getpid()}.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "bound.py"), "--batch", str(batch),
+           "--n-sparse", str(sch.n_sparse), "--dim", str(dim), "--n-dense", str(sch.n_dense),
+           "--fc", ",".join(map(str, hidden)), "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT),
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    if proc.returncode != 0:
+        print(f"bound: FAILED (going on without it)\n{proc.stderr[-1000:]}", flush=True)
+        return None
+    bound = json.loads(out.read_text())
+    out.unlink()
+    print(bound_report(bound), flush=True)
+    return bound
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -312,6 +370,7 @@ def main(argv=None):
                          "wide_deep, deepfm, or several, comma-separated (each in turn, then "
                          "one table of them all)")
     ap.add_argument("--json", default="", help="write records and medians to this file")
+    ap.add_argument("--no-bound", action="store_true", help="do not measure the GEMM bound")
     a = ap.parse_args(argv)
     a.seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
     if a.seeds:
@@ -340,11 +399,12 @@ def main(argv=None):
         print(f"data {data}: {tr.get('rows')} train rows ({tr.get('distinct_ids')} distinct ids),"
               f" {te.get('rows')} test rows; oracle test AUC {te.get('oracle_auc', float('nan')):.4f}"
               f" logloss {te.get('oracle_logloss', float('nan')):.4f}", flush=True)
+    bound = None if a.no_bound else gemm_bound(a, schema)
     done = {}
     for name in models:
         model = shape + (["--model", name] if name != "dnn" else [])
         print(f"model and schema flags (both sides): {' '.join(model)}", flush=True)
-        done[name] = bench_model(a, runs, data, out, name, model)
+        done[name] = bench_model(a, runs, data, out, name, model, bound)
     if len(models) > 1:
         print_models(done, a.ref)
     if a.json:
@@ -353,7 +413,7 @@ def main(argv=None):
                 for r in recs:
                     if r:
                         r.pop("profile", None)
-        rec = {"data": str(data), "meta": meta, "argv": sys.argv[1:]}
+        rec = {"data": str(data), "meta": meta, "argv": sys.argv[1:], "bound": bound}
         if len(models) == 1:
             rec.update(runs=done[models[0]][0], medians=done[models[0]][1])
         else:

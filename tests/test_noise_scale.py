@@ -152,3 +152,26 @@ def test_noise_line_gives_the_models_share_and_advises_only_below_three_quarters
     assert "a smaller --global-batch" in by_g and "--batch-size" not in by_g
     assert "not measured" in noise_line({"dense_noise_scale": None, "global_batch": 64}, 32)
     assert noise_line({"test_auc": 0.7}, 512) is None
+
+
+def test_dense_step_sums_parts_in_order_from_zero_each_step():
+    """A step's total is 0 + part_0 + part_1 + ... in float32, whatever the last step left
+    (the first part overwrites it: -0.0 becomes +0.0 as zeroing then adding gives)."""
+    from mpips.tables.dense import DenseTable
+    from mpips.tables.optim import OptimizerConfig
+    from mpips.worker.dense_sync import DenseStep
+    rng = np.random.default_rng(5)
+    acc = DenseStep(DenseTable(np.zeros(9), OptimizerConfig("sgd", lr=0.1)))
+    for parts in ([(3, rng.normal(size=9).astype(np.float32))],
+                  [(0, np.full(9, np.nan, np.float32)),            # no examples: not read
+                   (4, np.array([-0.0, 1, 2, -0.0, 4, 5, 6, 7, -8], np.float32)),
+                   (2, np.where(np.arange(9) % 3 == 0, np.float32(-0.0),
+                                rng.normal(size=9).astype(np.float32)))]):
+        acc.reset()
+        want = np.zeros(9, np.float32)
+        for n, g in parts:
+            acc.add(n, g)
+            if n:
+                want = want + g
+        assert acc.examples == sum(n for n, _ in parts)
+        assert np.array_equal(acc.total.view(np.uint32), want.view(np.uint32))

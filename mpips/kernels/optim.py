@@ -9,6 +9,13 @@ its element arithmetic in float32 (half the time of float64 on the wide dense ro
 only the per-row bias correction (``b1p``, ``b2p``, ``lr_t``) in float64. Rows listed twice
 are updated twice (callers pass unique rows).
 
+The kernels compile with numba's ``error_model="numpy"``: a float division is then a plain
+division (no zero test that raises), so LLVM vectorises the element loop; on the dense row
+(hundreds of thousands of weights, one row) that is the whole optimizer step.  Nothing
+changes in the results: no divisor here can be zero (``eps > 0``), and vector lanes do the
+same IEEE operations as the scalar loop (no reassociation, no fused multiply-add: numba
+compiles without fast-math), which tests/test_optim.py checks bit for bit.
+
 ``lr_scale`` (float32 (n,), optional) multiplies the learning rate of each pushed row
 (``lr * lr_scale[i]`` in float64; the staleness rules of :mod:`mpips.tables.staleness`);
 without it (None) the kernels compute exactly what they computed before it existed.
@@ -40,7 +47,7 @@ H_LR, H_BETA1, H_BETA2, H_EPS, H_SCALE = 0, 1, 2, 3, 4
 N_HYPER = 5
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def sgd_rows(values, rows, grads, lr, scale, lr_scale=None):
     """Plain SGD on selected rows.
 
@@ -66,7 +73,7 @@ def sgd_rows(values, rows, grads, lr, scale, lr_scale=None):
             w[j] = w[j] - st * grads[i, j]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def adagrad_rows(values, accum, rows, grads, lr, eps, scale, lr_scale=None):
     """Adagrad on selected rows: ``a += g^2 ; w -= lr * g / (sqrt(a) + eps)``.
 
@@ -96,7 +103,7 @@ def adagrad_rows(values, accum, rows, grads, lr, eps, scale, lr_scale=None):
             w[j] = w[j] - lr_i * g / (np.sqrt(a) + eps)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def adam_rows(values, m, v, b1pow, b2pow, rows, grads, hyper, lr_scale=None):
     """Lazy Adam on selected rows with per-row bias correction (see module doc).
 

@@ -37,6 +37,7 @@ from mpips.comm.liveness import wait_collective, wait_requests
 
 NOISE_BLOCK = 20        # DenseStep: steps a block of noise-scale sums holds
 NOISE_BLOCKS = 5        # DenseStep.noise(): the last blocks reported (about 100 steps)
+ZERO = np.float32(0.0)
 
 
 def shard_bounds(n, W):
@@ -84,8 +85,7 @@ class DenseStep:
         self._parts = []                        # this step's (n, |mean gradient|^2)
 
     def reset(self):
-        self.total[:] = 0.0
-        self.examples = 0
+        self.examples = 0               # (the step's first part overwrites total)
         self._parts = []
 
     def add(self, n, grad_sum):
@@ -94,7 +94,10 @@ class DenseStep:
         if n:
             if len(self._parts) == 1:    # a second part: the total so far is the first one
                 self._parts[0] = (self._parts[0][0], sq_mean(self.total, self._parts[0][0]))
-            self.total += grad_sum
+            if self.examples:
+                self.total += grad_sum
+            else:                        # 0 + part: the bits of zeroing then adding, one pass
+                np.add(ZERO, grad_sum, out=self.total)
             self.examples += int(n)
             # (a step of one part, as every step of one process, takes no dot product)
             self._parts.append((int(n), sq_mean(grad_sum, n) if self._parts else None))
