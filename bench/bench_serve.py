@@ -39,6 +39,7 @@ for _v in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 import argparse  # noqa: E402
 import collections  # noqa: E402
 import json  # noqa: E402
+import multiprocessing  # noqa: E402
 import selectors  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
@@ -343,9 +344,10 @@ def cpu_seconds(root_pid):
     return total
 
 
-def patcher(folder, m, keys, stop, every, log):
+def patcher(folder, m, keys, stop, every, count):
     """Commit a new patch every ``every`` seconds until ``stop``; count them (the index
-    grows by one entry a patch: only the new file is read for its CRC)."""
+    grows by one entry a patch: only the new file is read for its CRC).  Runs in a process
+    of its own: writing a patch must not hold the load generator's GIL."""
     entries, seq = [sm.entry(folder, "full-000001.h5")], 2
     while not stop.wait(every):
         name = f"patch-{seq:06d}.h5"
@@ -354,7 +356,7 @@ def patcher(folder, m, keys, stop, every, log):
         entries.append(sm.entry(folder, name))
         sm.write_index(folder, entries)
         seq += 1
-    log["patches"] = seq - 2
+        count.value = seq - 2
 
 
 def main(argv=None):
@@ -421,18 +423,22 @@ def main(argv=None):
             proc, port = start(folder, a.patch_processes, "ctr")
             try:
                 reqs = bodies(lines, insts, 1, protos[0], "ctr")
+                ctx = multiprocessing.get_context("fork")
                 for mode in ("open steady", "open+patches"):    # the same server, in turn
-                    stop, log = threading.Event(), {}
-                    t = threading.Thread(target=patcher, args=(folder, m, keys, stop, 1.0, log))
+                    stop, count = ctx.Event(), ctx.Value("i", 0)
+                    t = ctx.Process(target=patcher, args=(folder, m, keys, stop, 1.0, count))
                     if mode == "open+patches":
                         t.start()
-                    r = summary(*load(port, reqs, "open", a.rate, 32, a.patch_seconds,
-                                      a.max_requests), 1)
+                    c0 = cpu_seconds(proc.pid)
+                    out = load(port, reqs, "open", a.rate, 32, a.patch_seconds, a.max_requests)
+                    cpu = cpu_seconds(proc.pid) - c0
+                    r = summary(*out, 1)
                     stop.set()
                     if mode == "open+patches":
                         t.join()
                     r.update(processes=a.patch_processes, protocol=protos[0], batch=1,
-                             mode=mode, rate=a.rate, patches=log.get("patches"))
+                             mode=mode, rate=a.rate, patches=count.value,
+                             server_cpu_us_per_request=round(cpu / max(1, len(out[0])) * 1e6))
                     res["runs"].append(r)
                     print(json.dumps(r), flush=True)
             finally:

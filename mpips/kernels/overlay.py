@@ -57,13 +57,6 @@ def gather(slots, keys, values, ov_slots, ov_keys, ov_values, ov_dead, ids, out)
 
 
 @njit(cache=True, nogil=True)
-def in_base(slots, keys, ids, out):
-    """``out[i] = 1`` when ``ids[i]`` has a row in the map (slots, keys), else 0."""
-    for i in range(ids.shape[0]):
-        out[i] = _find(slots, keys, ids[i]) >= 0
-
-
-@njit(cache=True, nogil=True)
 def fold(slots, keys, values, ov_keys, ov_values, ov_dead, out_keys, out_values):
     """Write the table base + overlay as one set of rows: the base rows the overlay does
     not hold (in order), then the overlay's live rows (in order).  ``out_*`` hold exactly

@@ -14,8 +14,8 @@ over the same arrays is the same table.
 """
 import numpy as np
 
-from mpips.kernels.hashmap import rebuild_slots
-from mpips.kernels.overlay import fold, gather, in_base
+from mpips.kernels.hashmap import lookup_rows, rebuild_slots
+from mpips.kernels.overlay import fold, gather
 from mpips.tables.sparse import slots_for
 
 FOLD_FRACTION = 0.125      # fold when the overlay holds more ids than this part of the base
@@ -44,7 +44,7 @@ class Table:
     ``n_rows``: the ids with a row (base ids not in the overlay + live overlay ids).
     """
 
-    def __init__(self, keys, values, slots=None, overlay=None, n_rows=None):
+    def __init__(self, keys, values, slots=None, overlay=None, n_rows=None, hidden=None):
         self.keys = np.ascontiguousarray(keys, np.int64)
         self.values = np.ascontiguousarray(values, np.float32)
         self.slots = hash_slots(self.keys) if slots is None else slots
@@ -52,14 +52,26 @@ class Table:
         if overlay is None:
             overlay = (np.empty(0, np.int64), np.empty((0, dim), np.float32), None,
                        np.empty(0, np.uint8))
+            hidden = np.empty(0, np.uint8)
         ok, ov, os_, od = overlay
         self.ov_keys, self.ov_values, self.ov_dead = ok, ov, od
         self.ov_slots = hash_slots(ok) if os_ is None else os_
+        self._hidden = hidden       # which overlay ids the base holds (made when needed)
         if n_rows is None:
-            hidden = np.empty(len(ok), np.uint8)
-            in_base(self.slots, self.keys, ok, hidden)
+            hidden = self.hidden()
             n_rows = len(self.keys) - int(hidden.sum()) + int(len(od) - od.sum())
         self.n_rows = int(n_rows)
+
+    def hidden(self):
+        """uint8 (m,): 1 where the overlay's id has a row in the base (that it hides)."""
+        if self._hidden is None:
+            self._hidden = self._in_base(self.ov_keys)
+        return self._hidden
+
+    def _in_base(self, ids):
+        rows = np.empty(len(ids), np.int64)
+        lookup_rows(self.slots, self.keys, ids, rows)
+        return (rows >= 0).astype(np.uint8)
 
     @property
     def dim(self):
@@ -103,28 +115,34 @@ class Table:
                 fold_min=FOLD_MIN):
         """The table with ``evicted`` ids dropped, then rows ``new_keys`` (unique) set to
         ``new_values`` (an id both evicted and in ``new_keys`` keeps its new row, as in
-        ``bundle.merge_rows``).  O(overlay + patch); folded when the overlay grows large."""
+        ``bundle.merge_rows``).  The patch's ids are sorted and looked up (O(p log p)), the
+        overlay copied (O(overlay)); folded when the overlay grows large."""
         new_keys = np.asarray(new_keys, np.int64)
         evicted = np.asarray(evicted, np.int64)
-        dim = self.dim
-        keys = np.concatenate([self.ov_keys, evicted, new_keys])
-        # the last entry of an id wins: old overlay < evictions < new rows
-        uniq, first_rev = np.unique(keys[::-1], return_index=True)
-        src = len(keys) - 1 - first_rev
-        n_old, n_ev = len(self.ov_keys), len(evicted)
-        dead = np.concatenate([self.ov_dead, np.ones(n_ev, np.uint8),
-                               np.zeros(len(new_keys), np.uint8)])[src]
-        hidden = np.empty(len(uniq), np.uint8)
-        in_base(self.slots, self.keys, uniq, hidden)
-        keep = (dead == 0) | (hidden == 1)      # a dead id the base lacks hides nothing
+        n_ev = len(evicted)
+        ids = np.concatenate([evicted, new_keys])
+        uniq, first_rev = np.unique(ids[::-1], return_index=True)   # the last entry wins:
+        src = len(ids) - 1 - first_rev                               # evictions < new rows
+        dead = (src < n_ev).astype(np.uint8)
+        hidden = self._in_base(uniq)
+        old = np.empty(len(uniq), np.int64)            # the overlay entries the patch replaces
+        lookup_rows(self.ov_slots, self.ov_keys, uniq, old)
+        old = old[old >= 0]
+        keep_old = np.ones(len(self.ov_keys), np.bool_)
+        keep_old[old] = False
+        old_hidden = self.hidden()
+        gone = int(len(old) - self.ov_dead[old].sum()) - int(old_hidden[old].sum())
+        keep = (dead == 0) | (hidden == 1)             # a dead id the base lacks hides nothing
         uniq, src, dead, hidden = uniq[keep], src[keep], dead[keep], hidden[keep]
-        values = np.zeros((len(uniq), dim), np.float32)
-        old = src < n_old
-        values[old] = self.ov_values[src[old]]
-        new = src >= n_old + n_ev
-        values[new] = np.asarray(new_values, np.float32)[src[new] - n_old - n_ev]
-        n_rows = len(self.keys) - int(hidden.sum()) + int(len(dead) - dead.sum())
-        out = Table(self.keys, self.values, self.slots, (uniq, values, None, dead), n_rows)
-        if len(uniq) > max(fold_min, fold_fraction * len(self.keys)):
+        values = np.zeros((len(uniq), self.dim), np.float32)
+        live = dead == 0
+        values[live] = np.asarray(new_values, np.float32)[src[live] - n_ev]
+        added = int(live.sum()) - int(hidden.sum())
+        overlay = (np.concatenate([self.ov_keys[keep_old], uniq]),
+                   np.concatenate([self.ov_values[keep_old], values]), None,
+                   np.concatenate([self.ov_dead[keep_old], dead]))
+        out = Table(self.keys, self.values, self.slots, overlay, self.n_rows - gone + added,
+                    np.concatenate([old_hidden[keep_old], hidden]))
+        if len(overlay[0]) > max(fold_min, fold_fraction * len(self.keys)):
             return out.folded()
         return out
