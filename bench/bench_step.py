@@ -19,8 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
-    os.environ[_v] = "1"
+if __name__ == "__main__":
+    for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ[_v] = "1"        # one thread, before numpy loads its BLAS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT  # noqa: E402,F401  (the repo root on sys.path)
@@ -32,7 +33,6 @@ from mpips.kernels.embedding import gather_rows, scatter_add_rows, unique_invers
 from mpips.metrics import BinaryMetrics  # noqa: E402
 from mpips.tables.dense import DenseTable  # noqa: E402
 from mpips.tables.optim import OptimizerConfig  # noqa: E402
-from mpips.worker.dense_sync import DenseStep, shard_bounds  # noqa: E402
 
 
 class _Sites:
@@ -44,9 +44,9 @@ class _Sites:
     def start_step(self):
         self.i = 0
 
-    def add(self, label, dt):
+    def add(self, label_of, args, kw, dt):
         if self.i == len(self.labels):
-            self.labels.append(label)
+            self.labels.append(label_of(*args, **kw))      # named once: not in the timing
             self.best.append(dt)
             self.last.append(dt)
         else:
@@ -59,7 +59,7 @@ def _timed(fn, label_of, sites):
     def wrapper(*a, **k):
         t0 = time.perf_counter()
         r = fn(*a, **k)
-        sites.add(label_of(*a, **k), time.perf_counter() - t0)
+        sites.add(label_of, a, k, time.perf_counter() - t0)
         return r
     return wrapper
 
@@ -123,6 +123,7 @@ def zipf_ids(rng, batch, slots):
 
 def step_rest(model, params, batch, slots, workers, reps, rng):
     """Best seconds of the step's other pieces (one-hot slots, Adam on a 1/W shard)."""
+    from mpips.worker.dense_sync import DenseStep, shard_bounds   # (imports mpi4py.MPI)
     ids = zipf_ids(rng, batch, slots).reshape(-1)
     keys, inv = unique_inverse(ids)
     dim = model.dim

@@ -46,8 +46,9 @@ The bound: before the rounds, ``bench/bound.py`` times the model's GEMMs (forwar
 backward products, one thread) with every BLAS this Python has (NumPy's OpenBLAS, SciPy's,
 PyTorch's MKL) and takes the fastest as examples/s per core.  Each run's train ex/s is then
 also printed as a share of the bound of the cores it may use (``bound``: ``--local`` 1 core,
-PyTorch its 2 threads, 4-rank runs every core, each capped at the machine's cores), beside
-its ratio to the reference.  ``--no-bound`` skips it.
+PyTorch its 2 threads, 4-rank runs every core, each capped at the machine's cores; on more
+than one core the bound is what each gave with all computing at once), beside its ratio
+to the reference.  ``--no-bound`` skips it.
 """
 import argparse
 import hashlib
@@ -176,7 +177,8 @@ def bound_share(rec, spec, bound):
     """Train ex/s over the GEMM bound of the run's cores (None without a bound)."""
     if not bound:
         return None
-    return rec["examples_per_sec"] / (per_core(bound) * run_cores(spec))
+    cores = run_cores(spec)
+    return rec["examples_per_sec"] / (per_core(bound, cores) * cores)
 
 
 def line(rnd, name, rec, ref, share=None):

@@ -19,7 +19,9 @@ rounds (a shared machine's speed drifts).  Printed per BLAS: GF/s of each part a
 whole step, and **examples/s per core**: the batch over the step's GEMM time.  That is
 what one core could do if forward/backward were nothing but these products: the bound
 every training figure is read against (``bench/bench_vs_torch.py`` prints each run's share
-of it).  Multiply by the cores a run uses for a machine's bound.
+of it).  Then the best BLAS runs in one process per core at once (``--together``): the
+machine's bound is that sum, less than cores x one core's when the cores share a cache,
+memory bandwidth or (on a VM) a physical core.
 
 BLAS measured, when importable: NumPy's (``np.matmul(..., out=)``; OpenBLAS in the PyPI
 wheel), SciPy's (``scipy.linalg.blas.sgemm``, its own OpenBLAS build, the one numba's
@@ -210,8 +212,42 @@ def measure(batch=512, n_in=273, n_emb=260, hidden=(400, 400, 400), reps=30, rou
     raise SystemExit("no BLAS to time (numpy is not importable?)")
 
 
-def per_core(bound):
-    """The best BLAS's examples/s per core of a :func:`measure` result."""
+def _together_child(name, spec, reps, rounds, barrier, queue):
+    ops = _operands(spec, np.random.default_rng(1))
+    calls = BACKENDS[name][2](ops)
+    for c in calls:
+        c()
+    barrier.wait()
+    queue.put(sum(time_calls(calls, reps, rounds)))
+
+
+def together(bound, procs, reps=30, rounds=3):
+    """The best BLAS's step in ``procs`` single-thread processes at once (started together):
+    what the cores give when all compute, cache, memory and a host's sharing of the cores
+    included.  Adds ``together`` to ``bound``: procs, examples/s summed, and per process."""
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    n_in, n_emb, hidden = bound["shape"]
+    spec = gemms(bound["batch"], n_in, n_emb, hidden)
+    barrier, queue = ctx.Barrier(procs), ctx.Queue()
+    kids = [ctx.Process(target=_together_child, args=(bound["best"], spec, reps, rounds,
+                                                      barrier, queue)) for _ in range(procs)]
+    for k in kids:
+        k.start()
+    secs = [queue.get(timeout=600) for _ in kids]
+    for k in kids:
+        k.join()
+    total = sum(bound["batch"] / s for s in secs)
+    bound["together"] = {"procs": procs, "ex_per_s": total, "ex_per_s_core": total / procs}
+    return bound
+
+
+def per_core(bound, cores=1):
+    """Examples/s per core of a :func:`measure` result: the best BLAS alone, or with
+    ``cores`` > 1 and a :func:`together` figure, what each core gave when all ran."""
+    t = bound.get("together")
+    if cores > 1 and t:
+        return t["ex_per_s_core"]
     return bound["blas"][bound["best"]]["ex_per_s_core"]
 
 
@@ -232,6 +268,11 @@ def report(bound):
     lines.append(f"* best: {per_core(bound):.0f} ex/s per core; x {ncpu} cores = "
                  f"{per_core(bound) * ncpu:.0f} ex/s for this machine "
                  f"(load average {bound['load_average']:.2f} after measuring)")
+    t = bound.get("together")
+    if t:
+        lines.append(f"  {t['procs']} processes at once ({bound['best']}): "
+                     f"{t['ex_per_s']:.0f} ex/s in all, {t['ex_per_s_core']:.0f} per core "
+                     f"({t['ex_per_s_core'] / per_core(bound):.0%} of one alone)")
     return "\n".join(lines)
 
 
@@ -246,6 +287,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3, help="rounds (median)")
     ap.add_argument("--blas", default="", help="comma-separated subset of "
                     f"{','.join(BACKENDS)} (default: every one that imports)")
+    ap.add_argument("--together", type=int, default=-1, help="then run the best BLAS in "
+                    "this many processes at once (default: one per core; 0: skip)")
     ap.add_argument("--json", default="", help="write the result to this file")
     a = ap.parse_args(argv)
     hidden = tuple(int(x) for x in a.fc.split(","))
@@ -254,6 +297,9 @@ def main(argv=None):
         ap.error(f"--blas: unknown {sorted(set(names) - set(BACKENDS))}")
     n_emb = a.n_sparse * a.dim
     bound = measure(a.batch, n_emb + a.n_dense, n_emb, hidden, a.reps, a.rounds, names)
+    procs = bound["cpus"] if a.together < 0 else a.together
+    if procs > 1:
+        together(bound, procs, a.reps, a.rounds)
     print(report(bound))
     if a.json:
         with open(a.json, "w") as f:
