@@ -127,6 +127,10 @@ class Config:
                                    "one (its rows then miss this step's pushes; measured "
                                    "worse at 2-8 workers, docs/modes.md) instead of after "
                                    "the push")
+    dense_lag: int = _f(0, "async, 2+ workers: 1 = each step's dense gradients are applied "
+                           "one step late, so that a step waits for the other workers once "
+                           "instead of twice (docs/modes.md); 0 = the step after they are "
+                           "computed", choices=(0, 1))
     stale_lr: str = _f("none", "async/ssp: damp each pushed sparse row's lr by its staleness s "
                                "(updates the row took since the worker pulled it): none, "
                                "inverse (1/(1+s)), sqrt (1/sqrt(1+s)) or auto (none up to 4 "
@@ -290,6 +294,9 @@ class Config:
             raise ValueError("--lr, --peer-timeout and --pipe-timeout must be positive")
         if self.overlap_pull and self.mode != "async":
             raise ValueError(f"--overlap-pull is for --mode async; got --mode {self.mode}")
+        if self.dense_lag and (self.mode != "async" or self.overlap_pull):
+            raise ValueError(f"--dense-lag 1 is for --mode async without --overlap-pull; got "
+                             f"--mode {self.mode}{' --overlap-pull' if self.overlap_pull else ''}")
         if self.global_batch < 0:
             raise ValueError(f"--global-batch must be >= 0 (0 = W x --batch-size); got "
                              f"{self.global_batch}")

@@ -120,9 +120,10 @@ def test_geo_sends_k_times_fewer_messages(tiny_data, tmp_path):
     geo = train(tiny_data, tmp_path, "geo", "--mode", "geo", "--geo-steps", "10", *common)[0]
     asy = train(tiny_data, tmp_path, "async", "--mode", "async", *common)[0]
     assert geo["test_auc"] > 0.6
-    # async: a pull and a push per step per server; geo: an add and a pull per 10 steps
-    # (plus the first dense pull and the final sync of a partial round)
-    assert asy["messages_sent"] >= 8 * geo["messages_sent"], (asy["messages_sent"],
+    # async: one message per step per server (the push with the next step's pull, one
+    # message: PSClient.push_pull); geo: an add and a pull per 10 steps (plus the first
+    # dense pull and the final sync of a partial round), so about K / 2 = 5 times fewer
+    assert asy["messages_sent"] >= 4 * geo["messages_sent"], (asy["messages_sent"],
                                                               geo["messages_sent"])
     # bytes fall less than K-fold: a delta carries every id touched in the K steps
     assert asy["bytes_sent_per_example"] > geo["bytes_sent_per_example"]

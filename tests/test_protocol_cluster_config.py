@@ -4,7 +4,8 @@ import pytest
 
 from mpips.comm.cluster import assign_servers, check_servers, default_servers
 from mpips.config import parse_args
-from mpips.comm.protocol import HEADER_BYTES, Op, ProtocolError, decode, encode, message_nbytes
+from mpips.comm.protocol import (F_CREATE, F_MORE, HEADER_BYTES, MAX_PARTS, Op, ProtocolError,
+                                 decode, decode_all, encode, message_nbytes)
 
 
 def test_encode_decode_round_trip():
@@ -40,6 +41,40 @@ def test_decode_rejects_malformed():
         decode(buf, n, 1, source=3)
     with pytest.raises(ProtocolError):
         decode(buf, 5, 1, source=3)
+
+
+def test_a_message_of_two_requests_decodes_as_the_two_alone():
+    """A push and the next pull in one message (F_MORE): each request decodes as it does
+    alone, flags without F_MORE; a request flagged F_MORE with nothing after it, bytes
+    after a request without it, and more than MAX_PARTS requests are refused."""
+    keys, vals = np.array([3, 9], np.int64), np.full((2, 4), 0.5, np.float32)
+    pull_keys, counts = np.array([1, 3, 7], np.int64), np.ones((3, 1), np.float32)
+    buf = np.zeros(4096, np.uint8)
+    a = encode(buf, Op.PUSH, 4, 0, keys, vals, step=2, flags=F_MORE)
+    b = encode(buf[a:], Op.PULL, 5, 0, pull_keys, counts, step=3, flags=F_CREATE)
+    alone = [np.zeros(4096, np.uint8) for _ in range(2)]
+    encode(alone[0], Op.PUSH, 4, 0, keys, vals, step=2)
+    encode(alone[1], Op.PULL, 5, 0, pull_keys, counts, step=3, flags=F_CREATE)
+    got = decode_all(buf, a + b, 1, source=1)
+    want = [decode(alone[0], a, 1, source=1), decode(alone[1], b, 1, source=1)]
+    assert len(got) == 2
+    for g, w in zip(got, want):
+        assert (g.op, g.req_id, g.step, g.flags, g.count, g.dim) == (
+            w.op, w.req_id, w.step, w.flags, w.count, w.dim)
+        np.testing.assert_array_equal(g.keys, w.keys)
+        np.testing.assert_array_equal(g.values, w.values)
+    assert got[0].more and not got[1].more and got[1].flags == F_CREATE
+    assert decode_all(alone[1], b, 1, source=1)[0].keys.tolist() == [1, 3, 7]
+    with pytest.raises(ProtocolError, match="rank 1"):      # F_MORE, nothing after it
+        decode_all(buf, a, 1, source=1)
+    with pytest.raises(ProtocolError, match="header says"):  # bytes after, no F_MORE
+        decode_all(alone[0], a + b, 1, source=1)
+    chain = np.zeros(4096, np.uint8)
+    off = 0
+    for i in range(MAX_PARTS + 1):
+        off += encode(chain[off:], Op.PULL, i + 1, 0, keys, None, flags=F_MORE if i < MAX_PARTS else 0)
+    with pytest.raises(ProtocolError, match=f"more than {MAX_PARTS}"):
+        decode_all(chain, off, 1, source=1)
 
 
 def test_assign_servers_spreads_over_nodes():

@@ -6,6 +6,11 @@ A request is ONE contiguous uint8 buffer::
     keys    int64[count]
     values  float32[count * dim + dense_len]   (sparse rows, then the dense slice if any)
 
+A message may carry several data requests (PULL, PUSH, ADD) back to back: every request
+but the last has the ``F_MORE`` flag, and the server serves them in order, exactly as if each had come alone
+(an async worker sends the push of step t and the pull of step t+1 as one message a
+server, :meth:`mpips.worker.client.PSClient.push_pull`).  At most ``MAX_PARTS`` a message.
+
 Replies to a pull are bare float32 buffers: the sparse rows (tag ``TAG_REPLY_SPARSE``) and,
 when asked for, the server's dense slice (tag ``TAG_REPLY_DENSE``).  Replies from one
 server arrive in request order (MPI's non-overtaking rule), so a worker matches them by
@@ -49,6 +54,8 @@ MAX_CONFIRM_BYTES = 1 << 20     # a SAVE confirmation (the shard's manifest entr
 # flags
 F_CREATE = 1    # pull: create missing rows (training); without it unknown ids read zeros
 F_DENSE = 2     # pull: also return the dense slice; push/add: a dense slice follows the rows
+F_MORE = 1 << 30    # PULL, PUSH, ADD: another request follows in the same message
+MAX_PARTS = 4       # requests one message may carry
 
 
 # The STATS reply: int64s, field by field in this order (read it by name: `STATS_DTYPE`).
@@ -91,6 +98,9 @@ class Op(IntEnum):
                     # on TAG_REPLY_DENSE: what workers start their replicas from
 
 
+CHAINED = (Op.PULL, Op.PUSH, Op.ADD)     # ops another request may follow in one message
+
+
 class ProtocolError(ValueError):
     """A request that does not follow the layout above."""
 
@@ -101,7 +111,8 @@ def message_nbytes(count, dim, dense_len):
 
 
 def encode(buf, op, req_id, table, keys, values, step=0, flags=0, dense=None):
-    """Write a request into `buf` (uint8, large enough); return the used byte length.
+    """Write a request into `buf` (uint8, large enough; a slice of a message's buffer for
+    a request after the first); return the used byte length.
 
     keys: int64 (n,); values: float32 (n, dim) or None; dense: float32 (d,) or None.
     """
@@ -125,17 +136,21 @@ def encode(buf, op, req_id, table, keys, values, step=0, flags=0, dense=None):
 class Request:
     """Decoded views into a received buffer (no copies)."""
     __slots__ = ("op", "req_id", "table", "count", "step", "dim", "flags",
-                 "keys", "values", "dense")
+                 "keys", "values", "dense", "nbytes", "more")
 
-    def __init__(self, hdr, keys, values, dense):
-        self.op, self.req_id, self.table, self.count, self.step, self.dim, self.flags, _ = (
+    def __init__(self, hdr, keys, values, dense, nbytes=0):
+        self.op, self.req_id, self.table, self.count, self.step, self.dim, flags, _ = (
             int(x) for x in hdr)
         self.op = Op(self.op)
+        self.more = self.op in CHAINED and bool(flags & F_MORE)   # another request follows
+        self.flags = flags & ~F_MORE if self.more else flags      # what the op means by them
         self.keys, self.values, self.dense = keys, values, dense
+        self.nbytes = nbytes                    # this request's bytes of its message
 
 
-def decode(buf, nbytes, n_tables, source):
-    """Validate and decode a request of `nbytes` bytes from rank `source`.
+def decode(buf, nbytes, n_tables, source, offset=0):
+    """Validate and decode a request of `nbytes` bytes from rank `source`, starting at
+    byte `offset` of `buf` (a request with ``F_MORE`` takes only its own bytes of them).
 
     Raises ProtocolError naming the sender for anything inconsistent: unknown op, request
     id below 1, negative or absurd counts, sizes that disagree with the buffer length,
@@ -143,8 +158,8 @@ def decode(buf, nbytes, n_tables, source):
     """
     if nbytes < HEADER_BYTES or nbytes % 4 or nbytes > MAX_REQUEST_BYTES:
         raise ProtocolError(f"request from rank {source}: {nbytes} bytes is not a valid message")
-    hdr = buf[:HEADER_BYTES].view(np.int64)
-    op, req_id, table, n, _, dim, _, d = (int(x) for x in hdr)
+    hdr = buf[offset:offset + HEADER_BYTES].view(np.int64)
+    op, req_id, table, n, _, dim, flags, d = (int(x) for x in hdr)
     if op not in Op._value2member_map_:
         raise ProtocolError(f"request from rank {source}: unknown op code {op}")
     if req_id < 1:
@@ -153,14 +168,30 @@ def decode(buf, nbytes, n_tables, source):
         raise ProtocolError(f"request from rank {source}: unknown table {table}")
     if n < 0 or dim < 0 or d < 0 or n > nbytes or dim > 1 << 16 or d > nbytes:
         raise ProtocolError(f"request from rank {source}: bad sizes count={n} dim={dim} dense={d}")
-    if message_nbytes(n, dim, d) != nbytes:
+    size = message_nbytes(n, dim, d)
+    more = op in CHAINED and flags & F_MORE
+    if size != nbytes and not (more and size < nbytes):
         raise ProtocolError(
-            f"request from rank {source}: header says {message_nbytes(n, dim, d)} bytes, "
-            f"message has {nbytes}")
-    off = HEADER_BYTES
+            f"request from rank {source}: header says {size} bytes, message has {nbytes}")
+    off = offset + HEADER_BYTES
     keys = buf[off:off + 8 * n].view(np.int64)
     off += 8 * n
     values = buf[off:off + 4 * n * dim].view(np.float32).reshape(n, dim) if dim else None
     off += 4 * n * dim
     dense = buf[off:off + 4 * d].view(np.float32) if d else None
-    return Request(hdr, keys, values, dense)
+    return Request(hdr, keys, values, dense, size)
+
+
+def decode_all(buf, nbytes, n_tables, source):
+    """The requests of one message of `nbytes` bytes, in order (one, or up to MAX_PARTS
+    chained by ``F_MORE``); ProtocolError as :func:`decode` for any of them."""
+    reqs, offset = [], 0
+    while True:
+        req = decode(buf, nbytes - offset, n_tables, source, offset)
+        reqs.append(req)
+        offset += req.nbytes
+        if not req.more:
+            return reqs
+        if len(reqs) == MAX_PARTS:
+            raise ProtocolError(f"request from rank {source}: more than {MAX_PARTS} requests "
+                                "in one message")

@@ -43,7 +43,7 @@ PROFILE_DTYPE = np.dtype([
     ("compute_s", np.float64),       # worker: forward/backward seconds
     ("wait_s", np.float64),          # worker: seconds waiting for servers
     ("server_busy_s", np.float64),   # server: seconds serving requests
-    ("requests", np.float64),        # server: requests served; worker: data requests sent
+    ("requests", np.float64),        # server: messages served; worker: data messages sent
     ("mb_sent", np.float64),         # MB this rank sent (requests, or replies)
     ("mb_recv", np.float64),         # MB this rank received
     ("peak_rss_mb", np.float64),
@@ -243,6 +243,7 @@ class DistBackend:
         """Every worker's replica holds the whole optimizer state (each worker keeps only
         its shard's current; a collective of all workers)."""
         if self.trainer.dense_sync is not None:
+            self.trainer.settle()                   # --dense-lag 1: the step in flight
             self.trainer.dense_sync.gather_state(self.trainer.replica)
 
     def _replica_crcs(self):

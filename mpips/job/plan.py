@@ -23,6 +23,7 @@ from mpips.job.resume import checked_meta, choose_at_start, first_rank_decides, 
 from mpips.schema import Schema
 from mpips.tables.ownership import plan_keys
 from mpips.worker.geo import GeoTrainer
+from mpips.worker.late import LateTrainer
 from mpips.worker.trainer import Trainer
 
 
@@ -168,7 +169,8 @@ def make_trainer(cfg, model, ps, n_servers, log=None, replica=None, n_workers=1,
     """The Trainer of ``cfg``'s run (GEO: a GeoTrainer of ``n_workers``' deltas) of ``model``
     against parameter store ``ps``, its ids planned over ``n_servers``; ``replica``: the
     dense weights it trains (GEO: none, it keeps its own).  ``client``: ``ps`` is the
-    servers (a PSClient), so --overlap-pull and the servers' sync rule apply; in one process
+    servers (a PSClient), so --overlap-pull and the servers' sync rule apply, and async and
+    ssp send a step's push and the next step's pull as one message a server; in one process
     (a LocalPS) they do not."""
     settings = trainer_settings(cfg)
 
@@ -177,6 +179,9 @@ def make_trainer(cfg, model, ps, n_servers, log=None, replica=None, n_workers=1,
 
     if cfg.mode == "geo":
         return GeoTrainer(settings, model, ps, plan_fn, log=log, n_workers=n_workers)
-    return Trainer(settings, model, ps, plan_fn, log=log, replica=replica,
-                   overlap=client and cfg.mode == "async" and cfg.overlap_pull,
-                   dense_sync=dense_sync, sync=client and is_sync(cfg))
+    overlap = client and cfg.mode == "async" and cfg.overlap_pull
+    sync = client and is_sync(cfg)
+    late = client and cfg.dense_lag and dense_sync is not None   # --dense-lag 1: async
+    return (LateTrainer if late else Trainer)(
+        settings, model, ps, plan_fn, log=log, replica=replica, overlap=overlap,
+        dense_sync=dense_sync, sync=sync, coalesce=client and not (overlap or sync))

@@ -51,7 +51,7 @@ from mpips.tables.ownership import owners
 from mpips.comm.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, MAX_LINE_BYTES,
                             MAX_REQUEST_BYTES, STATS_DTYPE, TAG_CONTROL, TAG_DUMP, TAG_ERROR,
                             TAG_REPLY_DENSE, TAG_REPLY_SPARSE, TAG_REQUEST, Op, ProtocolError,
-                            decode)
+                            decode_all)
 from mpips.server.checks import RequestChecks
 from mpips.tables.dense import pack_state, unpack_state
 from mpips.tables import push as push_rules
@@ -175,18 +175,17 @@ class Server(RequestChecks):
             self.recv_buf = np.empty(min(max(nbytes, 2 * len(self.recv_buf)), self.max_request),
                                      dtype=np.uint8)
         msg.Recv([self.recv_buf, nbytes, MPI.BYTE])
-        try:
-            req = decode(self.recv_buf, nbytes, 1, source)
-            fresh = self._fresh(req, source)
-            if fresh:
-                self._validate(req, source)
-        except ProtocolError as e:
-            self._reject(e, source)
-        else:
-            if fresh:       # only a request served moves the sender's counter: a refused
-                if source in self.last_id:  # one's id (2^63 - 1, say) blocks nothing after
-                    self.last_id[source] = req.req_id
-                self.handle(req, source)
+        try:    # a message of several requests (F_MORE): each served in order, as if alone
+            for req in decode_all(self.recv_buf, nbytes, 1, source):
+                if self._fresh(req, source):
+                    self._validate(req, source)
+                    # only a request served moves the sender's counter: a refused one's id
+                    # (2^63 - 1, say) blocks nothing after
+                    if source in self.last_id:
+                        self.last_id[source] = req.req_id
+                    self.handle(req, source)
+        except ProtocolError as e:      # the rest of its message is dropped: the sender
+            self._reject(e, source)     # fails on the refusal
         self.stats["requests"] += 1
         self.stats["bytes_in"] += nbytes
         self.stats["busy_s"] += time.perf_counter() - t0

@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from mpips.comm.backoff import REPLY, Backoff
 from mpips.comm.liveness import WATCH, discard, wait_for, wait_requests
-from mpips.comm.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, MAX_CONFIRM_BYTES,
+from mpips.comm.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, F_MORE, MAX_CONFIRM_BYTES,
                             MAX_REQUEST_BYTES, STATS_DTYPE, STATS_LEN, TAG_CONTROL,
                             TAG_REPLY_DENSE, TAG_REPLY_SPARSE, TAG_REQUEST, Op, ProtocolError,
                             encode, message_nbytes)
@@ -114,17 +114,31 @@ class PSClient:
 
     def _request(self, s, op, keys, values, step, flags, dense):
         """Encode and Isend one request to server s; return (request, buffer)."""
-        n_dense = 0 if dense is None else len(dense)
-        nbytes = message_nbytes(len(keys), 0 if values is None else values.shape[1], n_dense)
+        return self._send(s, [(op, keys, values, step, flags, dense)])
+
+    def _send(self, s, parts):
+        """Encode the requests ``parts`` [(op, keys, values, step, flags, dense)] as one
+        message (each but the last flagged ``F_MORE``) and Isend it to server s; return
+        (request, buffer)."""
+        sizes = [message_nbytes(len(keys), 0 if values is None else values.shape[1],
+                                0 if dense is None else len(dense))
+                 for _, keys, values, _, _, dense in parts]
+        nbytes = sum(sizes)
         if nbytes > MAX_REQUEST_BYTES:
+            op, keys = parts[0][0], parts[0][1]
             raise ValueError(f"a {Op(op).name} of {len(keys)} ids is {nbytes} bytes, over the "
                              f"largest request servers take ({MAX_REQUEST_BYTES}); lower "
                              "--batch-size or --embedding-dim, or run more --servers")
         buf = self._buffer(nbytes)
-        self.req_id += 1
-        encode(buf, op, self.req_id, 0, keys, values, step, flags, dense)
+        off = 0
+        for i, ((op, keys, values, step, flags, dense), size) in enumerate(zip(parts, sizes)):
+            self.req_id += 1
+            more = F_MORE if i + 1 < len(parts) else 0
+            encode(buf[off:off + size], op, self.req_id, 0, keys, values, step, flags | more,
+                   dense)
+            off += size
         self.bytes_sent += nbytes
-        self.messages += op in (Op.PULL, Op.PUSH, Op.ADD)   # data requests, not control
+        self.messages += parts[0][0] in (Op.PULL, Op.PUSH, Op.ADD)  # data messages, not control
         return self.comm.Isend([buf, nbytes, MPI.BYTE], self.servers[s], TAG_REQUEST), buf
 
     def pull(self, plan, out, dense_out=None, step=0, create=True, counts=None, worker=0):
@@ -154,6 +168,25 @@ class PSClient:
         reqs.append(self.comm.Irecv(buf, src, tag))
         expect.append(buf.nbytes)
         self.bytes_recv += buf.nbytes
+
+    def push_pull(self, push_plan, grads, pull_plan, out, step, counts=None):
+        """push(push_plan, grads, step=step) and pull(pull_plan, out, step=step + 1,
+        counts=counts) in one message a server, the push first (a server applies it before
+        it answers the pull, as if they came one after the other): one handle for both."""
+        reqs, peers, bufs, expect = [], [], [], []
+        for s in range(self.n_servers):
+            lo, hi = push_plan.offsets[s], push_plan.offsets[s + 1]
+            push = (Op.PUSH, push_plan.keys[lo:hi], grads[lo:hi], step, 0, None)
+            lo, hi = pull_plan.offsets[s], pull_plan.offsets[s + 1]
+            self._irecv(reqs, expect, out[lo:hi], self.servers[s], TAG_REPLY_SPARSE)
+            c = None if counts is None else counts[lo:hi]
+            r, b = self._send(s, [push, (Op.PULL, pull_plan.keys[lo:hi], c, step + 1,
+                                         F_CREATE, None)])
+            reqs.append(r)
+            expect.append(None)
+            bufs.append(b)
+            peers += [self.servers[s]] * 2
+        return Handle(self, reqs, peers, bufs, "PUSH+PULL", step, expect)
 
     def push(self, plan, grads, dense_grad=None, step=0, op=Op.PUSH, worker=0, lr_scale=None):
         """Send grads (u, dim) for plan.keys (and dense_grad (P,)); op=ADD sends GEO deltas.

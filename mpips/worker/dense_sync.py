@@ -177,15 +177,15 @@ class DenseExchange:
         return lambda: (f"dense {what} of step {self.step} among the {self.comm.size} "
                         f"workers (a worker that is slow or stopped holds the others here)")
 
-    def _wait(self, req, what):
+    def _wait(self, reqs, what):
         t0 = time.perf_counter()
-        wait_requests([req], self.timeout, self._describe(what), spin=SPIN)
+        wait_requests(reqs, self.timeout, self._describe(what), spin=SPIN)
         self.wait_s += time.perf_counter() - t0
 
     def finish(self, acc):
         """Wait, then add every worker's gradient on my shard into `acc` (a DenseStep of
         [lo, hi), reset here) in rank order; returns whether any worker has another batch."""
-        self._wait(self.req, "Ialltoallv of the gradients")
+        self._wait([self.req], "Ialltoallv of the gradients")
         self.req = None
         acc.reset()
         m = self.hi - self.lo
@@ -204,8 +204,21 @@ class DenseExchange:
     def wait_shared(self):
         """Complete :meth:`share`: every worker's weights are whole again."""
         if self.wreq is not None:
-            self._wait(self.wreq, "Iallgatherv of the updated weights")
+            self._wait([self.wreq], "Iallgatherv of the updated weights")
             self.wreq = None
+
+    def start_late(self, grad_sum, n, more, step, stop, values):
+        """``--dense-lag 1``: :meth:`start` and :meth:`share` of ``values`` at once (my
+        shard, updated from the last step's gradients); :meth:`finish_late` completes both
+        with one wait."""
+        self.start(grad_sum, n, more, step, stop)
+        self.share(values)
+
+    def finish_late(self, acc):
+        """Complete :meth:`start_late` (every worker's weights whole), then as :meth:`finish`."""
+        self._wait([self.req, self.wreq], "Ialltoallv and Iallgatherv of a late step")
+        self.wreq = None
+        return self.finish(acc)
 
     def gather_state(self, table):
         """Make `table`'s per-weight optimizer state whole from every shard's owner (a

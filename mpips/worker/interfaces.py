@@ -41,7 +41,8 @@ class ParamStore(Protocol):
     n_servers: int       # the key plan groups keys by this many owners
     wait_s: float        # seconds spent in wait() (0 for LocalPS)
     bytes_sent: int      # request bytes sent (0 for LocalPS)
-    messages: int        # data requests sent: PULL, PUSH, ADD (0 for LocalPS)
+    messages: int        # data messages sent (PULL, PUSH, ADD; a push with the next pull
+                         # is one message) (0 for LocalPS)
 
     def pull(self, plan: KeyPlan, out: np.ndarray, dense_out: Optional[np.ndarray] = None,
              step: int = 0, create: bool = True,
@@ -63,6 +64,12 @@ class ParamStore(Protocol):
         ``op=Op.ADD`` adds GEO-SGD deltas to the values instead.  worker: as in pull.
         lr_scale: float32 (u,) factors of the rows' learning rate (one process's summed
         pushes, ``--sync-sparse-lr count``; servers compute their own)."""
+
+    def push_pull(self, push_plan: KeyPlan, grads: np.ndarray, pull_plan: KeyPlan,
+                  out: np.ndarray, step: int, counts: Optional[np.ndarray] = None) -> Waitable:
+        """``push(push_plan, grads, step=step)`` then ``pull(pull_plan, out, step=step + 1,
+        counts=counts)``, the pull answered after the push is applied; over MPI one
+        message a server (async and ssp: a step's push and the next step's pull)."""
 
 
 class Backend(Protocol):

@@ -61,3 +61,7 @@ class LocalPS:
             if dense_grad is not None:
                 self.dense.push(dense_grad)
         return _Done()
+
+    def push_pull(self, push_plan, grads, pull_plan, out, step, counts=None):
+        self.push(push_plan, grads, step=step)
+        return self.pull(pull_plan, out, step=step + 1, counts=counts)

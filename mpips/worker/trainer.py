@@ -153,6 +153,10 @@ class StepMath:
         self._emb = self._grad_emb = None
         self.clipped = [0, 0]      # --row-clip: rows clipped, rows pushed
 
+    def settle(self):
+        """Complete what a step left in flight (``LateTrainer``: the dense step applied one
+        step late), before a save or a replica check; nothing here."""
+
     def _stop_asked(self):
         return self.should_stop is not None and bool(self.should_stop())
 
@@ -298,16 +302,22 @@ class Trainer(StepMath):
     replica: DenseTable of all dense weights (this worker's replica; in one process the
     table itself); dense_sync: a DenseAllgather among the workers, or None in one process
     (or with one worker); overlap: async --overlap-pull (pull t+1 before computing t);
-    sync: the servers apply steps BSP (sync mode, ssp with staleness 0).
+    sync: the servers apply steps BSP (sync mode, ssp with staleness 0); coalesce: async
+    and ssp over MPI, the pull of t+1 goes in the push of t's message (``ps.push_pull``).
     """
 
     def __init__(self, cfg, model, ps, plan_fn, log=None, overlap=False, replica=None,
-                 dense_sync=None, sync=False):
+                 dense_sync=None, sync=False, coalesce=False):
         if replica is None:
             raise ValueError("Trainer needs the dense weights it trains: pass replica= (a "
                              "DenseTable of all of them; in one process ps.dense)")
         super().__init__(cfg, model, ps, plan_fn, replica.values, log)
+        if coalesce and (overlap or sync):
+            raise ValueError("Trainer: coalesce is the pull after the push of async and ssp; "
+                             "not with overlap or sync")
         self.overlap, self.sync = overlap, sync
+        self.coalesce = coalesce        # async/ssp over MPI: step t's push and step t+1's
+                                        # pull in one message a server (ps.push_pull)
         self.replica, self.dense_sync = replica, dense_sync
         self.acc = (DenseStep(replica) if dense_sync is None else
                     DenseStep(replica, dense_sync.lo, dense_sync.hi))
@@ -367,10 +377,12 @@ class Trainer(StepMath):
                                          self.cfg.row_clip_floor)
             self.clipped[1] += len(g)
 
-    def _push(self, parts, examples, step):
+    def _push(self, parts, examples, step, ahead=()):
         """Push the step's parts' row gradients (of each part's summed loss), scaled and
         combined by the --sync-sparse-lr rule (``mpips.tables.push``; one part alone is
-        pushed with its own key plan).  `examples`: the step's examples."""
+        pushed with its own key plan).  `examples`: the step's examples.  `ahead`: the
+        next step's group, pulled in the same message as a one-part push (``coalesce``:
+        the handle then stands for both)."""
         if not parts:
             if self.dense_sync is None:
                 return _Done()
@@ -379,6 +391,9 @@ class Trainer(StepMath):
         rule = self.cfg.sync_sparse_lr
         for p, g in parts:
             self.clip(p, g, push_rules.scale(rule, g, len(p.batch.label), examples))
+        if len(parts) == 1 and len(ahead) == 1:
+            [(p, g)], [q] = parts, ahead
+            return self.ps.push_pull(p.plan, g, q.plan, q.rows, step, counts=q.counts)
         if push_rules.apart(rule) or len(parts) == 1:
             for p, g in parts:
                 done = self.ps.push(p.plan, g, step=step)
@@ -387,21 +402,24 @@ class Trainer(StepMath):
         plan = KeyPlan(keys, None, np.array([0, len(keys)], np.int64))   # one process
         return self.ps.push(plan, grads, step=step, lr_scale=lr_scale)
 
-    def _exchange(self, parts, n_here, more, step):
+    def _exchange(self, parts, n_here, nxt, step):
         """Send the step's pushes and, among workers, its dense gradient (reduced in
         shards: mpips.worker.dense_sync); returns (the last push's handle, whether any
         worker has a next step).  Sync servers that sum the step's pushes want rows scaled
-        by the step's examples over all workers, known once the dense exchange is done."""
-        sync_d, tm = self.dense_sync, self.watch
+        by the step's examples over all workers, known once the dense exchange is done.
+        ``coalesce``: the next step's group ``nxt`` is pulled with the push (the push's
+        handle is its pull's too)."""
+        sync_d, tm, more = self.dense_sync, self.watch, bool(nxt)
+        ahead = nxt if self.coalesce else ()
         if sync_d is None:
             with tm("send"):
-                return self._push(parts, n_here, step), more
+                return self._push(parts, n_here, step, ahead), more
         summed = self.sync and not push_rules.apart(self.cfg.sync_sparse_lr)
         push = _Done()
         with tm("send"):
             sync_d.start(self.grad_dense, n_here, more, step, self._stop_asked())
             if not summed:                         # rows averaged over this worker
-                push = self._push(parts, n_here, step)
+                push = self._push(parts, n_here, step, ahead)
         with tm("dense_wait"):
             more = sync_d.finish(self.acc)
         if summed:                                 # sync: over the step's examples
@@ -433,7 +451,10 @@ class Trainer(StepMath):
                 time.sleep(self.stretch * tm.last)
             st.examples += n_here
             push.wait()
-            push, more = self._exchange(parts, n_here, bool(nxt), step)
+            push, more = self._exchange(parts, n_here, nxt, step)
+            ahead = self.coalesce and len(parts) == 1 and len(nxt) == 1
+            if ahead:                              # the next rows come with the push
+                h = push
             if sync_d is not None:
                 every += acc.examples
             with tm("dense_opt"):
@@ -447,9 +468,9 @@ class Trainer(StepMath):
                 self.on_step(skip + step + 1, step + 1)
             if more and (sync_d.stopping if sync_d is not None else self._stop_asked()):
                 more, st.stopped = False, True
-                if self.overlap and nxt:           # the next step's rows, pulled ahead
+                if (self.overlap or ahead) and nxt:     # the next step's rows, pulled ahead
                     h.wait()
-            if not self.overlap and more:
+            if not (self.overlap or ahead) and more:
                 h = self._pull_group(nxt, step + 1, more)
             step += 1
             self._report(epoch, step, st)
