@@ -102,6 +102,7 @@ def test_simulated_workers_take_their_share_and_say_so(tiny_data, tmp_path):
     rec = [json.loads(x) for x in open(out)][0]
     assert rec["train_examples"] == 7 * 100 and rec["global_batch"] == 100
     assert rec["batch_flag"] == "global_batch"
+    assert "batch_size" not in rec       # --batch-size (its default 512) is not in force
 
 
 def interleave(parts, batches, out):

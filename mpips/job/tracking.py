@@ -49,7 +49,10 @@ def identity(cfg):
     """The fields of every record of this run (see the module docstring)."""
     if not _RUN:
         new_run()
-    out = dict(_RUN, model=cfg.model, mode=cfg.mode, batch_size=cfg.batch_size, lr=cfg.lr,
+    G = getattr(cfg, "global_batch", 0)
+    # with --global-batch G in force, --batch-size is not what a worker takes: name G instead
+    out = dict(_RUN, model=cfg.model, mode=cfg.mode, lr=cfg.lr,
+               **({"global_batch": G} if G else {"batch_size": cfg.batch_size}),
                schema_hash=schema_hash(make_schema(cfg)), mpips_version=version())
     if cfg.resume and not cfg.stream:
         out["resumed_from"] = os.path.basename(os.path.normpath(cfg.resume))
