@@ -13,9 +13,10 @@ with the same operand layouts: weights stored (in, out), row-major, transposes a
   (for the first layer only its embedding rows: the dense inputs take no gradient)
 
 The output layer (one logit) is a matrix-vector product and is left out: no BLAS runs it
-near peak.  Each BLAS runs the step's products in sequence; the figure is the best
-(minimum) of ``--reps`` timed repetitions per round, and the median over ``--rounds``
-rounds (a shared machine's speed drifts).  Printed per BLAS: GF/s of each part and of the
+near peak.  Each BLAS runs the step's products in sequence; the figure of a product is its
+best (minimum) time over ``--rounds`` rounds of ``--reps`` calls, each round timing every
+BLAS in turn (a shared machine's speed drifts; a bound is what the machine can do, and a
+busy machine only slows a call down).  Printed per BLAS: GF/s of each part and of the
 whole step, and **examples/s per core**: the batch over the step's GEMM time.  That is
 what one core could do if forward/backward were nothing but these products: the bound
 every training figure is read against (``bench/bench_vs_torch.py`` prints each run's share
@@ -32,7 +33,6 @@ with a Python that has it (``pip install -e .[bench]`` in a separate venv) to se
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -166,15 +166,24 @@ def _best(call, reps):
 
 
 def time_calls(calls, reps, rounds):
-    """Median over rounds of each product's best-of-reps seconds."""
-    for c in calls:                       # warm up (first call allocates, pages in)
-        c()
-        c()
-    per = [[] for _ in calls]
+    """Each product's best seconds over ``rounds`` x ``reps`` calls (a bound: what the
+    machine can do; a busy machine only slows a call down)."""
+    return time_sets([calls], reps, rounds)[0]
+
+
+def time_sets(sets, reps, rounds):
+    """:func:`time_calls` of several lists of calls (one per BLAS), interleaved: each round
+    times every list in turn, so a drift of a shared machine's speed hits them alike."""
+    for calls in sets:
+        for c in calls:                   # warm up (first call allocates, pages in)
+            c()
+            c()
+    best = [[float("inf")] * len(calls) for calls in sets]
     for _ in range(rounds):
-        for i, c in enumerate(calls):
-            per[i].append(_best(c, reps))
-    return [statistics.median(x) for x in per]
+        for k, calls in enumerate(sets):
+            for i, c in enumerate(calls):
+                best[k][i] = min(best[k][i], _best(c, reps))
+    return best
 
 
 def measure(batch=512, n_in=273, n_emb=260, hidden=(400, 400, 400), reps=30, rounds=3,
@@ -186,16 +195,18 @@ def measure(batch=512, n_in=273, n_emb=260, hidden=(400, 400, 400), reps=30, rou
     ops = _operands(spec, np.random.default_rng(seed))
     ref = [a @ b for a, b, _ in ops]
     out = {}
+    todo = []
     for name in available(names):
-        _, label, factory = BACKENDS[name]
-        calls = factory(ops)
+        calls = BACKENDS[name][2](ops)
         for c, (_, _, cbuf), r in zip(calls, ops, ref):     # same products, same answers
             cbuf[:] = np.nan
             c()
             if not np.allclose(cbuf, r, rtol=1e-3, atol=1e-3 * float(np.abs(r).max())):
                 raise SystemExit(f"{name}: a product differs from numpy's; not timing it")
-        secs = time_calls(calls, reps, rounds)
-        rec = {"blas": label(), "parts": {}}
+        todo.append((name, calls))
+    timed = time_sets([calls for _, calls in todo], reps, rounds)
+    for (name, _), secs in zip(todo, timed):
+        rec = {"blas": BACKENDS[name][1](), "parts": {}}
         for part in PARTS:
             idx = [i for i, s in enumerate(spec) if s[0] == part]
             s = sum(secs[i] for i in idx)
@@ -284,7 +295,7 @@ def main(argv=None):
     ap.add_argument("--n-dense", type=int, default=13)
     ap.add_argument("--fc", default="400,400,400")
     ap.add_argument("--reps", type=int, default=30, help="timed repetitions per round (min)")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds (median)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds (each BLAS in turn; the best over all)")
     ap.add_argument("--blas", default="", help="comma-separated subset of "
                     f"{','.join(BACKENDS)} (default: every one that imports)")
     ap.add_argument("--together", type=int, default=-1, help="then run the best BLAS in "
