@@ -88,3 +88,22 @@ def test_owner_of_reference_balance_and_independence():
     o2 = np.empty(5000, np.int32)
     owner_of(big, 2, o2)
     assert 0.45 < o2.mean() < 0.55
+
+
+@pytest.mark.parametrize('case', ['random', 'empty', 'one', 'edge', 'dups', 'high_bits_only',
+                                  'low_byte', 'sorted', 'reversed'])
+def test_radix_sort_matches_numpy_sort(case):
+    from mpips.kernels.embedding import radix_sort_
+    rng = np.random.default_rng(1)
+    keys = {'random': rng.integers(-2**63, 2**63 - 1, 5001, dtype=np.int64, endpoint=True),
+            'empty': np.empty(0, np.int64),
+            'one': np.array([7], np.int64),
+            'edge': np.array([0, -1, -2**63, 2**63 - 1, 1, -2**63 + 1, 2**63 - 2], np.int64),
+            'dups': rng.integers(-3, 3, 1000).astype(np.int64),
+            'high_bits_only': rng.integers(-100, 100, 999).astype(np.int64) << 48,
+            'low_byte': rng.integers(0, 256, 777).astype(np.int64),       # one pass: odd
+            'sorted': np.arange(-500, 500, dtype=np.int64) * 0x9E3779B1,
+            'reversed': np.arange(500, -500, -1, dtype=np.int64) * 0x9E3779B1}[case]
+    want = np.sort(keys)
+    radix_sort_(keys, np.empty_like(keys))
+    assert np.array_equal(keys, want)
