@@ -441,8 +441,9 @@ def test_follow_swaps_atomically_and_refuses_a_corrupt_patch(criteo, tmp_path):
     assert all(ok for _, ok in seen), [v for v, ok in seen if not ok][:5]
 
 
-def test_sigterm_finishes_the_request_in_flight(criteo):
-    srv = Server("--bundle", criteo["bundle"])
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_sigterm_finishes_the_request_in_flight(criteo, processes):
+    srv = Server("--bundle", criteo["bundle"], "--processes", processes)
     body = json.dumps({"instances": [instance(x) for x in criteo["lines"][:3]]}).encode()
     head = (b"POST /v1/models/ctr:predict HTTP/1.1\r\nHost: x\r\nContent-Type: "
             b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
