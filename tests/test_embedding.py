@@ -107,3 +107,25 @@ def test_radix_sort_matches_numpy_sort(case):
     want = np.sort(keys)
     radix_sort_(keys, np.empty_like(keys))
     assert np.array_equal(keys, want)
+
+
+@pytest.mark.parametrize('n_servers', [2, 3, 7])
+def test_plan_keys_groups_by_owner_as_a_stable_argsort(n_servers):
+    """plan_keys' grouping (a counting sort in numba) against numpy's stable argsort."""
+    from mpips.tables.ownership import owners, plan_keys
+    rng = np.random.default_rng(n_servers)
+    ids = ctr_batch(rng, 3000).reshape(100, 30)
+    ukeys, inv = np.unique(ids.reshape(-1), return_inverse=True)
+    own = owners(ukeys, n_servers)
+    order = np.argsort(own, kind='stable')
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    plan = plan_keys(ids, n_servers)
+    assert np.array_equal(plan.keys, ukeys[order])
+    assert np.array_equal(plan.inverse, rank[inv])
+    assert np.array_equal(plan.keys[plan.inverse], ids.reshape(-1))
+    assert np.array_equal(plan.offsets, np.concatenate([[0], np.cumsum(
+        np.bincount(own, minlength=n_servers))]))
+    for s in range(n_servers):
+        grp = plan.keys[plan.offsets[s]:plan.offsets[s + 1]]
+        assert np.all(owners(grp, n_servers) == s) and np.all(np.diff(grp) > 0)

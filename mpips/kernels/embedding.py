@@ -220,6 +220,42 @@ def sum_duplicates(keys, vals):
 
 
 @njit(cache=True, nogil=True)
+def group_by_owner_(ukeys, own, inverse, keys_out, rank, offsets):
+    """Order keys by owner, stably (a counting sort), and remap the inverse to that order.
+
+    Parameters
+    ----------
+    ukeys : int64 (u,)          the unique keys (sorted: each group stays sorted)
+    own : int32 (u,)            owner of each key, in [0, S)
+    inverse : int64 (n,)        in/out: positions in ``ukeys`` -> positions in ``keys_out``
+    keys_out : int64 (u,)       out: the keys grouped by owner
+    rank : int64 (u,)           out: position in ``keys_out`` of each key of ``ukeys``
+    offsets : int64 (S + 1,)    out: owner s holds ``keys_out[offsets[s]:offsets[s + 1]]``
+
+    Returns
+    -------
+    None
+    """
+    S = offsets.shape[0] - 1
+    offsets[:] = 0
+    for i in range(own.shape[0]):
+        offsets[own[i] + 1] += 1
+    for s in range(S):
+        offsets[s + 1] += offsets[s]
+    for i in range(ukeys.shape[0]):              # offsets[s] runs as group s's cursor
+        s = own[i]
+        r = offsets[s]
+        keys_out[r] = ukeys[i]
+        rank[i] = r
+        offsets[s] = r + 1
+    for s in range(S, 0, -1):                    # cursors end at the next group's start
+        offsets[s] = offsets[s - 1]
+    offsets[0] = 0
+    for i in range(inverse.shape[0]):
+        inverse[i] = rank[inverse[i]]
+
+
+@njit(cache=True, nogil=True)
 def owner_of(keys, n_servers, out):
     """Server of each id: ``splitmix64(key ^ OWNER_SALT) % n_servers``.
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpips.kernels.embedding import owner_of, unique_inverse
+from mpips.kernels.embedding import group_by_owner_, owner_of, unique_inverse
 
 
 def dense_bounds(n_params, n_servers):
@@ -36,9 +36,7 @@ def plan_keys(ids, n_servers):
     if n_servers == 1:
         return KeyPlan(ukeys, inverse, np.array([0, len(ukeys)], np.int64))
     own = owners(ukeys, n_servers)
-    order = np.argsort(own, kind="stable")
-    rank_of = np.empty_like(order)
-    rank_of[order] = np.arange(len(order))
-    counts = np.bincount(own, minlength=n_servers)
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    return KeyPlan(ukeys[order], rank_of[inverse], offsets)
+    keys = np.empty_like(ukeys)
+    offsets = np.empty(n_servers + 1, np.int64)
+    group_by_owner_(ukeys, own, inverse, keys, np.empty_like(ukeys), offsets)   # one pass
+    return KeyPlan(keys, inverse, offsets)
