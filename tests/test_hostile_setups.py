@@ -66,6 +66,8 @@ def test_silent_pipe_fails_the_read_naming_file_and_command(tiny_data, tmp_path,
     word, cmd = marker_cmd(tmp_path, script)
     files = resolve_paths(tiny_data[0])[:2]
     schema = dataclasses.replace(Schema.criteo(), pipe_command=cmd)
+    for _ in DataReader(files[:1], 256, schema=Schema.criteo()):
+        pass                                # the parser's kernels loaded: not in the timing
     t0 = time.monotonic()
     with pytest.raises(sources.PipeError) as err:
         for _ in DataReader(files, 256, schema=schema, pipe_timeout=PIPE_TIMEOUT):
@@ -73,7 +75,7 @@ def test_silent_pipe_fails_the_read_naming_file_and_command(tiny_data, tmp_path,
     took = time.monotonic() - t0
     line = str(err.value)
     assert "\n" not in line and line.startswith(files[0] + ":") and cmd in line and said in line
-    assert took < PIPE_TIMEOUT + 5, took
+    assert took < PIPE_TIMEOUT + 20, took       # a bound, not a speed: a hang never ends
     assert gone(word), processes_with(word)     # this file's and the next ones' (ahead)
 
 
