@@ -341,6 +341,7 @@ def measure(path, examples=131072):
            "raw": {"pingpong": pp, "requests": req, "local_cpu": cpu, "local_base": base},
            "load1": [load0, os.getloadavg()[0]], "when": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                        time.gmtime())}
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(inp, indent=1) + "\n")
     print(json.dumps({k: v for k, v in inp.items() if k != "raw"}, indent=1))
 
