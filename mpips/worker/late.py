@@ -79,11 +79,7 @@ class LateTrainer(Trainer):
             if step and (not more or stopping):
                 st.stopped = more and stopping
                 break
-            with tm("compute"):
-                parts, n_here = self._compute(cur, params, st)
-            if self.stretch:
-                time.sleep(self.stretch * tm.last)
-            st.examples += n_here
+            parts, n_here = self._timed_compute(cur, params, st, tm)
             push.wait()
             if self.collected:                      # step t-1's gradients, on my shard
                 self._apply()

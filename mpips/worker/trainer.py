@@ -349,6 +349,16 @@ class Trainer(StepMath):
             return _Done()
         return _Handles([self._pull(p, step, None) for p in group])
 
+    def _timed_compute(self, group, params, st, tm):
+        """`_compute` under the "compute" stopwatch, stretched by the slow-worker debug hook
+        (sleep `stretch` x its time), its examples counted into `st`."""
+        with tm("compute"):
+            parts, n_here = self._compute(group, params, st)
+        if self.stretch:
+            time.sleep(self.stretch * tm.last)
+        st.examples += n_here
+        return parts, n_here
+
     def _compute(self, group, params, st):
         """Forward/backward of the step's parts: ([(part, row grads of its summed loss)],
         the step's examples here); loss and metrics into `st`; in one process (no dense
@@ -445,11 +455,7 @@ class Trainer(StepMath):
             if sync_d is not None:                 # the last step's weights, whole again
                 with tm("dense_wait"):
                     sync_d.wait_shared()
-            with tm("compute"):
-                parts, n_here = self._compute(cur, params, st)
-            if self.stretch:
-                time.sleep(self.stretch * tm.last)
-            st.examples += n_here
+            parts, n_here = self._timed_compute(cur, params, st, tm)
             push.wait()
             push, more = self._exchange(parts, n_here, nxt, step)
             ahead = self.coalesce and len(parts) == 1 and len(nxt) == 1
