@@ -34,6 +34,11 @@ STALE_RULES = ("none", "inverse", "sqrt")     # --stale-lr: learning-rate factor
 STALE_CHOICES = STALE_RULES + ("auto",)       # what --stale-lr takes
 PUSH_RULES = ("none", "count", "each")        # --sync-sparse-lr (mpips.tables.push)
 MAX_COUNT = 1 << 24       # float32 counts are exact integers up to here
+LARGE_BATCH = ("none", "cowclip")             # --large-batch rules
+# --large-batch cowclip's parameters (CowClip, Zheng et al. 2022; the paper's DeepFM values):
+# the clip ratio r, the clip floor zeta, the embeddings' L2 at the base batch, and the dense
+# warm-up in dense steps (the paper warms for about one epoch; here a fixed step count)
+COWCLIP = {"r": 1.0, "zeta": 1e-5, "l2": 1e-5, "warmup": 20}
 
 
 def parse_entry(spec):
@@ -53,6 +58,30 @@ def parse_entry(spec):
     if kind == "probability" and 0.0 < value <= 1.0:
         return "probability", value
     raise ValueError(f"--entry must be count:N (N >= 1) or probability:P (0 < P <= 1); got {spec!r}")
+
+
+def parse_large_batch(spec):
+    """'none' | 'cowclip' | 'cowclip:key=value,...' (keys of COWCLIP) -> None or the
+    cowclip parameters (a dict, COWCLIP's defaults filled in); ValueError with the forms."""
+    name, _, rest = spec.partition(":")
+    form = (f"--large-batch must be none, cowclip or cowclip:key=value,... (keys "
+            f"{', '.join(COWCLIP)}; r > 0, zeta, l2, warmup >= 0); got {spec!r}")
+    if name not in LARGE_BATCH or (name == "none" and rest):
+        raise ValueError(form)
+    if name == "none":
+        return None
+    out = dict(COWCLIP)
+    for item in filter(None, rest.split(",")):
+        key, _, raw = item.partition("=")
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(form) from None
+        if key not in out or not value >= 0 or (key == "r" and value == 0) or (
+                key == "warmup" and value != int(value)):
+            raise ValueError(form)
+        out[key] = int(value) if key == "warmup" else value
+    return out
 
 
 def split_batch(total, workers):
@@ -139,6 +168,16 @@ class Config:
                               "mean over the row's occurrences in the batch is clipped to "
                               "norm R x max(|row|, --row-clip-floor); 0 = off")
     row_clip_floor: float = _f(1e-3, "--row-clip: the smallest row norm the threshold uses")
+    large_batch: str = _f("none", "a large-batch rule: none, or cowclip (CowClip, Zheng et "
+                                  "al. 2022) for k = the global batch / --large-batch-base: "
+                                  "the rows' lr unchanged, the dense lr --lr x sqrt(k), an L2 "
+                                  "of l2 x k on the pushed rows, each row's gradient (of the "
+                                  "batch's mean loss) clipped to norm count x max(r |row|, "
+                                  "zeta), and the dense lr warmed up linearly over the first "
+                                  "warmup dense steps; cowclip:r=1,zeta=1e-5,l2=1e-5,"
+                                  "warmup=20 are the defaults (docs/modes.md)")
+    large_batch_base: int = _f(4096, "--large-batch: the global batch at which the rule's "
+                                     "k is 1")
     # --- model and optimiser
     model: str = _f("dnn", "network: dnn (CTR-DNN), wide_deep (Wide&Deep) or deepfm (DeepFM); "
                            "wide_deep and deepfm add a first-order weight to every table row "
@@ -311,12 +350,29 @@ class Config:
         if self.row_clip and self.mode == "geo":
             raise ValueError("--row-clip clips pushed row gradients: GEO pushes deltas; use it "
                              "with --mode async, sync or ssp")
+        self.check_large_batch()
         if self.staleness < 0 or self.servers < 0 or self.hash_bucket < 0 or self.max_steps < 0:
             raise ValueError("--staleness, --servers, --hash-bucket and --max-steps must be >= 0")
         if self.train == "" and self.test != "" and not self.stream:
             raise ValueError("--test without --train: give --train too (or neither for the "
                              "embedded synthetic dataset)")
         return self
+
+    def check_large_batch(self):
+        """--large-batch: its form, and the runs it serves (its L2 and clip act on each
+        push of one worker's rows, its dense rate replaces the dense-lr flags)."""
+        if parse_large_batch(self.large_batch) is None:
+            return
+        why = ("--mode geo pushes deltas, not row gradients" if self.mode == "geo" else
+               "--row-clip is a clip of its own (drop it)" if self.row_clip else
+               "--dense-lr-scale sets the dense rate the rule sets (drop it)"
+               if self.dense_lr_scale else
+               f"--sync-sparse-lr {self.sync_sparse_lr} sums the workers' pushes (the rule "
+               f"adds its L2 to each push: use each)" if self.sync_sparse_lr != "each" else
+               f"--large-batch-base must be >= 1; got {self.large_batch_base}"
+               if self.large_batch_base < 1 else "")
+        if why:
+            raise ValueError(f"--large-batch {self.large_batch}: {why}")
 
     def check_simulate(self):
         """--simulate-workers W runs alone in one process (docs/modes.md, Simulator)."""

@@ -65,13 +65,16 @@ def local_backend(plan):
     if cfg.simulate_workers and cfg.sim_sparse == "async":
         tracker = StalenessTracker(sparse, max_pulls=cfg.sim_delay + 1)
     ps = LocalPS(sparse, dense, tracker, stale_rule(cfg.stale_lr, W))
-    trainer = make_trainer(cfg, model, ps, 1, log=log_line, replica=ps.dense)
+    trainer = make_trainer(cfg, model, ps, 1, log=log_line, replica=ps.dense,
+                           global_batch=plan.global_batch)
     if cfg.simulate_workers:
         log_line(f"mpips local: simulating {W} workers ({cfg.sim_sparse} sparse pushes, "
                  f"rows read {cfg.sim_delay} step(s) early)")
     log_line(f"mpips local: {W} worker(s), {model.n_params} dense parameters"
              f"{model_note(model)}")
     log_line(plan.batch_line())
+    if plan.rule_line():
+        log_line(plan.rule_line())
     log_line(plan.schema.describe())
     if plan.resume:
         ck.load_local(plan.resume, inner_table(ps.sparse), ps.dense, admission_of(ps.sparse))

@@ -7,8 +7,10 @@ dense slice).  Local runs, servers, workers and ``mpips.infer`` build their part
 """
 import dataclasses
 import math
+from dataclasses import dataclass
 import os
 
+from mpips.config import parse_large_batch
 from mpips.data.synth import ensure_default_dataset
 from mpips.data.files import resolve_paths
 from mpips.data.reader import DataReader
@@ -63,6 +65,28 @@ def make_reader(cfg, files, batch_size, warn, shuffle=None, norm=None, schema=No
                       schema=schema, has_label=has_label, pipe_timeout=cfg.pipe_timeout)
 
 
+@dataclass(frozen=True)
+class CowClip:
+    """``--large-batch cowclip`` resolved for a run of global batch G: k = G / base, the
+    clip's ratio r and floor zeta, the rows' L2 (``l2`` x k) and the dense warm-up in dense
+    steps.  The dense rate (``--lr`` x sqrt(k)) is :func:`dense_lr`'s."""
+    k: float
+    r: float
+    zeta: float
+    l2: float
+    warmup: int
+
+
+def large_batch_rule(cfg, global_batch):
+    """The CowClip of ``cfg``'s ``--large-batch`` at ``global_batch``, or None (off)."""
+    spec = parse_large_batch(getattr(cfg, "large_batch", "none"))
+    if spec is None:
+        return None
+    k = global_batch / cfg.large_batch_base
+    return CowClip(k=k, r=spec["r"], zeta=spec["zeta"], l2=spec["l2"] * k,
+                   warmup=spec["warmup"])
+
+
 def dense_lr(cfg, n_batches):
     """The dense weights' learning rate: ``--lr`` x ``--dense-lr-scale``, or by
     ``--dense-lr-rule`` from W, the batches one dense step averages (W workers', or
@@ -72,7 +96,12 @@ def dense_lr(cfg, n_batches):
     do not grow with the batch's gradient, so its rate needs scaling (docs/modes.md).
     With ``--global-batch G`` the rule follows G, not W: a dense step averages G examples
     at any W, as one process's step of batch G does, so the rate is that process's,
-    ``--lr`` (x 1): the dense steps of W workers at G match ``--local --batch-size G``."""
+    ``--lr`` (x 1): the dense steps of W workers at G match ``--local --batch-size G``.
+    With ``--large-batch cowclip``: ``--lr`` x sqrt(G / --large-batch-base), G the global
+    batch (``--global-batch``, or W x ``--batch-size``)."""
+    rule = large_batch_rule(cfg, cfg.global_batch or n_batches * cfg.batch_size)
+    if rule is not None:
+        return cfg.lr * math.sqrt(rule.k)
     if cfg.dense_lr_scale:
         return cfg.lr * cfg.dense_lr_scale
     if cfg.mode == "geo" or n_batches <= 1 or cfg.global_batch:

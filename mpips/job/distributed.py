@@ -76,6 +76,8 @@ def run_distributed(plan, comm):
                  f"workers, mode {cfg.mode}, {model.n_params} dense parameters"
                  f"{model_note(model)}")
         log_line(plan.batch_line())
+        if plan.rule_line():
+            log_line(plan.rule_line())
         log_line(schema.describe())
         for line, pid in zip(cluster.role_map(), pids):
             log_line(f"  {line} pid {pid}")
@@ -136,7 +138,8 @@ def work(plan, cluster, bounds):
         dense_sync = DenseExchange(cluster.role_comm, model.n_params,
                                    client.timeout) if W > 1 else None
     trainer = make_trainer(cfg, model, client, S, log=log_line if wi == 0 else None,
-                           replica=replica, n_workers=W, dense_sync=dense_sync, client=True)
+                           replica=replica, n_workers=W, dense_sync=dense_sync, client=True,
+                           global_batch=plan.global_batch)
     trainer.step_delay = plan.hooks.step_delay(wi)     # test and benchmark aids
     trainer.stretch = plan.hooks.stretch(wi)
     if plan.resume and wi == 0:

@@ -17,7 +17,8 @@ from mpips.comm.cluster import default_servers
 from mpips.checkpoint.manifest import chain_manifests
 from mpips.config import Config, split_batch
 from mpips.data.files import resolve_paths
-from mpips.job.build import dense_lr, make_model, make_schema, resolve_data
+from mpips.job.build import (CowClip, dense_lr, large_batch_rule, make_model, make_schema,
+                             resolve_data)
 from mpips.job.hooks import NONE, Hooks
 from mpips.job.resume import checked_meta, choose_at_start, first_rank_decides, pin, start_point
 from mpips.schema import Schema
@@ -44,11 +45,17 @@ class TrainerSettings:
     stream: str                 # GEO: rounds end at --save-every points of batch runs
     save_dir: str
     save_steps: int
+    cowclip: CowClip = None     # --large-batch cowclip at the run's global batch, or None
 
 
-def trainer_settings(cfg) -> TrainerSettings:
+def trainer_settings(cfg, global_batch=0) -> TrainerSettings:
+    """The TrainerSettings of ``cfg`` for a run of ``global_batch`` examples a step (0:
+    ``--global-batch``, else ``--batch-size``)."""
     return TrainerSettings(**{f.name: getattr(cfg, f.name)
-                              for f in dataclasses.fields(TrainerSettings)})
+                              for f in dataclasses.fields(TrainerSettings)
+                              if f.name != "cowclip"},
+                           cowclip=large_batch_rule(
+                               cfg, global_batch or cfg.global_batch or cfg.batch_size))
 
 
 def is_sync(cfg):
@@ -93,6 +100,16 @@ class RunPlan:
         first = "worker 0" if r == 1 else f"workers 0-{r - 1}"
         share = f"{q} each" if not r else f"{q + 1} for {first}, {q} for the other {W - r}"
         return f"mpips: batch: --global-batch {cfg.global_batch} over {W} worker(s): {share}{rate}"
+
+    def rule_line(self):
+        """The start line of --large-batch (None when it is off): k and what follows."""
+        rule = large_batch_rule(self.cfg, self.global_batch)
+        if rule is None:
+            return None
+        lr = dense_lr(self.cfg, len(self.batches))
+        return (f"mpips: large batch: {self.cfg.large_batch} at k = {self.global_batch} / "
+                f"{self.cfg.large_batch_base} = {rule.k:g}: dense lr {lr:g} warmed up over "
+                f"{rule.warmup} dense steps, rows' lr {self.cfg.lr:g}, rows' L2 {rule.l2:g}, rows clipped to count x max({rule.r:g} |row|, {rule.zeta:g})")
 
     def with_data(self):
         """This plan with its file lists (the embedded dataset made on first use: one rank
@@ -165,14 +182,15 @@ def _given_files(cfg):
 
 
 def make_trainer(cfg, model, ps, n_servers, log=None, replica=None, n_workers=1,
-                 dense_sync=None, client=False):
+                 dense_sync=None, client=False, global_batch=0):
     """The Trainer of ``cfg``'s run (GEO: a GeoTrainer of ``n_workers``' deltas) of ``model``
     against parameter store ``ps``, its ids planned over ``n_servers``; ``replica``: the
     dense weights it trains (GEO: none, it keeps its own).  ``client``: ``ps`` is the
     servers (a PSClient), so --overlap-pull and the servers' sync rule apply, and async and
     ssp send a step's push and the next step's pull as one message a server; in one process
-    (a LocalPS) they do not."""
-    settings = trainer_settings(cfg)
+    (a LocalPS) they do not.  ``global_batch``: the run's, for --large-batch's k (0:
+    --global-batch, else --batch-size)."""
+    settings = trainer_settings(cfg, global_batch)
 
     def plan_fn(ids):
         return plan_keys(ids, n_servers)

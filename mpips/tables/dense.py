@@ -6,6 +6,7 @@ Adam's beta powers are per table.
 """
 import numpy as np
 
+from mpips.kernels.optim import H_LR
 from mpips.tables.optim import OptimizerConfig, apply_rows, new_state, state_violation
 
 
@@ -50,6 +51,10 @@ class DenseTable:
     def push(self, grads, scale=1.0):
         """Apply the optimizer with ``grads * scale``; grads (n,)."""
         self.push_range(grads, scale, 0, self.size)
+
+    def scale_lr(self, factor):
+        """Steps from now on take the optimizer's lr x ``factor`` (a warm-up's ramp)."""
+        self._hyper[H_LR] = self.opt.lr * factor
 
     def push_range(self, grads, scale, lo, hi):
         """Apply the optimizer to values [lo, hi) only, with ``grads * scale``; grads

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpips.kernels.optim import H_SCALE, N_HYPER, adagrad_rows, adam_rows, sgd_rows
+from mpips.kernels.optim import H_LR, H_SCALE, N_HYPER, adagrad_rows, adam_rows, sgd_rows
 
 # name -> list of (state array name, per_element). per_element arrays are (R, dim)
 # float32, the others (R,) float32.
@@ -192,7 +192,8 @@ def apply_rows(opt, hyper, values, state, rows, grads, scale, lr_scale=None):
     Parameters
     ----------
     opt : OptimizerConfig
-    hyper : float64 (N_HYPER,)    scratch from ``opt.hyper()``; its scale slot is set here
+    hyper : float64 (N_HYPER,)    scratch from ``opt.hyper()``; its scale slot is set here,
+                                  its lr (``opt.lr``, or a warm-up's share of it) is used
     values : float32 (R, dim)
     state : dict name -> float32 array, as made by :func:`new_state`
     rows : int64 (n,)             unique row indices
@@ -205,6 +206,7 @@ def apply_rows(opt, hyper, values, state, rows, grads, scale, lr_scale=None):
         adam_rows(values, state['m'], state['v'], state['beta1_pow'], state['beta2_pow'],
                   rows, grads, hyper, lr_scale)
     elif opt.name == 'adagrad':
-        adagrad_rows(values, state['accum'], rows, grads, opt.lr, opt.epsilon, scale, lr_scale)
+        adagrad_rows(values, state['accum'], rows, grads, hyper[H_LR], opt.epsilon, scale,
+                     lr_scale)
     else:
-        sgd_rows(values, rows, grads, opt.lr, scale, lr_scale)
+        sgd_rows(values, rows, grads, hyper[H_LR], scale, lr_scale)

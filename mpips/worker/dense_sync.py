@@ -75,8 +75,11 @@ class DenseStep:
     steps with a large mean gradient cannot pull it down).  B_noise is the batch beyond
     which more examples per step buy little."""
 
+    warmup = 0          # --large-batch: the dense lr rises linearly over this many steps
+
     def __init__(self, table, lo=0, hi=None):
         self.table = table                      # DenseTable of all dense weights
+        self.applied = 0                        # steps applied (the warm-up's clock)
         self.lo, self.hi = lo, table.size if hi is None else hi
         self.total = np.zeros(self.hi - self.lo, np.float32)
         self.examples = 0
@@ -106,6 +109,9 @@ class DenseStep:
         """One optimizer step from the mean gradient; returns the step's examples."""
         if self.examples:
             self._count_noise()
+            if self.applied < self.warmup:      # step t = 1..N of a warm-up of N: lr x t / N
+                self.table.scale_lr((self.applied + 1) / self.warmup)
+            self.applied += 1
             self.table.push_range(self.total, 1.0 / self.examples, self.lo, self.hi)
         return self.examples
 

@@ -104,6 +104,18 @@ def clip_rows(grads, rows, counts, n, ratio, floor):
     return int(over.sum())
 
 
+def cowclip_rows(grads, rows, counts, n, rule):
+    """``--large-batch cowclip`` on a push's row gradients ``grads`` (u, dim), the gradient
+    of a loss averaged over ``n`` examples, in place: add the gradient of the L2 penalty
+    ``rule.l2 x |row|^2`` (2 l2 row; ``rows`` (u, dim) the values the gradient was computed
+    at), then clip each row so that its norm is at most ``counts x max(rule.r |row|,
+    rule.zeta)``, ``counts`` (u,) its occurrences in the batch (CowClip's column-wise clip,
+    on the batch's mean loss as its authors' code takes it).  Returns the rows clipped."""
+    if rule.l2:
+        grads += np.float32(2.0 * rule.l2) * rows
+    return clip_rows(grads, rows, counts, n, rule.r * n, rule.zeta / rule.r)
+
+
 class _Done:
     def wait(self):
         return self
@@ -151,7 +163,7 @@ class StepMath:
         self.progress = None       # mpips.job.progress.Progress of this phase (first worker) or None
         self.on_report = None      # callable(step, loss, auc) at each TRAIN line (TensorBoard)
         self._emb = self._grad_emb = None
-        self.clipped = [0, 0]      # --row-clip: rows clipped, rows pushed
+        self.clipped = [0, 0]      # --row-clip, --large-batch: rows clipped, rows pushed
 
     def settle(self):
         """Complete what a step left in flight (``LateTrainer``: the dense step applied one
@@ -171,9 +183,9 @@ class StepMath:
         return f"TIMES --> {who} {parts} wait_s: {self.ps.wait_s:.2f}"
 
     def clip_summary(self):
-        """{"row_clip_frac": the share of this trainer's pushed rows --row-clip clipped}, or
-        {} when it is off: for the epoch record."""
-        if self.cfg.row_clip <= 0:
+        """{"row_clip_frac": the share of this trainer's pushed rows --row-clip (or
+        --large-batch cowclip) clipped}, or {} when neither is on: for the epoch record."""
+        if self.cfg.row_clip <= 0 and getattr(self.cfg, "cowclip", None) is None:
             return {}
         return {"row_clip_frac": self.clipped[0] / max(self.clipped[1], 1)}
 
@@ -321,6 +333,8 @@ class Trainer(StepMath):
         self.replica, self.dense_sync = replica, dense_sync
         self.acc = (DenseStep(replica) if dense_sync is None else
                     DenseStep(replica, dense_sync.lo, dense_sync.hi))
+        if getattr(cfg, "cowclip", None) is not None:   # --large-batch: the dense warm-up
+            self.acc.warmup = cfg.cowclip.warmup
         self._empty = None
 
     # ---- one step's pieces
@@ -380,11 +394,14 @@ class Trainer(StepMath):
         return parts, n_here
 
     def clip(self, p, g, n):
-        """--row-clip on a part's row gradients g (averaged over n examples), counted."""
-        if self.cfg.row_clip > 0:
+        """--row-clip, or --large-batch cowclip's L2 and clip, on a part's row gradients g
+        (averaged over n examples), counted."""
+        rule = getattr(self.cfg, "cowclip", None)   # (a Config, in tests: none)
+        if self.cfg.row_clip > 0 or rule is not None:
             counts = np.bincount(p.plan.inverse, minlength=len(p.plan.keys))
-            self.clipped[0] += clip_rows(g, p.rows, counts, n, self.cfg.row_clip,
-                                         self.cfg.row_clip_floor)
+            self.clipped[0] += (cowclip_rows(g, p.rows, counts, n, rule) if rule is not None
+                                else clip_rows(g, p.rows, counts, n, self.cfg.row_clip,
+                                               self.cfg.row_clip_floor))
             self.clipped[1] += len(g)
 
     def _push(self, parts, examples, step, ahead=()):
