@@ -6,11 +6,16 @@
     python bench/bench_workers.py --data /tmp/cl1m --rule "old=--stale-lr none" --real 4,8
     python bench/bench_workers.py --replot bench/out/bench_workers.json [--data DIR]
     python bench/bench_workers.py --data /tmp/cl1m --seeds 0,1,2 --sync 2,4,8 --sim 16,32,64
+    python bench/bench_workers.py --data /tmp/cl1m --rule "G4096=--global-batch 4096" \
+        --local-flags "--batch-size 4096" --real 2,4,8 --sync 8 --sim 16,32,64
 
 Every run: one epoch, Adam lr 1e-3, batch 512 per worker (the train defaults), on
 DATA/train, tested on DATA/test.  ``local`` is ``--local`` (one process, batch 512): the
-yardstick every other run is compared with.  For each rule (``--rule NAME=FLAGS``, repeatable;
-default: one rule ``default`` with no flags) and each W:
+yardstick every other run is compared with (``--local-flags FLAGS``: its own flags, e.g.
+``--batch-size 4096`` against rules at ``--global-batch 4096``; part of its record's
+identity, and the differences are taken against the ``local`` of these flags).  For each
+rule (``--rule NAME=FLAGS``, repeatable; default: one rule ``default`` with no flags) and
+each W:
 - ``async`` (``--real``): ``mpiexec -n 2+W python -m mpips.train --servers 2`` (mode async);
 - ``sync`` (``--sync``): ``--local --local-workers W``, which equals 2 x W sync bit for bit
   (docs/studies/scaling-with-w.md), in one process;
@@ -18,7 +23,8 @@ default: one rule ``default`` with no flags) and each W:
 ``--seeds 0,1,2`` repeats every run (``local`` included) with ``--seed s`` (the initial
 weights): on some shapes the seed alone moves a run by more than the differences measured
 (docs/studies/scaling-with-w.md), so each run is compared with ``local`` of its own seed and the table and
-plot give the mean over seeds (the plot's bars: the lowest and highest seed).
+plot give the mean over seeds (the table also their sd; the plot's bars: the lowest and
+highest seed).
 Each record: AUC, logloss, mean prediction and their differences to ``local``; the servers'
 staleness summary for real runs and the simulator's.  Records go to bench/out/bench_workers.json
 (``--json``), each as soon as it is measured (a stopped bench keeps them; two benches may
@@ -90,10 +96,10 @@ def seed_of(r):
     return r.get("seed", 0)
 
 
-def differences(records):
+def differences(records, local_flags=""):
     """{(rule, kind, W): [(seed, dAUC, dlogloss, record)]}: each run minus ``local`` of
-    its own seed (runs without one are left out)."""
-    base = {seed_of(r): r for r in records if r["kind"] == "local"}
+    its own seed run with ``local_flags`` (runs without one are left out)."""
+    base = {seed_of(r): r for r in records if r["kind"] == "local" and r["flags"] == local_flags}
     out = {}
     for r in records:
         if r["kind"] != "local" and seed_of(r) in base:
@@ -104,11 +110,11 @@ def differences(records):
     return {k: sorted(v, key=lambda x: x[0]) for k, v in out.items()}
 
 
-def plot(records, path):
+def plot(records, path, local_flags=""):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    diffs = differences(records)
+    diffs = differences(records, local_flags)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for (rule, kind) in sorted({(k[0], k[1]) for k in diffs}):
         ws = sorted(k[2] for k in diffs if k[:2] == (rule, kind))
@@ -127,8 +133,8 @@ def plot(records, path):
             ax.axhline(b, color="grey", lw=0.6, ls=":")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("workers W")
-        ax.set_ylabel(f"test {key} - --local" + (f" (mean of seeds {seeds})"
-                                                 if len(seeds) > 1 else ""))
+        ax.set_ylabel(f"test {key} - --local {local_flags}".rstrip()
+                      + (f" (mean of seeds {seeds})" if len(seeds) > 1 else ""))
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     data = sorted({Path(r["data"]).name for r in records if r.get("data")})
@@ -139,17 +145,19 @@ def plot(records, path):
     print(f"plot: {path}")
 
 
-def table(records):
-    print(f"{'rule':12s} {'kind':6s} {'W':>3s} {'seeds':>6s} {'dAUC':>8s} {'dLL':>8s}  "
-          f"per seed: dAUC / dLL, AUC, stale p50/p90/max")
-    for (rule, kind, W), ds in sorted(differences(records).items()):
+def table(records, local_flags=""):
+    print(f"{'rule':12s} {'kind':6s} {'W':>3s} {'seeds':>6s} {'dAUC':>8s} {'sd':>7s} {'dLL':>8s} "
+          f"{'sd':>7s}  per seed: dAUC / dLL, AUC, stale p50/p90/max")
+    for (rule, kind, W), ds in sorted(differences(records, local_flags).items()):
         per = []
         for seed, da, dl, r in ds:
             st = r.get("push_staleness") or {}
             s = f" {st.get('p50', '')}/{st.get('p90', '')}/{st.get('max', '')}" if st else ""
             per.append(f"s{seed} {da:+.4f}/{dl:+.4f} {r['test_auc']:.4f}{s}")
+        sd = [f"{statistics.stdev(d[i] for d in ds):.4f}" if len(ds) > 1 else "" for i in (1, 2)]
         print(f"{rule:12s} {kind:6s} {W:3d} {len(ds):6d} {statistics.mean(d[1] for d in ds):+.4f} "
-              f"{statistics.mean(d[2] for d in ds):+.4f}  " + "; ".join(per))
+              f"{sd[0]:>7s} {statistics.mean(d[2] for d in ds):+.4f} {sd[1]:>7s}  "
+              + "; ".join(per))
 
 
 def main(argv=None):
@@ -160,6 +168,8 @@ def main(argv=None):
     ap.add_argument("--sim", default="", help="W list of --simulate-workers W runs")
     ap.add_argument("--rule", action="append", default=[],
                     help="NAME=FLAGS (repeatable): a rule's flags, added to every run")
+    ap.add_argument("--local-flags", default="",
+                    help="the yardstick's (plain --local run's) flags, e.g. '--batch-size 4096'")
     ap.add_argument("--json", default=str(ROOT / "bench/out/bench_workers.json"))
     ap.add_argument("--force", action="store_true", help="rerun runs already in --json")
     ap.add_argument("--plot", default=str(ROOT / "docs/studies/workers.png"))
@@ -171,9 +181,9 @@ def main(argv=None):
     if a.replot:
         records = [r for r in json.loads(Path(a.replot).read_text())["records"]
                    if not a.data or r.get("data") == a.data]
-        table(records)
+        table(records, a.local_flags)
         if a.plot:                          # --plot "": no plot (not a file named .png)
-            plot(records, a.plot)
+            plot(records, a.plot, a.local_flags)
         return
     if not a.data:
         ap.error("--data DIR is needed (or --replot)")
@@ -186,7 +196,7 @@ def main(argv=None):
     log_dir.mkdir(exist_ok=True)
     todo = []
     for seed in (int(x) for x in a.seeds.split(",")):
-        todo.append(("", "local", 1, "", seed))
+        todo.append(("", "local", 1, a.local_flags, seed))
         for name, flags in rules.items():
             for kind, ws in (("async", a.real), ("sync", a.sync), ("sim", a.sim)):
                 todo += [(name, kind, int(w), flags, seed) for w in ws.split(",") if w]
@@ -197,9 +207,9 @@ def main(argv=None):
             print(json.dumps(rec), flush=True)
             save_record(path, rec)
     mine = [r for r in json.loads(path.read_text())["records"] if r.get("data") == a.data]
-    table(mine)
+    table(mine, a.local_flags)
     if a.plot:
-        plot(mine, a.plot)
+        plot(mine, a.plot, a.local_flags)
 
 
 if __name__ == "__main__":
