@@ -182,10 +182,13 @@ class _Conn:
         self.buf, self.sent_at = b"", None
 
 
-def load(port, reqs, mode, rate, concurrency, seconds, max_requests):
+def load(port, reqs, mode, rate, concurrency, seconds, max_requests, spin=False):
     """Send requests for ``seconds`` (open loop at ``rate``/s or closed loop), bounded by
     ``max_requests`` and a hard deadline (30 s more: what is scheduled by the end is still
     sent and waited for until then); return (latencies s, failures, requests, wall).
+    ``spin``: poll the sockets without sleeping (the generator takes a core), so that the
+    generator's own wake-up, which on a VM can cost more than the server's whole answer
+    (``--floor``), is not counted as the server's latency.
     A failure: an answer other than 200, a connection closed, or no answer by the hard
     deadline (requests still scheduled or in flight then)."""
     conns = [_Conn(port) for _ in range(concurrency)]
@@ -235,6 +238,7 @@ def load(port, reqs, mode, rate, concurrency, seconds, max_requests):
         elif len(idle) == len(conns) and not backlog:
             break
         wait = max(0.0, min(next_t - now, 0.05)) if mode == "open" and now < end else 0.05
+        wait = 0.0 if spin else wait
         for key, _ in sel.select(wait):
             c = key.data
             try:
@@ -283,6 +287,32 @@ def summary(lat, fails, issued, wall, batch):
 
 
 # ---------------------------------------------------------------------- server
+def floor_server():
+    """``--floor-server``: mpips' HTTP layer (``HttpServer``) answering every request with
+    a constant score: the generator, loopback and HTTP floor under the server's figures."""
+    import asyncio
+    from mpips.serving.http import HttpServer, Response
+    body = json.dumps({"predictions": [0.5], "model_version": "floor"}).encode()
+
+    async def serve():
+        srv = HttpServer(lambda req: Response(200, body), "127.0.0.1", 0)
+        await srv.start()
+        print(f"floor ready http://127.0.0.1:{srv.port}", flush=True)
+        await asyncio.Event().wait()              # until terminated
+    asyncio.run(serve())
+
+
+def start_floor():
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--floor-server"],
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    line = proc.stdout.readline()
+    if "ready" not in line:
+        proc.kill()
+        raise RuntimeError("floor server did not start")
+    return proc, int(line.split("127.0.0.1:")[1].split()[0])
+
+
 def start(folder, processes, name):
     env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
                OPENBLAS_NUM_THREADS="1", PYTHONPATH=ROOT)
@@ -387,8 +417,19 @@ def main(argv=None):
     ap.add_argument("--patch-seconds", type=float, default=30, help="0: no patch run")
     ap.add_argument("--patch-processes", type=int, default=1, help="server processes of the "
                     "patch run (default 1)")
+    ap.add_argument("--clients", default="spin,select", help="open-loop generators, comma "
+                    "list: spin (polls its sockets, takes a core: latency without its own "
+                    "wake-up) and select (sleeps between answers); the patch run uses the first")
+    ap.add_argument("--floor", type=int, default=1, help="1: first the open loop against the "
+                    "HTTP layer alone (a constant answer): the floor of the latency figures")
+    ap.add_argument("--floor-server", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help="write the results as JSON")
     a = ap.parse_args(argv)
+    if a.floor_server:
+        return floor_server()
+    clients = [c for c in a.clients.split(",") if c]
+    if not clients or set(clients) - {"spin", "select"}:
+        ap.error(f"--clients: spin and/or select; got {a.clients!r}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # stop the server on the way out
     tmp = tempfile.mkdtemp(prefix="bench_serve_")
     res = {"shape": a.shape, "rows": a.rows, "runs": [], "in_process": {}}
@@ -406,6 +447,21 @@ def main(argv=None):
             print(f"in-process batch {b}: predict_arrays {arr:,.0f} inst/s ({arr_cpu:,.0f} per "
                   f"CPU-second), predict_lines {lin:,.0f} inst/s ({lin_cpu:,.0f} per CPU-second)",
                   flush=True)
+        if a.floor:
+            proc, port = start_floor()
+            try:
+                reqs = bodies(lines, insts, 1, protos[0], "ctr")
+                for client in clients:
+                    out = load(port, reqs, "open", a.rate, 32, a.seconds, a.max_requests,
+                               spin=client == "spin")
+                    r = summary(*out, 1)
+                    r.update(processes=0, protocol="floor", batch=1, mode="open", rate=a.rate,
+                             client=client)
+                    res["runs"].append(r)
+                    print(json.dumps(r), flush=True)
+            finally:
+                proc.terminate()
+                proc.wait(60)
         for procs in [int(x) for x in a.processes.split(",") if x]:
             proc, port = start(folder, procs, "ctr")
             try:
@@ -414,15 +470,17 @@ def main(argv=None):
                 for proto in protos:
                     for b in batches:
                         reqs = bodies(lines, insts, b, proto, "ctr")
-                        runs = [("closed", None)] + ([("open", a.rate)] if b == 1 else [])
-                        for mode, rate in runs:
+                        runs = [("closed", None, "select")] + \
+                            ([("open", a.rate, c) for c in clients] if b == 1 else [])
+                        for mode, rate, client in runs:
                             c0 = cpu_seconds(proc.pid)
                             out = load(port, reqs, mode, rate or 0, a.concurrency if
-                                       mode == "closed" else 32, a.seconds, a.max_requests)
+                                       mode == "closed" else 32, a.seconds, a.max_requests,
+                                       spin=client == "spin")
                             cpu = cpu_seconds(proc.pid) - c0
                             r = summary(*out, b)
                             r.update(processes=procs, protocol=proto, batch=b, mode=mode,
-                                     rate=rate, server_cpu_us_per_request=round(
+                                     rate=rate, client=client, server_cpu_us_per_request=round(
                                          cpu / max(1, len(out[0])) * 1e6))
                             res["runs"].append(r)
                             print(json.dumps(r), flush=True)
@@ -446,14 +504,15 @@ def main(argv=None):
                     if mode == "open+patches":
                         t.start()
                     c0 = cpu_seconds(proc.pid)
-                    out = load(port, reqs, "open", a.rate, 32, a.patch_seconds, a.max_requests)
+                    out = load(port, reqs, "open", a.rate, 32, a.patch_seconds, a.max_requests,
+                               spin=clients[0] == "spin")
                     cpu = cpu_seconds(proc.pid) - c0
                     r = summary(*out, 1)
                     stop.set()
                     if mode == "open+patches":
                         t.join()
                     r.update(processes=a.patch_processes, protocol=protos[0], batch=1,
-                             mode=mode, rate=a.rate, patches=count.value,
+                             mode=mode, rate=a.rate, client=clients[0], patches=count.value,
                              server_cpu_us_per_request=round(cpu / max(1, len(out[0])) * 1e6))
                     res["runs"].append(r)
                     print(json.dumps(r), flush=True)
