@@ -3,12 +3,12 @@
 ``Live`` holds ONE reference to a :class:`Serving` (the model, the predictors that parse its
 lines and the encoder of its instances, all built before it is published).  A request
 reads ``live.current`` once and uses that object to the end, so it is scored and labelled
-by one version.  Following a folder, a background thread polls the index
+by one version.  Following a folder, ``check()`` (called by the serving master,
+``mpips.serving.shared.Pool``, in a thread of its own) polls the index
 (``EXPORTS.json``: its size and mtime, so an unchanged folder costs one ``stat``), builds
 the next model aside with ``exports.catch_up`` (patches into a new overlay, every file
 CRC-checked against the index), scores one row with it so its kernels and workspace are
-warm, and then hands it to ``publish``, which swaps the reference (in the event loop's
-thread: no request is between its two halves).  A file that is missing, truncated,
+warm, and returns it to be published: the reference is swapped between two requests.  A file that is missing, truncated,
 corrupt or of another schema is refused with one log line; the version being served
 stays, the server stays ready, and the next change of the index is tried again (a
 broken chain of patches is left behind at the next full bundle).
@@ -18,7 +18,6 @@ shared memory before it is published; ``share(model, source_time)`` is that step
 (identity by default).
 """
 import os
-import threading
 import time
 
 import numpy as np
@@ -82,8 +81,6 @@ class Live:
         self.on_reload = on_reload or (lambda ok, seconds, serving: None)
         self.refused = 0
         self.current = None
-        self._stop = threading.Event()
-        self._thread = None
         self._seen = None
         if model is None and bundle is not None:
             model = Predictor(bundle).model
@@ -130,25 +127,3 @@ class Live:
         new = Serving(self.share(model, when), self.header, when).warm()
         self.on_reload(True, time.perf_counter() - t0, new)
         return new
-
-    def follow(self, publish, poll=0.25):
-        """Poll in a background thread; ``publish(new)`` must set ``self.current = new``."""
-        def run():
-            while not self._stop.wait(poll):
-                try:
-                    new = self.check()
-                except Exception as e:  # noqa: BLE001 - a reload bug must not stop serving
-                    self.log(f"mpips.serve: reload failed ({type(e).__name__}: {e}); still "
-                             f"serving {self.current.version}")
-                    continue
-                if new is not None:
-                    publish(new)
-                    self.log(f"mpips.serve: now serving {new.version} ({len(new.model)} rows, "
-                             f"freshness lag {self.freshness_lag():.1f} s)")
-        self._thread = threading.Thread(target=run, name="mpips-follow", daemon=True)
-        self._thread.start()
-
-    def stop(self):
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)

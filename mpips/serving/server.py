@@ -1,28 +1,22 @@
 """The server process of ``python -m mpips.serve``: model, protocols, HTTP, reload, signals.
 
 ``run(args)`` loads the model (``Live``), starts the HTTP server (``HttpServer`` over
-``Api``), prints the ready line, follows the export folder when asked, and on
-SIGTERM/SIGINT stops accepting, finishes the requests begun and returns 0.  A new
-version found by the follower is published in the event loop's thread (warmed there
-first, so the first request on it pays nothing), between two requests.  With
-``--processes N`` the process is the master of N forked server processes
-(``shared.Pool``): each runs ``_serve`` on the inherited socket and takes the versions the
-master sends.
+``Api``), prints the ready line, and on SIGTERM/SIGINT stops accepting, finishes the
+requests begun and returns 0.  Following an export folder (``--follow``), and with
+``--processes N`` for N > 1, the process is the master of N forked server processes
+(``shared.Pool``): the master reads and builds every new version (at a low priority, in
+a process of its own, so a reload takes no time from a request, not even the GIL) and
+sends it to each process, which swaps to it between two requests.  A single process
+serves a fixed ``--bundle`` alone.
 """
 import asyncio
 import gc
 import signal
-import sys
-import threading
 
 from mpips.serving import shared
 from mpips.serving.api import Api, Metrics
 from mpips.serving.http import HttpServer
-from mpips.serving.live import Live, warm
-
-# The event loop waits at most this long for the GIL while the follower thread holds it
-# (reading a patch, building the next version): Python's default is 5 ms.
-SWITCH_SECONDS = 0.0005
+from mpips.serving.live import Live
 
 
 def ready_line(args, port, serving, processes):
@@ -47,20 +41,6 @@ async def _serve(args, live, child, log):
         loop.add_signal_handler(sig, stop.set)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})  # (forked)
 
-    def publish(new):
-        """Swap to ``new`` in the loop's thread; return once it is the current one."""
-        done = threading.Event()
-
-        def swap():
-            warm(new.model)                   # this thread's workspace, before the swap
-            live.current = new
-            metrics.show(new)
-            done.set()
-        loop.call_soon_threadsafe(swap)
-        while not done.wait(0.5):
-            if loop.is_closed():
-                return
-
     if child is not None:
         def on_message():                     # a version (or a reload record) of the master
             new, reload = child.receive(live, args.header)
@@ -75,25 +55,21 @@ async def _serve(args, live, child, log):
         loop.add_reader(child.conn.fileno(), on_message)
         child.said_ready()
     else:
-        if live.folder is not None:
-            live.follow(publish, args.poll_seconds)
         log(ready_line(args, srv.port, live.current, 1))
     await stop.wait()
     await srv.stop()
     if child is not None:
         loop.remove_reader(child.conn.fileno())
-    live.stop()
     return 0
 
 
 def run(args, log=None):
     log = log or (lambda s: print(s, flush=True))
-    if args.processes > 1:
+    if args.processes > 1 or args.follow:
         return shared.Pool(args, log).run(
             lambda child, live: asyncio.run(_serve(args, live, child, log)),
             lambda port, serving: ready_line(args, port, serving, args.processes))
-    live = Live(args.bundle, args.follow, args.header, log)
+    live = Live(args.bundle, None, args.header, log)
     gc.collect()
     gc.freeze()            # what is loaded stays out of the collector's full passes (latency)
-    sys.setswitchinterval(SWITCH_SECONDS)
     return asyncio.run(_serve(args, live, None, log))
