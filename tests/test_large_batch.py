@@ -15,6 +15,7 @@ from mpips.config import parse_args, parse_large_batch
 from mpips.data.reader import Batch
 from mpips.job.build import dense_lr, large_batch_rule, make_tables
 from mpips.job.plan import trainer_settings
+from mpips.job.tracking import identity
 from mpips.tables.ownership import plan_keys
 from mpips.worker.local import LocalPS
 from mpips.worker.trainer import Trainer, cowclip_rows
@@ -151,3 +152,5 @@ def test_the_flag_its_forms_and_the_runs_it_refuses():
     assert dense_lr(cfg, 8) == pytest.approx(1e-3 * 2)
     assert large_batch_rule(cfg, 8 * 2048).l2 == pytest.approx(4e-5)
     assert large_batch_rule(parse_args([]), 4096) is None
+    assert (identity(cfg)["large_batch"], identity(cfg)["large_batch_base"]) == ("cowclip", 4096)
+    assert "large_batch" not in identity(parse_args([]))       # every record names the rule
