@@ -109,7 +109,8 @@ class RunPlan:
         lr = dense_lr(self.cfg, len(self.batches))
         return (f"mpips: large batch: {self.cfg.large_batch} at k = {self.global_batch} / "
                 f"{self.cfg.large_batch_base} = {rule.k:g}: dense lr {lr:g} warmed up over "
-                f"{rule.warmup} dense steps, rows' lr {self.cfg.lr:g}, rows' L2 {rule.l2:g}, rows clipped to count x max({rule.r:g} |row|, {rule.zeta:g})")
+                f"{rule.warmup} dense steps, rows' lr {self.cfg.lr:g}, rows' L2 {rule.l2:g}, "
+                f"rows clipped to count x max({rule.r:g} |row|, {rule.zeta:g})")
 
     def with_data(self):
         """This plan with its file lists (the embedded dataset made on first use: one rank
