@@ -139,13 +139,14 @@ def plot(records, path, local_flags=""):
             ax.axhline(b, color="grey", lw=0.6, ls=":")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("workers W")
-        ax.set_ylabel(f"test {key} - --local {local_flags}".rstrip()
-                      + (f" (mean of seeds {seeds})" if len(seeds) > 1 else ""))
+        ax.set_ylabel(f"test {key} - --local" + (f" (mean of seeds {seeds})"
+                                                 if len(seeds) > 1 else ""))
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     data = sorted({Path(r["data"]).name for r in records if r.get("data")})
     fig.suptitle(f"quality against workers on {', '.join(data)} (real 2 x W async, sync = "
-                 "--local-workers W = 2 x W sync, sim = --simulate-workers W)", fontsize=9)
+                 "--local-workers W = 2 x W sync, sim = --simulate-workers W)"
+                 + (f"; against --local {local_flags}" if local_flags else ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"plot: {path}")
