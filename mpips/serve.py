@@ -68,7 +68,8 @@ def main(argv=None):
     if bad:
         print(f"mpips.serve: error: {bad}", file=sys.stderr)
         return 2
-    if args.processes > 1:          # one BLAS/OpenMP thread a process (before numpy loads)
+    if args.processes > 1 or args.follow:   # forked processes (mpips.serving.shared): one
+        # BLAS/OpenMP thread each, set before numpy loads (no BLAS thread pool across a fork)
         for k in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             os.environ.setdefault(k, "1")
     try:
