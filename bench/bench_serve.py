@@ -41,6 +41,7 @@ import argparse  # noqa: E402
 import collections  # noqa: E402
 import json  # noqa: E402
 import multiprocessing  # noqa: E402
+import queue  # noqa: E402
 import selectors  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
@@ -302,33 +303,46 @@ def floor_server():
     asyncio.run(serve())
 
 
+def _ready(proc, what, timeout=300):
+    """(proc, port) once ``proc`` prints its ready line (``... http://127.0.0.1:PORT ...``),
+    within ``timeout`` s, however quiet it is; else kill it and raise.  A thread reads all
+    of its output (so it never blocks on a full pipe) and hands the lines over."""
+    lines = queue.Queue()
+
+    def read():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put("")                                   # it ended
+    threading.Thread(target=read, daemon=True).start()
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, end - time.monotonic()))
+        except queue.Empty:
+            break
+        if not line:
+            break
+        if "ready" in line:
+            return proc, int(line.split("127.0.0.1:")[1].split()[0])
+    proc.kill()
+    proc.wait()
+    raise RuntimeError(f"{what} did not start within {timeout} s")
+
+
 def start_floor():
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--floor-server"],
-                            stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                            env=dict(os.environ, PYTHONPATH=ROOT))
-    line = proc.stdout.readline()
-    if "ready" not in line:
-        proc.kill()
-        raise RuntimeError("floor server did not start")
-    return proc, int(line.split("127.0.0.1:")[1].split()[0])
+    return _ready(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--floor-server"],
+                                   stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                                   env=dict(os.environ, PYTHONPATH=ROOT)), "floor server", 60)
 
 
 def start(folder, processes, name):
     env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
                OPENBLAS_NUM_THREADS="1", PYTHONPATH=ROOT)
-    proc = subprocess.Popen([sys.executable, "-m", "mpips.serve", "--follow", folder, "--port",
-                             "0", "--processes", str(processes), "--name", name,
-                             "--poll-seconds", "0.1", "--max-instances", "100000"],
-                            stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-    end = time.monotonic() + 300
-    for line in proc.stdout:
-        if "ready" in line:
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-            return proc, int(line.split("127.0.0.1:")[1].split()[0])
-        if time.monotonic() > end:
-            break
-    proc.kill()
-    raise RuntimeError("server did not start")
+    return _ready(subprocess.Popen([sys.executable, "-m", "mpips.serve", "--follow", folder,
+                                    "--port", "0", "--processes", str(processes), "--name",
+                                    name, "--poll-seconds", "0.1", "--max-instances", "100000"],
+                                   stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT),
+                  "server")
 
 
 def tree(root_pid):
