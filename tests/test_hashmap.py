@@ -159,3 +159,28 @@ def test_tiny_calls(n):
     t.pull(keys, out, create=True)
     t.push(keys, np.ones((n, 3), np.float32))
     assert len(t) == n
+
+
+def test_prefetching_paths_on_flat_arrays_match_a_dict():
+    """Calls longer than the kernels' prefetch distance (pages.AHEAD) on plain arrays:
+    the prefetch of a slot, a key and a 2-D row must change nothing (flat-array paths
+    of ``prefetch``; the paged ones run in every table test)."""
+    from mpips.kernels.pages import AHEAD
+    rng = np.random.default_rng(3)
+    n = 40 * AHEAD
+    keys = rng.integers(I64_MIN, I64_MAX, n, dtype=np.int64, endpoint=True)
+    slots, row_keys = np.full(4 * n, -1, np.int32), np.empty(n, np.int64)
+    rows = np.full(n, -1, np.int64)
+    assert insert_missing(slots, row_keys, 0, keys, rows) == len(set(keys.tolist()))
+    ref = {}
+    for k in keys.tolist():
+        ref.setdefault(k, len(ref))
+    probe = np.concatenate([keys[::-1], rng.integers(0, 1 << 20, n)])
+    got = np.empty(probe.shape[0], np.int64)
+    lookup_rows(slots, row_keys, probe, got)
+    assert got.tolist() == [ref.get(k, -1) for k in probe.tolist()]
+    values = rng.standard_normal((n, 5)).astype(np.float32)
+    out = np.empty((probe.shape[0], 5), np.float32)
+    read_rows(values, got, out)
+    expect = np.where(got[:, None] >= 0, values[np.maximum(got, 0)], 0)
+    assert np.array_equal(out, expect)

@@ -17,7 +17,7 @@ no tombstones.
 import numpy as np
 from numba import njit
 
-from mpips.kernels.pages import at, put, row
+from mpips.kernels.pages import AHEAD, at, prefetch, put, row
 
 # splitmix64 constants (Steele, Lea & Flood 2014; Vigna's reference implementation).
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -74,7 +74,16 @@ def lookup_rows(slots, row_keys, keys, rows_out):
     """
     mask = np.uint64(slots.shape[0] - 1)
     found = 0
-    for i in range(keys.shape[0]):
+    n = keys.shape[0]
+    for i in range(n):
+        # two stages ahead: the home slot of key i + 2 AHEAD, then the key record its
+        # slot names for key i + AHEAD (in cache by then), so misses overlap
+        if i + 2 * AHEAD < n:
+            prefetch(slots, _home_slot(keys[i + 2 * AHEAD], mask))
+        if i + AHEAD < n:
+            ahead = slots[_home_slot(keys[i + AHEAD], mask)]
+            if ahead >= 0:
+                prefetch(row_keys, ahead)
         key = keys[i]
         s = _home_slot(key, mask)
         r = np.int64(-1)
@@ -200,7 +209,10 @@ def read_rows(values, rows, out):
     None
     """
     dim = out.shape[1]
-    for i in range(rows.shape[0]):
+    n = rows.shape[0]
+    for i in range(n):
+        if i + AHEAD < n and rows[i + AHEAD] >= 0:
+            prefetch(values, rows[i + AHEAD])
         r = rows[i]
         if r < 0:
             for j in range(dim):

@@ -16,6 +16,10 @@ changes in the results: no divisor here can be zero (``eps > 0``), and vector la
 same IEEE operations as the scalar loop (no reassociation, no fused multiply-add: numba
 compiles without fast-math), which tests/test_optim.py checks bit for bit.
 
+Each kernel prefetches the record of the row ``AHEAD`` rows on (:func:`mpips.kernels.pages.prefetch`):
+a push names rows of a big table in random order, and without the hint each row's cache
+misses come one after the other (lazy Adam on 50k random rows of 1.17M: 200 -> 60 ns a row).
+
 ``lr_scale`` (float32 (n,), optional) multiplies the learning rate of each pushed row
 (``lr * lr_scale[i]`` in float64; the staleness rules of :mod:`mpips.tables.staleness`);
 without it (None) the kernels compute exactly what they computed before it existed.
@@ -40,7 +44,7 @@ Formulas (g = grad * scale), matching PaddlePaddle's operators:
 import numpy as np
 from numba import njit
 
-from mpips.kernels.pages import at, put, row
+from mpips.kernels.pages import AHEAD, at, prefetch, put, row
 
 # Layout of the ``hyper`` array taken by :func:`adam_rows`.
 H_LR, H_BETA1, H_BETA2, H_EPS, H_SCALE = 0, 1, 2, 3, 4
@@ -64,7 +68,10 @@ def sgd_rows(values, rows, grads, lr, scale, lr_scale=None):
     None
     """
     step = lr * scale
-    for i in range(rows.shape[0]):
+    n = rows.shape[0]
+    for i in range(n):
+        if i + AHEAD < n:           # the record of a row further on (module doc)
+            prefetch(values, rows[i + AHEAD])
         w = row(values, rows[i])
         st = step
         if lr_scale is not None:
@@ -90,7 +97,10 @@ def adagrad_rows(values, accum, rows, grads, lr, eps, scale, lr_scale=None):
     -------
     None
     """
-    for i in range(rows.shape[0]):
+    n = rows.shape[0]
+    for i in range(n):
+        if i + AHEAD < n:           # the record of a row further on (module doc)
+            prefetch(values, rows[i + AHEAD])
         r = rows[i]
         w, acc = row(values, r), row(accum, r)
         lr_i = lr
@@ -125,7 +135,10 @@ def adam_rows(values, m, v, b1pow, b2pow, rows, grads, hyper, lr_scale=None):
     beta2 = np.float32(hyper[H_BETA2])    # float64 on the 200k-wide dense row
     scale = np.float32(hyper[H_SCALE])
     one = np.float32(1.0)
-    for i in range(rows.shape[0]):
+    n = rows.shape[0]
+    for i in range(n):
+        if i + AHEAD < n:           # the record of a row further on (module doc)
+            prefetch(values, rows[i + AHEAD])
         r = rows[i]
         b1p = np.float64(at(b1pow, r))
         b2p = np.float64(at(b2pow, r))
@@ -161,7 +174,10 @@ def add_rows(values, rows, deltas):
     -------
     None
     """
-    for i in range(rows.shape[0]):
+    n = rows.shape[0]
+    for i in range(n):
+        if i + AHEAD < n:           # the record of a row further on (module doc)
+            prefetch(values, rows[i + AHEAD])
         w = row(values, rows[i])
         for j in range(w.shape[0]):
             w[j] += deltas[i, j]

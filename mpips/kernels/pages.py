@@ -17,7 +17,8 @@ proto)``:
 * ``proto``  empty 1-D array of the field's dtype (carries the dtype only)
 
 and read it through ``row(col, r)`` (the row as a 1-D array view), ``at(col, r)`` and
-``put(col, r, x)`` (element ``r`` of a scalar field). The same three work on plain numpy
+``put(col, r, x)`` (element ``r`` of a scalar field); ``prefetch(col, r)`` asks the CPU to
+bring row ``r``'s record into the cache (a hint: it changes no value). The same three work on plain numpy
 arrays (``col[r]``), so every kernel written with them takes flat arrays (tests, the
 dense table) or paged columns alike, compiled once for each. Row ``r`` lives at
 ``ptrs[r >> shift] + (r & (2**shift - 1)) * stride``: one small array load on top of
@@ -29,7 +30,9 @@ OS at once (malloc keeps freed chunks of this size in its heap).
 import mmap
 
 import numpy as np
+from llvmlite import binding as _llvm, ir as _ir
 from numba import carray, njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 HUGE = 2 << 20             # huge page size (x86-64)
@@ -43,6 +46,48 @@ def _address_ptr(typingctx, address, proto):
     def codegen(context, builder, sig, args):
         return builder.inttoptr(args[0], context.get_value_type(ptr_t))
     return ptr_t(types.int64, proto), codegen
+
+
+# llvm.prefetch's name: mangled by its pointer type, opaque ("p0") from LLVM 17 on
+_PREFETCH = "llvm.prefetch.p0" if _llvm.llvm_version_info[0] >= 17 else "llvm.prefetch.p0i8"
+LINE = 64                  # cache line bytes (x86-64)
+PREFETCH_BYTES = 256       # of a row at most (the hardware prefetcher streams the rest)
+# Rows ahead a kernel prefetches when it visits rows in a given, random order (a server's
+# pull and push over a big table): without it each row's cache misses are taken one after
+# the other.  2-core AMD EPYC (Zen 4), 1.17M rows of Adam dim 9, 50k random rows a call:
+# lazy Adam 200 -> 60 ns a row, the hash probe 92 -> 55 (4-8 rows ahead alike, 16 worse).
+AHEAD = 8
+
+
+@intrinsic
+def _prefetch_line(typingctx, address):
+    """llvm.prefetch of the cache line at ``address`` (int64), for writing, kept in every
+    cache level: a hint, no fault on any address."""
+    def codegen(context, builder, sig, args):
+        i8p, i32 = _ir.IntType(8).as_pointer(), _ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, _ir.FunctionType(_ir.VoidType(), [i8p, i32, i32, i32]), _PREFETCH)
+        builder.call(fn, [builder.inttoptr(args[0], i8p), i32(1), i32(3), i32(1)])
+        return context.get_dummy_value()
+    return types.void(types.int64), codegen
+
+
+@intrinsic
+def _element_address(typingctx, arr, idx):
+    """Address (int64) of ``arr[idx]``, the first element of row ``idx`` (no bounds check:
+    only ever prefetched)."""
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        index = [args[1]] + [context.get_constant(types.intp, 0)] * (aryty.ndim - 1)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, index, wraparound=False)
+        return builder.ptrtoint(ptr, _ir.IntType(64))
+    return types.int64(arr, types.intp), codegen
+
+
+def prefetch(col, r):
+    """Prefetch row ``r`` of a column: the lines of its record (numba only)."""
+    raise NotImplementedError('numba-only accessor')
 
 
 def row(col, r):
@@ -80,6 +125,31 @@ def _ov_at(col, r):
     def impl(col, r):
         ptrs, shift, _, stride, proto = col
         return _address_ptr(ptrs[r >> shift] + (r & ((1 << shift) - 1)) * stride, proto)[0]
+    return impl
+
+
+@overload(prefetch, inline='always')
+def _ov_prefetch(col, r):
+    if isinstance(col, types.Array):
+        itemsize = col.dtype.bitwidth // 8
+        if col.ndim == 1:
+            return lambda col, r: _prefetch_line(_element_address(col, r))
+
+        def flat(col, r):           # a row of a 2-D array: its first PREFETCH_BYTES
+            a = _element_address(col, r)
+            n = min(itemsize * col.shape[1], PREFETCH_BYTES)
+            for off in range(0, n, LINE):
+                _prefetch_line(a + off)
+            _prefetch_line(a + n - 1)
+        return flat
+
+    def impl(col, r):   # the record from this field on (a record's first field: all of it)
+        ptrs, shift, _, stride, _ = col
+        a = ptrs[r >> shift] + (r & ((1 << shift) - 1)) * stride
+        n = min(stride, PREFETCH_BYTES)
+        for off in range(0, n, LINE):
+            _prefetch_line(a + off)
+        _prefetch_line(a + n - 1)
     return impl
 
 
