@@ -116,6 +116,16 @@ def differences(records, local_flags=""):
     return {k: sorted(v, key=lambda x: x[0]) for k, v in out.items()}
 
 
+def y_range(values, lo, hi, grow, pad=0.002):
+    """The y-range of a plot of differences to ``local``: [lo, hi] widened to hold every
+    value (plus ``pad``) on the side ``grow`` ("up" for AUC, "down" for logloss), where runs
+    beat one process; the other bound stays, so diverged runs (AUC 0.5-0.57) fall off the
+    chart rather than squash the rest."""
+    if grow == "up":
+        return lo, max([hi] + [v + pad for v in values])
+    return min([lo] + [v - pad for v in values]), hi
+
+
 def plot(records, path, local_flags=""):
     import matplotlib
     matplotlib.use("Agg")
@@ -130,8 +140,8 @@ def plot(records, path, local_flags=""):
             ys = [statistics.mean(v) for v in vals]
             err = [[y - min(v) for y, v in zip(ys, vals)], [max(v) - y for y, v in zip(ys, vals)]]
             ax.errorbar(ws, ys, yerr=err, fmt=style, capsize=3, label=f"{rule} {kind}")
-    axes[0].set_ylim(-0.05, 0.01)         # diverged runs (AUC 0.5-0.57) fall off the chart
-    axes[1].set_ylim(-0.01, 0.05)
+    for ax, i, lo, hi, grow in ((axes[0], 1, -0.05, 0.01, "up"), (axes[1], 2, -0.01, 0.05, "down")):
+        ax.set_ylim(*y_range([d[i] for ds in diffs.values() for d in ds], lo, hi, grow))
     seeds = sorted({seed_of(r) for r in records})
     for ax, key, bar in zip(axes, ("AUC", "logloss"), (0.003, 0.003)):
         ax.axhline(0, color="k", lw=0.8)
@@ -150,6 +160,7 @@ def plot(records, path, local_flags=""):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"plot: {path}")
+    return [ax.get_ylim() for ax in axes]
 
 
 def table(records, local_flags=""):
