@@ -55,8 +55,9 @@ KEYS = ("test_auc", "test_logloss", "test_mean_pred", "test_ctr", "examples_per_
         "push_staleness", "row_clip_frac")
 
 
-def run_one(data, kind, W, flags, log_dir, seed=0):
-    """One training run; returns its epoch record (the keys above) and wall seconds."""
+def run_one(data, kind, W, flags, log_dir, seed=0, rule=""):
+    """One training run; returns its epoch record (the keys above) and wall seconds (its
+    output: LOG_DIR/DATA-RULE-KIND-W-sSEED.log)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "m.jsonl"
         args = [sys.executable, "-m", "mpips.train", "--train", f"{data}/train",
@@ -72,7 +73,7 @@ def run_one(data, kind, W, flags, log_dir, seed=0):
             cmd = args + ["--local"]
         cmd += shlex.split(flags) + ["--seed", str(seed)]
         t0 = time.time()
-        log_path = log_dir / f"{Path(data).name}-{kind}-{W}-s{seed}.log"
+        log_path = log_dir / f"{Path(data).name}-{rule or 'local'}-{kind}-{W}-s{seed}.log"
         with open(log_path, "w") as log:
             rc = subprocess.run(cmd, env={**os.environ, **ENV}, cwd=ROOT, stdout=log,
                                 stderr=subprocess.STDOUT).returncode
@@ -221,7 +222,7 @@ def main(argv=None):
     for name, kind, W, flags, seed in todo:
         if (name, kind, W, flags, seed) not in have or a.force:
             rec = {"rule": name, "kind": kind, "W": W, "flags": flags, "data": a.data,
-                   "seed": seed, **run_one(a.data, kind, W, flags, log_dir, seed)}
+                   "seed": seed, **run_one(a.data, kind, W, flags, log_dir, seed, name)}
             print(json.dumps(rec), flush=True)
             save_record(path, rec)
     mine = [r for r in json.loads(path.read_text())["records"] if r.get("data") == a.data]
