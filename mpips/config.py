@@ -156,6 +156,13 @@ class Config:
                                    "one (its rows then miss this step's pushes; measured "
                                    "worse at 2-8 workers, docs/modes.md) instead of after "
                                    "the push")
+    pull_after: str = _f("auto", "async, 2+ workers: push = the next batch's pull goes in this "
+                                 "batch's push (one message a server a step; its rows miss "
+                                 "the pushes of workers that push after it); exchange = the "
+                                 "push goes before the dense exchange and the pull after it, "
+                                 "so the rows hold every worker's push of the step (two "
+                                 "messages); auto = push up to 3 workers, exchange from 4 "
+                                 "(docs/modes.md)", choices=("push", "exchange", "auto"))
     dense_lag: int = _f(0, "async, 2+ workers: 1 = each step's dense gradients are applied "
                            "one step late, so that a step waits for the other workers once "
                            "instead of twice (docs/modes.md); 0 = the step after they are "
@@ -333,6 +340,12 @@ class Config:
             raise ValueError("--lr, --peer-timeout and --pipe-timeout must be positive")
         if self.overlap_pull and self.mode != "async":
             raise ValueError(f"--overlap-pull is for --mode async; got --mode {self.mode}")
+        if self.pull_after == "exchange" and (self.mode != "async" or self.overlap_pull
+                                              or self.dense_lag):
+            raise ValueError(f"--pull-after {self.pull_after} is for --mode async without "
+                             f"--overlap-pull or --dense-lag; got --mode {self.mode}"
+                             f"{' --overlap-pull' if self.overlap_pull else ''}"
+                             f"{' --dense-lag 1' if self.dense_lag else ''}")
         if self.dense_lag and (self.mode != "async" or self.overlap_pull):
             raise ValueError(f"--dense-lag 1 is for --mode async without --overlap-pull; got "
                              f"--mode {self.mode}{' --overlap-pull' if self.overlap_pull else ''}")

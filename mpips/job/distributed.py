@@ -24,7 +24,7 @@ from mpips.tables.ownership import dense_bounds
 from mpips.job.progress import make_progress
 from mpips.comm.protocol import Op
 from mpips.job.report import log_line, model_note, noise_fields, peak_rss_mb, write_metrics
-from mpips.job.plan import make_trainer
+from mpips.job.plan import make_trainer, pull_after
 from mpips.job.resume import resume_line
 from mpips.job.loop import admission_of, inner_table, run_epochs, tidy
 from mpips.server.loop import Server
@@ -76,8 +76,9 @@ def run_distributed(plan, comm):
                  f"workers, mode {cfg.mode}, {model.n_params} dense parameters"
                  f"{model_note(model)}")
         log_line(plan.batch_line())
-        if plan.rule_line():
-            log_line(plan.rule_line())
+        for line in (plan.rule_line(), plan.pull_line()):
+            if line:
+                log_line(line)
         log_line(schema.describe())
         for line, pid in zip(cluster.role_map(), pids):
             log_line(f"  {line} pid {pid}")
@@ -166,6 +167,7 @@ class DistBackend:
         self.schema, self.hooks = plan.schema, plan.hooks
         self.wcomm, self.wi, self.W = wcomm, wi, W
         self.batches = plan.batches                 # every worker's: --global-batch or -size
+        self.pull_after = pull_after(cfg, W) if plan.pull_line() else None
         self.is_logger = wi == 0
         self.lineage = ck.Lineage(cfg.save_dir, loaded) if cfg.save_dir and wi == 0 else None
         self.warned = False         # told the user this worker has no files
@@ -231,6 +233,8 @@ class DistBackend:
                  "bytes_sent_per_example": round(sums[2] / max(sums[0], 1), 1),
                  "messages_sent": int(sums[3]),
                  "worker_examples": [int(x) for x in sums[5:]]}
+        if self.pull_after:                        # async: where the next rows were pulled
+            extra["pull_after"] = self.pull_after
         acc = getattr(self.trainer, "acc", None)  # GEO: none
         noise = np.zeros((0, 2)) if acc is None else acc.noise()   # my shard's share
         if len(noise):                  # (every worker counted the same steps: same shape)

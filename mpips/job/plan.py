@@ -58,6 +58,22 @@ def trainer_settings(cfg, global_batch=0) -> TrainerSettings:
                                cfg, global_batch or cfg.global_batch or cfg.batch_size))
 
 
+PULL_EXCHANGE_W = 4     # --pull-after auto: the pull after the dense exchange from 4 workers
+
+
+def pull_after(cfg, workers):
+    """When an async worker pulls the next step's rows: "exchange" (after the dense
+    exchange, so they hold every worker's push of the step) or "push" (in the message of its
+    own push).  ``--pull-after auto``: push up to 3 workers, exchange from PULL_EXCHANGE_W:
+    at G = 4096 the pull in the push lost 0.0017 AUC at 4 and 8 workers and 0.0005 at 2, the
+    pull after the exchange 0.0005 at 4 and 8 (docs/studies/scaling-with-w.md).  Only async
+    with 2+ workers and neither --overlap-pull nor --dense-lag has the choice ("push")."""
+    if (cfg.mode != "async" or workers < 2 or cfg.overlap_pull or cfg.dense_lag
+            or cfg.pull_after == "push"):
+        return "push"
+    return "exchange" if cfg.pull_after == "exchange" or workers >= PULL_EXCHANGE_W else "push"
+
+
 def is_sync(cfg):
     """Do the servers apply steps BSP (sync mode, or ssp with staleness 0)?"""
     return cfg.mode == "sync" or (cfg.mode == "ssp" and cfg.staleness == 0)
@@ -111,6 +127,20 @@ class RunPlan:
                 f"{self.cfg.large_batch_base} = {rule.k:g}: dense lr {lr:g} warmed up over "
                 f"{rule.warmup} dense steps, rows' lr {self.cfg.lr:g}, rows' L2 {rule.l2:g}, "
                 f"rows clipped to count x max({rule.r:g} |row|, {rule.zeta:g})")
+
+    def pull_line(self):
+        """The start line of an async job's pull order (None when there is no choice)."""
+        cfg, W = self.cfg, self.workers
+        if cfg.mode != "async" or W < 2 or cfg.overlap_pull or cfg.dense_lag:
+            return None
+        order = pull_after(cfg, W)
+        why = (f"--pull-after auto at {W} workers" if cfg.pull_after == "auto"
+               else f"--pull-after {cfg.pull_after}")
+        what = ("after the dense exchange: the rows hold every worker's push of the step, "
+                "two messages a server a step" if order == "exchange" else
+                "in the push's message: one a server a step, the rows miss the pushes that "
+                "arrive after it")
+        return f"mpips: async pull: {what} ({why})"
 
     def with_data(self):
         """This plan with its file lists (the embedded dataset made on first use: one rank
@@ -201,6 +231,9 @@ def make_trainer(cfg, model, ps, n_servers, log=None, replica=None, n_workers=1,
     overlap = client and cfg.mode == "async" and cfg.overlap_pull
     sync = client and is_sync(cfg)
     late = client and cfg.dense_lag and dense_sync is not None   # --dense-lag 1: async
+    pull_late = (client and dense_sync is not None
+                 and pull_after(cfg, n_workers) == "exchange")
     return (LateTrainer if late else Trainer)(
         settings, model, ps, plan_fn, log=log, replica=replica, overlap=overlap,
-        dense_sync=dense_sync, sync=sync, coalesce=client and not (overlap or sync))
+        dense_sync=dense_sync, sync=sync, coalesce=client and not (overlap or sync or pull_late),
+        pull_late=pull_late)

@@ -315,19 +315,24 @@ class Trainer(StepMath):
     table itself); dense_sync: a DenseAllgather among the workers, or None in one process
     (or with one worker); overlap: async --overlap-pull (pull t+1 before computing t);
     sync: the servers apply steps BSP (sync mode, ssp with staleness 0); coalesce: async
-    and ssp over MPI, the pull of t+1 goes in the push of t's message (``ps.push_pull``).
+    and ssp over MPI, the pull of t+1 goes in the push of t's message (``ps.push_pull``);
+    pull_late: async with workers (``--pull-after exchange``), the push of t goes out before
+    the dense exchange starts and the pull of t+1 once it ends, so that pull reads every
+    worker's push of t (the exchange waits for all of them) at a second message a server.
     """
 
     def __init__(self, cfg, model, ps, plan_fn, log=None, overlap=False, replica=None,
-                 dense_sync=None, sync=False, coalesce=False):
+                 dense_sync=None, sync=False, coalesce=False, pull_late=False):
         if replica is None:
             raise ValueError("Trainer needs the dense weights it trains: pass replica= (a "
                              "DenseTable of all of them; in one process ps.dense)")
         super().__init__(cfg, model, ps, plan_fn, replica.values, log)
-        if coalesce and (overlap or sync):
-            raise ValueError("Trainer: coalesce is the pull after the push of async and ssp; "
-                             "not with overlap or sync")
-        self.overlap, self.sync = overlap, sync
+        if (coalesce or pull_late) and (overlap or sync or (coalesce and pull_late)):
+            raise ValueError("Trainer: coalesce and pull_late are two orders of async and ssp's "
+                             "pull after the push; one at most, not with overlap or sync")
+        if pull_late and dense_sync is None:
+            raise ValueError("Trainer: pull_late waits for the dense exchange: workers only")
+        self.overlap, self.sync, self.pull_late = overlap, sync, pull_late
         self.coalesce = coalesce        # async/ssp over MPI: step t's push and step t+1's
                                         # pull in one message a server (ps.push_pull)
         self.replica, self.dense_sync = replica, dense_sync
@@ -444,8 +449,10 @@ class Trainer(StepMath):
         summed = self.sync and not push_rules.apart(self.cfg.sync_sparse_lr)
         push = _Done()
         with tm("send"):
+            if self.pull_late:                     # out before the exchange can end
+                push = self._push(parts, n_here, step)
             sync_d.start(self.grad_dense, n_here, more, step, self._stop_asked())
-            if not summed:                         # rows averaged over this worker
+            if not (summed or self.pull_late):     # rows averaged over this worker
                 push = self._push(parts, n_here, step, ahead)
         with tm("dense_wait"):
             more = sync_d.finish(self.acc)
@@ -478,6 +485,9 @@ class Trainer(StepMath):
             ahead = self.coalesce and len(parts) == 1 and len(nxt) == 1
             if ahead:                              # the next rows come with the push
                 h = push
+            elif self.pull_late and more:          # every worker's push of this step sent
+                h = self._pull_group(nxt, step + 1, more)
+            ahead = ahead or self.pull_late
             if sync_d is not None:
                 every += acc.examples
             with tm("dense_opt"):
