@@ -3,6 +3,11 @@ counts less): build from empty, then pull(create=True) and push of 5k unique exi
 a call (dim 10, Adam).
 
     python bench/bench_table.py --rows 5000000
+    python bench/bench_table.py --rows 1170000 --dim 9 --keys 50000 --order random --calls 40
+
+``--order random`` names a call's rows in random order, as a server's requests do (a
+worker sends its ids sorted, and rows are numbered in order of first sight); ``rows``
+(the default, the figures before it existed) in row order.
     PYTHONPATH=/tmp/old python bench/bench_table.py --rows 5000000 --no-repo   # another tree
 
 ``--no-repo`` imports ``mpips`` from PYTHONPATH instead of this checkout (to compare with an
@@ -25,6 +30,10 @@ def main():
     ap.add_argument("--rows", type=int, default=5_000_000)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--no-repo", action="store_true", help="use mpips from PYTHONPATH")
+    ap.add_argument("--dim", type=int, default=10)
+    ap.add_argument("--keys", type=int, default=5000, help="ids a call (unique)")
+    ap.add_argument("--order", choices=("rows", "random"), default="rows",
+                    help="a call's ids in row order (default) or shuffled")
     a = ap.parse_args()
     if not a.no_repo:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,22 +44,27 @@ def main():
         from mpips.tables.optim import OptimizerConfig
         from mpips.tables.sparse import SparseTable
 
+    dim, nk = a.dim, a.keys
+
     def table():
-        return SparseTable(10, OptimizerConfig("adam", lr=1e-3), seed=0)
-    warm, buf = table(), np.empty((5000, 10), np.float32)
-    warm.pull(np.arange(5000), buf, create=True)          # compile outside the timing
-    warm.push(np.arange(5000), buf)
+        return SparseTable(dim, OptimizerConfig("adam", lr=1e-3), seed=0)
+    warm, buf = table(), np.empty((max(nk, 5000), dim), np.float32)
+    warm.pull(np.arange(5000), buf[:5000], create=True)          # compile outside the timing
+    warm.push(np.arange(5000), buf[:5000])
     rng = np.random.default_rng(1)
     t, chunk = table(), 1 << 20
-    out = np.empty((chunk, 10), np.float32)
+    out = np.empty((chunk, dim), np.float32)
     t0 = time.process_time()
     while len(t) < a.rows:
         ids = rng.integers(1, 2**63 - 1, size=min(chunk, a.rows - len(t)), dtype=np.int64)
         t.pull(ids, out[:len(ids)], create=True)
     build = time.process_time() - t0
-    calls = [t.export_rows(np.unique(rng.integers(0, a.rows, 5000)))["keys"]
+    calls = [t.export_rows(np.unique(rng.integers(0, a.rows, nk)))["keys"]
              for _ in range(a.calls)]
-    grads = np.full((5000, 10), 1e-3, np.float32)
+    if a.order == "random":
+        for k in calls:
+            rng.shuffle(k)
+    grads = np.full((max(nk, 5000), dim), 1e-3, np.float32)
     t0 = time.process_time()
     for k in calls:
         t.pull(k, buf[:len(k)], create=True)
@@ -60,7 +74,7 @@ def main():
         t.push(k, grads[:len(k)])
     push = time.process_time() - t0
     n = sum(len(k) for k in calls)
-    print(json.dumps({"rows": a.rows, "build_ns_row": round(build / a.rows * 1e9, 1),
+    print(json.dumps({"rows": a.rows, "dim": dim, "keys": nk, "order": a.order, "build_ns_row": round(build / a.rows * 1e9, 1),
                       "pull_ns_key": round(pull / n * 1e9, 1),
                       "push_ns_key": round(push / n * 1e9, 1),
                       "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
