@@ -60,13 +60,13 @@ def local_backend(plan):
     """The one-process LocalBackend of a RunPlan (its Trainer, LocalPS and tables), loaded
     from the checkpoint to resume when there is one: what ``--local`` trains with."""
     cfg, model, W = plan.cfg, plan.model, plan.width   # one dense step averages W batches
-    sparse, dense = make_tables(cfg, model, dense_batches=W)
+    sparse, dense = make_tables(cfg, model, dense_batches=W, cowclip=plan.cowclip)
     tracker = None                  # simulated async pushes: counted as async servers do
     if cfg.simulate_workers and cfg.sim_sparse == "async":
         tracker = StalenessTracker(sparse, max_pulls=cfg.sim_delay + 1)
     ps = LocalPS(sparse, dense, tracker, stale_rule(cfg.stale_lr, W))
     trainer = make_trainer(cfg, model, ps, 1, log=log_line, replica=ps.dense,
-                           global_batch=plan.global_batch)
+                           cowclip=plan.cowclip)
     if cfg.simulate_workers:
         log_line(f"mpips local: simulating {W} workers ({cfg.sim_sparse} sparse pushes, "
                  f"rows read {cfg.sim_delay} step(s) early)")

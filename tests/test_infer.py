@@ -13,6 +13,7 @@ from mpips import checkpoint as ck
 from mpips import infer
 from mpips.serving.bundle import Snapshot
 from mpips.job.build import make_model, make_reader, make_tables
+from mpips.job.plan import trainer_settings
 from mpips.config import Config
 from mpips.tables.ownership import plan_keys
 from mpips.serving.model import ServingModel
@@ -45,7 +46,8 @@ def trained(data, tmp_path_factory):
                  lr=0.01, print_every=4, prefetch=False)
     model = make_model(cfg)
     ps = LocalPS(*make_tables(cfg, model))
-    trainer = Trainer(cfg, model, ps, lambda ids: plan_keys(ids, 1), replica=ps.dense)
+    trainer = Trainer(trainer_settings(cfg), model, ps, lambda ids: plan_keys(ids, 1),
+                      replica=ps.dense)
     root = str(tmp_path_factory.mktemp("infer_ckpt"))
     results = []
     for mode, steps in (("base", 0), ("delta", 5)):

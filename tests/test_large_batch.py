@@ -14,7 +14,7 @@ import pytest
 from mpips.config import parse_args, parse_large_batch
 from mpips.data.reader import Batch
 from mpips.job.build import dense_lr, large_batch_rule, make_tables
-from mpips.job.plan import trainer_settings
+from mpips.job.plan import make_plan, trainer_settings
 from mpips.job.tracking import identity
 from mpips.tables.ownership import plan_keys
 from mpips.worker.local import LocalPS
@@ -50,6 +50,7 @@ def test_cowclip_rows_against_a_loop_over_ids():
                                         "--large-batch-base", "4", "--global-batch", "8",
                                         "--local"]), 8)
     assert (rule.k, rule.l2, rule.r, rule.zeta) == (2.0, pytest.approx(0.2), 2.0, 0.05)
+    assert rule.dense_scale == math.sqrt(2.0)
     g = grad_sum / np.float32(n)
     clipped = cowclip_rows(g, rows, counts, n, rule)
     want = reference_rows(grad_sum, range(u), counts, dict(enumerate(rows)), n, 2.0, 0.05,
@@ -87,12 +88,14 @@ class Model:
 def test_a_local_epoch_under_the_rule_against_numpy():
     cfg = parse_args(["--local", "--optimizer", "sgd", "--lr", str(LR), "--global-batch",
                       str(G), "--large-batch", RULE, "--large-batch-base", str(BASE)])
+    rule = make_plan(cfg).cowclip                 # resolved once, at the run's G
+    assert rule.k == G / BASE
     model = Model()
-    sparse, dense = make_tables(cfg, model)
+    sparse, dense = make_tables(cfg, model, cowclip=rule)
     assert dense.opt.lr == pytest.approx(LR * 2) and sparse.opt.lr == LR   # sqrt(k), 1
-    fresh, _ = make_tables(cfg, model)            # the same seed: the rows' first values
+    fresh, _ = make_tables(cfg, model, cowclip=rule)   # the same seed: the rows' first values
     ps = LocalPS(sparse, dense)
-    trainer = Trainer(trainer_settings(cfg, G), model, ps, lambda ids: plan_keys(ids, 1),
+    trainer = Trainer(trainer_settings(cfg, rule), model, ps, lambda ids: plan_keys(ids, 1),
                       replica=ps.dense)
     rng = np.random.default_rng(0)
     batches = [Batch(dense=np.zeros((n, 1), np.float32),
@@ -145,12 +148,27 @@ def test_the_flag_its_forms_and_the_runs_it_refuses():
                        (["--large-batch-base", "0"], ">= 1")):
         with pytest.raises(ValueError, match=why):
             parse_args(["--large-batch", "cowclip"] + extra)
-    # k follows the global batch in force: --global-batch, or W x --batch-size
-    cfg = parse_args(["--large-batch", "cowclip", "--global-batch", "32768"])
-    assert dense_lr(cfg, 8) == pytest.approx(1e-3 * math.sqrt(8))
-    cfg = parse_args(["--large-batch", "cowclip", "--batch-size", "2048"])
-    assert dense_lr(cfg, 8) == pytest.approx(1e-3 * 2)
-    assert large_batch_rule(cfg, 8 * 2048).l2 == pytest.approx(4e-5)
+    # the plan resolves k once from the global batch in force: --global-batch, or W x
+    # --batch-size; the dense rate, the start line and the trainer read its rule
+    plan = make_plan(parse_args(["--local", "--fc", "8", "--local-workers", "8",
+                                 "--large-batch", "cowclip", "--global-batch", "32768"]))
+    assert plan.cowclip.k == 8 and dense_lr(plan.cfg, 8, plan.cowclip) == pytest.approx(
+        1e-3 * math.sqrt(8))
+    plan = make_plan(parse_args(["--local", "--fc", "8", "--local-workers", "8",
+                                 "--large-batch", "cowclip", "--batch-size", "2048"]))
+    assert plan.cowclip == large_batch_rule(plan.cfg, 8 * 2048)
+    assert dense_lr(plan.cfg, 8, plan.cowclip) == pytest.approx(1e-3 * 2)
+    assert plan.cowclip.l2 == pytest.approx(4e-5)
+    assert plan.rule_line() == (
+        "mpips: large batch: cowclip at k = 16384 / 4096 = 4: dense lr 0.002 warmed up over "
+        "20 dense steps, rows' lr 0.001, rows' L2 4e-05, rows clipped to count x max(1 |row|, "
+        "1e-05)")
+    assert trainer_settings(plan.cfg, plan.cowclip).cowclip is plan.cowclip
+    for unresolved in (lambda: dense_lr(plan.cfg, 8), lambda: trainer_settings(plan.cfg)):
+        with pytest.raises(ValueError, match="pass the rule the run's plan resolved"):
+            unresolved()
     assert large_batch_rule(parse_args([]), 4096) is None
+    assert make_plan(parse_args(["--local", "--fc", "8"])).cowclip is None
+    cfg = plan.cfg
     assert (identity(cfg)["large_batch"], identity(cfg)["large_batch_base"]) == ("cowclip", 4096)
     assert "large_batch" not in identity(parse_args([]))       # every record names the rule

@@ -179,6 +179,7 @@ def test_bag_sightings_are_occurrences_and_bad_offsets_fail(bags):
     """Admission counts of a CSR batch: one per occurrence of an id (a repeat inside a bag
     counts twice), as for one-hot batches; offsets that do not fit give one clear error."""
     from mpips.job.build import make_model, make_tables
+    from mpips.job.plan import trainer_settings
     from mpips.config import Config
     from mpips.data.reader import Batch
     from mpips.tables.ownership import plan_keys
@@ -188,7 +189,8 @@ def test_bag_sightings_are_occurrences_and_bad_offsets_fail(bags):
     schema = load_schema(bags[2])
     model = make_model(cfg, schema)
     ps = LocalPS(*make_tables(cfg, model))
-    tr = Trainer(cfg, model, ps, lambda ids: plan_keys(ids, 2), replica=ps.dense)
+    tr = Trainer(trainer_settings(cfg), model, ps, lambda ids: plan_keys(ids, 2),
+                 replica=ps.dense)
     ids = np.array([7, 7, 3, 9, 7, 3, 5], np.int64)         # 2 examples x 5 slots
     offsets = np.array([0, 2, 3, 3, 4, 4, 5, 5, 6, 7, 7], np.int64)
     b = Batch(np.zeros((2, 3), np.float32), ids, np.zeros(2, np.float32), offsets)

@@ -14,15 +14,22 @@ from mpips.schema import Schema
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _is_cfg(v):
+    return (isinstance(v, ast.Name) and v.id == "cfg") or (
+        isinstance(v, ast.Attribute) and v.attr == "cfg")
+
+
 def _cfg_reads(path):
-    """Attribute names read off ``cfg`` or ``self.cfg`` in a source file."""
+    """Attribute names read off ``cfg`` or ``self.cfg`` in a source file, as ``cfg.name``
+    or as ``getattr(cfg, "name", ...)`` (a default there would hide a missing field)."""
     out = set()
     for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
-        if isinstance(node, ast.Attribute):
-            v = node.value
-            if (isinstance(v, ast.Name) and v.id == "cfg") or (
-                    isinstance(v, ast.Attribute) and v.attr == "cfg"):
-                out.add(node.attr)
+        if isinstance(node, ast.Attribute) and _is_cfg(node.value):
+            out.add(node.attr)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id == "getattr" and node.args and _is_cfg(node.args[0])):
+            name = node.args[1] if len(node.args) > 1 else None
+            out.add(name.value if isinstance(name, ast.Constant) else "getattr(cfg, ?)")
     return out
 
 

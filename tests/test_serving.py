@@ -17,6 +17,7 @@ from mpips import export
 from mpips.serving import exports
 from mpips import infer
 from mpips.job.build import make_model, make_reader, make_tables
+from mpips.job.plan import trainer_settings
 from mpips.config import Config
 from mpips.tables.ownership import plan_keys
 from mpips.serving.model import ServingModel
@@ -48,7 +49,8 @@ def root(data, tmp_path_factory):
                  lr=0.01, print_every=1000, prefetch=False)
     model = make_model(cfg)
     ps = LocalPS(*make_tables(cfg, model))
-    trainer = Trainer(cfg, model, ps, lambda ids: plan_keys(ids, 1), replica=ps.dense)
+    trainer = Trainer(trainer_settings(cfg), model, ps, lambda ids: plan_keys(ids, 1),
+                      replica=ps.dense)
     out = str(tmp_path_factory.mktemp("serve_ckpt"))
     for mode, steps in (("base", 0), ("delta", 5), ("delta", 3)):
         trainer.train_epoch(make_reader(cfg, data[0], 128, quiet), 0, max_steps=steps)

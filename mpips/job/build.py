@@ -67,10 +67,12 @@ def make_reader(cfg, files, batch_size, warn, shuffle=None, norm=None, schema=No
 
 @dataclass(frozen=True)
 class CowClip:
-    """``--large-batch cowclip`` resolved for a run of global batch G: k = G / base, the
-    clip's ratio r and floor zeta, the rows' L2 (``l2`` x k) and the dense warm-up in dense
-    steps.  The dense rate (``--lr`` x sqrt(k)) is :func:`dense_lr`'s."""
+    """``--large-batch cowclip`` resolved for a run of global batch G (once, by the run's
+    plan: ``RunPlan.cowclip``): k = G / base, the dense lr's factor sqrt(k) (the rate is
+    :func:`dense_lr`'s), the clip's ratio r and floor zeta, the rows' L2 (``l2`` x k) and
+    the dense warm-up in dense steps."""
     k: float
+    dense_scale: float
     r: float
     zeta: float
     l2: float
@@ -79,15 +81,15 @@ class CowClip:
 
 def large_batch_rule(cfg, global_batch):
     """The CowClip of ``cfg``'s ``--large-batch`` at ``global_batch``, or None (off)."""
-    spec = parse_large_batch(getattr(cfg, "large_batch", "none"))
+    spec = parse_large_batch(cfg.large_batch)
     if spec is None:
         return None
     k = global_batch / cfg.large_batch_base
-    return CowClip(k=k, r=spec["r"], zeta=spec["zeta"], l2=spec["l2"] * k,
+    return CowClip(k=k, dense_scale=math.sqrt(k), r=spec["r"], zeta=spec["zeta"], l2=spec["l2"] * k,
                    warmup=spec["warmup"])
 
 
-def dense_lr(cfg, n_batches):
+def dense_lr(cfg, n_batches, cowclip=None):
     """The dense weights' learning rate: ``--lr`` x ``--dense-lr-scale``, or by
     ``--dense-lr-rule`` from W, the batches one dense step averages (W workers', or
     ``--local-workers W``; GEO: each worker's own, so 1): x W (linear), x sqrt(W) (sqrt), or
@@ -98,10 +100,12 @@ def dense_lr(cfg, n_batches):
     at any W, as one process's step of batch G does, so the rate is that process's,
     ``--lr`` (x 1): the dense steps of W workers at G match ``--local --batch-size G``.
     With ``--large-batch cowclip``: ``--lr`` x sqrt(G / --large-batch-base), G the global
-    batch (``--global-batch``, or W x ``--batch-size``)."""
-    rule = large_batch_rule(cfg, cfg.global_batch or n_batches * cfg.batch_size)
-    if rule is not None:
-        return cfg.lr * math.sqrt(rule.k)
+    batch: ``cowclip``, the run's rule as its plan resolved it (``RunPlan.cowclip``)."""
+    if cowclip is not None:
+        return cfg.lr * cowclip.dense_scale
+    if cfg.large_batch != "none":
+        raise ValueError("dense_lr: --large-batch is on: pass the rule the run's plan "
+                         "resolved (RunPlan.cowclip)")
     if cfg.dense_lr_scale:
         return cfg.lr * cfg.dense_lr_scale
     if cfg.mode == "geo" or n_batches <= 1 or cfg.global_batch:
@@ -112,15 +116,16 @@ def dense_lr(cfg, n_batches):
     return cfg.lr * (n_batches if rule == "linear" else math.sqrt(n_batches))
 
 
-def make_tables(cfg, model, lo=0, hi=None, dense_batches=1):
+def make_tables(cfg, model, lo=0, hi=None, dense_batches=1, cowclip=None):
     """The sparse table and the dense slice [lo:hi) of the initial parameters, its optimizer
-    at :func:`dense_lr` for a dense step over ``dense_batches`` batches."""
+    at :func:`dense_lr` for a dense step over ``dense_batches`` batches (``cowclip``: the
+    plan's --large-batch rule)."""
     opt = OptimizerConfig(name=cfg.optimizer, lr=cfg.lr, initial_accumulator=cfg.adagrad_init)
     sparse = SparseTable(model.row_dim, opt, seed=cfg.seed, init_range=cfg.init_range)
     if cfg.entry:
         sparse = AdmittedTable(sparse, cfg.entry, cfg.seed)
     dense = DenseTable(model.init_params(cfg.seed)[lo:hi].copy(),
-                       dataclasses.replace(opt, lr=dense_lr(cfg, dense_batches)))
+                       dataclasses.replace(opt, lr=dense_lr(cfg, dense_batches, cowclip)))
     return sparse, dense
 
 

@@ -105,7 +105,7 @@ def run_distributed(plan, comm):
 def serve(plan, cluster, bounds):
     cfg, model, path = plan.cfg, plan.model, plan.resume
     i, S = cluster.index, cluster.n_servers
-    sparse, dense = make_tables(cfg, model, bounds[i], bounds[i + 1])
+    sparse, dense = make_tables(cfg, model, bounds[i], bounds[i + 1], cowclip=plan.cowclip)
     if path:
         ck.load_shard_into(path, inner_table(sparse), dense, i, S, bounds, admission_of(sparse))
     server = Server(cluster.comm, cluster.worker_ranks, sparse, dense, cfg.mode, cfg.staleness,
@@ -135,12 +135,13 @@ def work(plan, cluster, bounds):
                       cfg.peer_timeout, label=f"worker {wi}")
     replica = dense_sync = None                  # GEO: the trainer keeps its own copy
     if cfg.mode != "geo":
-        replica = make_tables(cfg, model, dense_batches=W)[1]  # from the servers at first use
+        replica = make_tables(cfg, model, dense_batches=W,    # from the servers at first use
+                              cowclip=plan.cowclip)[1]
         dense_sync = DenseExchange(cluster.role_comm, model.n_params,
                                    client.timeout) if W > 1 else None
     trainer = make_trainer(cfg, model, client, S, log=log_line if wi == 0 else None,
                            replica=replica, n_workers=W, dense_sync=dense_sync, client=True,
-                           global_batch=plan.global_batch)
+                           cowclip=plan.cowclip)
     trainer.step_delay = plan.hooks.step_delay(wi)     # test and benchmark aids
     trainer.stretch = plan.hooks.stretch(wi)
     if plan.resume and wi == 0:

@@ -45,17 +45,18 @@ class TrainerSettings:
     stream: str                 # GEO: rounds end at --save-every points of batch runs
     save_dir: str
     save_steps: int
-    cowclip: CowClip = None     # --large-batch cowclip at the run's global batch, or None
+    cowclip: CowClip = None     # --large-batch cowclip as the plan resolved it, or None
 
 
-def trainer_settings(cfg, global_batch=0) -> TrainerSettings:
-    """The TrainerSettings of ``cfg`` for a run of ``global_batch`` examples a step (0:
-    ``--global-batch``, else ``--batch-size``)."""
+def trainer_settings(cfg, cowclip=None) -> TrainerSettings:
+    """The TrainerSettings of ``cfg``; ``cowclip``: its --large-batch rule as the run's plan
+    resolved it (``RunPlan.cowclip``; None: the rule is off)."""
+    if cowclip is None and cfg.large_batch != "none":
+        raise ValueError("trainer_settings: --large-batch is on: pass the rule the run's "
+                         "plan resolved (RunPlan.cowclip)")
     return TrainerSettings(**{f.name: getattr(cfg, f.name)
                               for f in dataclasses.fields(TrainerSettings)
-                              if f.name != "cowclip"},
-                           cowclip=large_batch_rule(
-                               cfg, global_batch or cfg.global_batch or cfg.batch_size))
+                              if f.name != "cowclip"}, cowclip=cowclip)
 
 
 PULL_EXCHANGE_W = 4     # --pull-after auto: the pull after the dense exchange from 4 workers
@@ -98,6 +99,8 @@ class RunPlan:
     train_files: list = None      # None until with_data (a stream: none)
     test_files: list = None
     hooks: Hooks = NONE
+    cowclip: CowClip = None       # --large-batch cowclip at the global batch, or None: the
+                                  # rule resolved once (large_batch_rule), read by all
 
     @property
     def global_batch(self):
@@ -108,7 +111,7 @@ class RunPlan:
         """The start line: which batch flag is in force, what each worker takes, and the
         dense learning rate that follows from it."""
         cfg, W = self.cfg, len(self.batches)
-        rate = f"; dense learning rate {dense_lr(cfg, W):g}"
+        rate = f"; dense learning rate {dense_lr(cfg, W, self.cowclip):g}"
         if not cfg.global_batch:
             return (f"mpips: batch: --batch-size {cfg.batch_size} a worker x {W} "
                     f"worker(s) = global batch {self.global_batch}{rate}")
@@ -119,10 +122,10 @@ class RunPlan:
 
     def rule_line(self):
         """The start line of --large-batch (None when it is off): k and what follows."""
-        rule = large_batch_rule(self.cfg, self.global_batch)
+        rule = self.cowclip
         if rule is None:
             return None
-        lr = dense_lr(self.cfg, len(self.batches))
+        lr = dense_lr(self.cfg, len(self.batches), rule)
         return (f"mpips: large batch: {self.cfg.large_batch} at k = {self.global_batch} / "
                 f"{self.cfg.large_batch_base} = {rule.k:g}: dense lr {lr:g} warmed up over "
                 f"{rule.warmup} dense steps, rows' lr {self.cfg.lr:g}, rows' L2 {rule.l2:g}, "
@@ -190,7 +193,8 @@ def make_plan(cfg, comm=None, hooks=NONE):
                    model=make_model(cfg, schema, hidden),
                    width=width, workers=workers, batches=batches, sync=is_sync(cfg),
                    resume=path, manifest=manifest, start=start, last_pass=last_pass,
-                   train_files=train, test_files=test, hooks=hooks)
+                   train_files=train, test_files=test, hooks=hooks,
+                   cowclip=large_batch_rule(cfg, sum(batches)))
 
 
 def split_batches(cfg, workers):
@@ -213,15 +217,14 @@ def _given_files(cfg):
 
 
 def make_trainer(cfg, model, ps, n_servers, log=None, replica=None, n_workers=1,
-                 dense_sync=None, client=False, global_batch=0):
+                 dense_sync=None, client=False, cowclip=None):
     """The Trainer of ``cfg``'s run (GEO: a GeoTrainer of ``n_workers``' deltas) of ``model``
     against parameter store ``ps``, its ids planned over ``n_servers``; ``replica``: the
     dense weights it trains (GEO: none, it keeps its own).  ``client``: ``ps`` is the
     servers (a PSClient), so --overlap-pull and the servers' sync rule apply, and async and
     ssp send a step's push and the next step's pull as one message a server; in one process
-    (a LocalPS) they do not.  ``global_batch``: the run's, for --large-batch's k (0:
-    --global-batch, else --batch-size)."""
-    settings = trainer_settings(cfg, global_batch)
+    (a LocalPS) they do not.  ``cowclip``: the run's --large-batch rule (``RunPlan.cowclip``)."""
+    settings = trainer_settings(cfg, cowclip)
 
     def plan_fn(ids):
         return plan_keys(ids, n_servers)

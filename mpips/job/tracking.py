@@ -54,7 +54,7 @@ def identity(cfg):
     out = dict(_RUN, model=cfg.model, mode=cfg.mode, lr=cfg.lr,
                **({"global_batch": G} if G else {"batch_size": cfg.batch_size}),
                schema_hash=schema_hash(make_schema(cfg)), mpips_version=version())
-    rule = getattr(cfg, "large_batch", "none")
+    rule = cfg.large_batch
     if rule != "none":                       # --large-batch: the rule and its base batch
         out.update(large_batch=rule, large_batch_base=cfg.large_batch_base)
     if cfg.resume and not cfg.stream:

@@ -120,12 +120,12 @@ def warm(plan, files=None, workers=1):
 def _mini_run(mini, plan, files):
     """WARM_STEPS steps of local training and an evaluation on `files`; the steps done."""
     model = make_model(mini, plan.schema, plan.hidden)
-    sparse, dense = make_tables(mini, model)
+    sparse, dense = make_tables(mini, model, cowclip=plan.cowclip)   # the run's rule's paths
     counted = counts_staleness(mini.mode, mini.staleness)
     ps = LocalPS(sparse, dense, StalenessTracker(sparse) if counted else None,  # as the
                  mini.stale_lr if counted else "none")                        # servers do
     trainer = make_trainer(mini, model, ps, 2,     # two owners: the grouping path too
-                           replica=ps.dense)
+                           replica=ps.dense, cowclip=plan.cowclip)
     reader = make_reader(mini, files, WARM_BATCH, lambda text: None, schema=plan.schema)
     try:
         steps = trainer.train_epoch(reader, 0, WARM_STEPS).steps

@@ -185,7 +185,7 @@ class StepMath:
     def clip_summary(self):
         """{"row_clip_frac": the share of this trainer's pushed rows --row-clip (or
         --large-batch cowclip) clipped}, or {} when neither is on: for the epoch record."""
-        if self.cfg.row_clip <= 0 and getattr(self.cfg, "cowclip", None) is None:
+        if self.cfg.row_clip <= 0 and self.cfg.cowclip is None:
             return {}
         return {"row_clip_frac": self.clipped[0] / max(self.clipped[1], 1)}
 
@@ -338,7 +338,7 @@ class Trainer(StepMath):
         self.replica, self.dense_sync = replica, dense_sync
         self.acc = (DenseStep(replica) if dense_sync is None else
                     DenseStep(replica, dense_sync.lo, dense_sync.hi))
-        if getattr(cfg, "cowclip", None) is not None:   # --large-batch: the dense warm-up
+        if cfg.cowclip is not None:                     # --large-batch: the dense warm-up
             self.acc.warmup = cfg.cowclip.warmup
         self._empty = None
 
@@ -401,7 +401,7 @@ class Trainer(StepMath):
     def clip(self, p, g, n):
         """--row-clip, or --large-batch cowclip's L2 and clip, on a part's row gradients g
         (averaged over n examples), counted."""
-        rule = getattr(self.cfg, "cowclip", None)   # (a Config, in tests: none)
+        rule = self.cfg.cowclip
         if self.cfg.row_clip > 0 or rule is not None:
             counts = np.bincount(p.plan.inverse, minlength=len(p.plan.keys))
             self.clipped[0] += (cowclip_rows(g, p.rows, counts, n, rule) if rule is not None
