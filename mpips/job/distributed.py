@@ -24,7 +24,7 @@ from mpips.tables.ownership import dense_bounds
 from mpips.job.progress import make_progress
 from mpips.comm.protocol import Op
 from mpips.job.report import log_line, model_note, noise_fields, peak_rss_mb, write_metrics
-from mpips.job.plan import make_trainer, pull_after
+from mpips.job.plan import make_trainer
 from mpips.job.resume import resume_line
 from mpips.job.loop import admission_of, inner_table, run_epochs, tidy
 from mpips.server.loop import Server
@@ -168,7 +168,7 @@ class DistBackend:
         self.schema, self.hooks = plan.schema, plan.hooks
         self.wcomm, self.wi, self.W = wcomm, wi, W
         self.batches = plan.batches                 # every worker's: --global-batch or -size
-        self.pull_after = pull_after(cfg, W) if plan.pull_line() else None
+        self.pull_after = plan.pull_order          # None: async with no choice, or not async
         self.is_logger = wi == 0
         self.lineage = ck.Lineage(cfg.save_dir, loaded) if cfg.save_dir and wi == 0 else None
         self.warned = False         # told the user this worker has no files

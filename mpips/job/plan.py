@@ -62,6 +62,12 @@ def trainer_settings(cfg, cowclip=None) -> TrainerSettings:
 PULL_EXCHANGE_W = 4     # --pull-after auto: the pull after the dense exchange from 4 workers
 
 
+def pull_choice(cfg, workers):
+    """Whether an async job's pull order is a choice: async, 2+ workers, neither
+    --overlap-pull nor --dense-lag (otherwise the pull goes in the push, or ahead of it)."""
+    return cfg.mode == "async" and workers >= 2 and not (cfg.overlap_pull or cfg.dense_lag)
+
+
 def pull_after(cfg, workers):
     """When an async worker pulls the next step's rows: "exchange" (after the dense
     exchange, so they hold every worker's push of the step) or "push" (in the message of its
@@ -69,8 +75,7 @@ def pull_after(cfg, workers):
     at G = 4096 the pull in the push lost 0.0017 AUC at 4 and 8 workers and 0.0005 at 2, the
     pull after the exchange 0.0005 at 4 and 8 (docs/studies/scaling-with-w.md).  Only async
     with 2+ workers and neither --overlap-pull nor --dense-lag has the choice ("push")."""
-    if (cfg.mode != "async" or workers < 2 or cfg.overlap_pull or cfg.dense_lag
-            or cfg.pull_after == "push"):
+    if not pull_choice(cfg, workers) or cfg.pull_after == "push":
         return "push"
     return "exchange" if cfg.pull_after == "exchange" or workers >= PULL_EXCHANGE_W else "push"
 
@@ -131,12 +136,17 @@ class RunPlan:
                 f"{rule.warmup} dense steps, rows' lr {self.cfg.lr:g}, rows' L2 {rule.l2:g}, "
                 f"rows clipped to count x max({rule.r:g} |row|, {rule.zeta:g})")
 
+    @property
+    def pull_order(self):
+        """The run's :func:`pull_after` ("push" or "exchange"), None when there is no choice."""
+        return pull_after(self.cfg, self.workers) if pull_choice(self.cfg, self.workers) \
+            else None
+
     def pull_line(self):
         """The start line of an async job's pull order (None when there is no choice)."""
-        cfg, W = self.cfg, self.workers
-        if cfg.mode != "async" or W < 2 or cfg.overlap_pull or cfg.dense_lag:
+        cfg, W, order = self.cfg, self.workers, self.pull_order
+        if order is None:
             return None
-        order = pull_after(cfg, W)
         why = (f"--pull-after auto at {W} workers" if cfg.pull_after == "auto"
                else f"--pull-after {cfg.pull_after}")
         what = ("after the dense exchange: the rows hold every worker's push of the step, "

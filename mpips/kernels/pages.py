@@ -18,8 +18,8 @@ proto)``:
 
 and read it through ``row(col, r)`` (the row as a 1-D array view), ``at(col, r)`` and
 ``put(col, r, x)`` (element ``r`` of a scalar field); ``prefetch(col, r)`` asks the CPU to
-bring row ``r``'s record into the cache (a hint: it changes no value). The same three work on plain numpy
-arrays (``col[r]``), so every kernel written with them takes flat arrays (tests, the
+bring row ``r``'s record into the cache (a hint: it changes no value). The four work on
+plain numpy arrays (``col[r]``), so every kernel written with them takes flat arrays (tests, the
 dense table) or paged columns alike, compiled once for each. Row ``r`` lives at
 ``ptrs[r >> shift] + (r & (2**shift - 1)) * stride``: one small array load on top of
 the flat case.
@@ -85,6 +85,21 @@ def _element_address(typingctx, arr, idx):
     return types.int64(arr, types.intp), codegen
 
 
+@njit(inline='always')
+def _address(col, r):
+    """Address (int64) of row ``r``'s field in a paged column."""
+    ptrs, shift, _, stride, _ = col
+    return ptrs[r >> shift] + (r & ((1 << shift) - 1)) * stride
+
+
+@njit(inline='always')
+def _prefetch_span(a, n):
+    """Prefetch every cache line of the ``n`` bytes from address ``a``."""
+    for off in range(0, n, LINE):
+        _prefetch_line(a + off)
+    _prefetch_line(a + n - 1)
+
+
 def prefetch(col, r):
     """Prefetch row ``r`` of a column: the lines of its record (numba only)."""
     raise NotImplementedError('numba-only accessor')
@@ -111,9 +126,7 @@ def _ov_row(col, r):
         return lambda col, r: col[r]
 
     def impl(col, r):
-        ptrs, shift, width, stride, proto = col
-        a = ptrs[r >> shift] + (r & ((1 << shift) - 1)) * stride
-        return carray(_address_ptr(a, proto), width)
+        return carray(_address_ptr(_address(col, r), col[4]), col[2])
     return impl
 
 
@@ -123,8 +136,7 @@ def _ov_at(col, r):
         return lambda col, r: col[r]
 
     def impl(col, r):
-        ptrs, shift, _, stride, proto = col
-        return _address_ptr(ptrs[r >> shift] + (r & ((1 << shift) - 1)) * stride, proto)[0]
+        return _address_ptr(_address(col, r), col[4])[0]
     return impl
 
 
@@ -136,20 +148,11 @@ def _ov_prefetch(col, r):
             return lambda col, r: _prefetch_line(_element_address(col, r))
 
         def flat(col, r):           # a row of a 2-D array: its first PREFETCH_BYTES
-            a = _element_address(col, r)
-            n = min(itemsize * col.shape[1], PREFETCH_BYTES)
-            for off in range(0, n, LINE):
-                _prefetch_line(a + off)
-            _prefetch_line(a + n - 1)
+            _prefetch_span(_element_address(col, r), min(itemsize * col.shape[1], PREFETCH_BYTES))
         return flat
 
     def impl(col, r):   # the record from this field on (a record's first field: all of it)
-        ptrs, shift, _, stride, _ = col
-        a = ptrs[r >> shift] + (r & ((1 << shift) - 1)) * stride
-        n = min(stride, PREFETCH_BYTES)
-        for off in range(0, n, LINE):
-            _prefetch_line(a + off)
-        _prefetch_line(a + n - 1)
+        _prefetch_span(_address(col, r), min(col[3], PREFETCH_BYTES))
     return impl
 
 
@@ -161,9 +164,7 @@ def _ov_put(col, r, x):
         return flat
 
     def impl(col, r, x):
-        ptrs, shift, _, stride, proto = col
-        p = _address_ptr(ptrs[r >> shift] + (r & ((1 << shift) - 1)) * stride, proto)
-        p[0] = x
+        _address_ptr(_address(col, r), col[4])[0] = x
     return impl
 
 
