@@ -31,6 +31,20 @@ def mpiexec_path():
     return str(local) if local.exists() else shutil.which("mpiexec")
 
 
+def jsonl_records(path):
+    """The records of a JSON-lines file another process may be appending to: whole lines only.
+
+    A record's one write() that crosses a page boundary becomes visible a page at a time, so a
+    reader polling a running job's --metrics-out can meet the first part of a line; that
+    line is not read until its newline is there."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    import json
+    return [json.loads(x) for x in path.read_text().splitlines(keepends=True)
+            if x.endswith("\n") and x.strip()]
+
+
 def run_cmd(args, timeout=240, n=None, env=None):
     """Run `python -m ...args` (under mpiexec -n n if n) and return CompletedProcess."""
     cmd = [sys.executable] + list(args)

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import MPI_ENV, ROOT, mpiexec_path, run_cmd
+from tests.conftest import MPI_ENV, ROOT, jsonl_records, mpiexec_path, run_cmd
 
 PEER_TIMEOUT = 4
 START_DEADLINE = 120        # s for the job to reach epoch 2
@@ -200,7 +200,7 @@ def test_stream_leaks_no_fds_threads_or_inflight_replies(tmp_path, ranks):
                                 env=dict(os.environ, **MPI_ENV), cwd=str(ROOT))
     pids = {}
     deadline = time.monotonic() + 150
-    recs = lambda: [json.loads(x) for x in open(metrics)] if metrics.exists() else []  # noqa
+    recs = lambda: jsonl_records(metrics)  # noqa: E731 (whole lines: the job appends to it)
     try:
         while len(recs()) < HIDDEN_FROM:
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()

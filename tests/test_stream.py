@@ -1,5 +1,4 @@
 """Online training: pass order, a late pass, base/delta schedule, kill and resume exactly once."""
-import json
 import os
 import signal
 import subprocess
@@ -9,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import MPI_ENV, ROOT, run_cmd
+from tests.conftest import MPI_ENV, ROOT, jsonl_records, run_cmd
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +26,7 @@ def args(stream, out, *extra):
 
 
 def records(out):
-    path = out / "m.jsonl"
-    return [json.loads(x) for x in open(path) if x.strip()] if path.exists() else []
+    return jsonl_records(out / "m.jsonl")          # whole lines: a running job appends to it
 
 
 def ckpts(out):

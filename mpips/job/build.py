@@ -36,8 +36,8 @@ def resolve_data(cfg):
 
 def make_schema(cfg) -> Schema:
     """The run's schema: ``--schema FILE`` (default Criteo), with ``--pipe-command`` applied."""
-    schema = load_schema(cfg.schema) if getattr(cfg, "schema", "") else Schema.criteo()
-    if getattr(cfg, "pipe_command", ""):
+    schema = load_schema(cfg.schema) if cfg.schema else Schema.criteo()
+    if cfg.pipe_command:
         schema = dataclasses.replace(schema, pipe_command=cfg.pipe_command)
     return schema
 
@@ -132,5 +132,5 @@ def make_tables(cfg, model, lo=0, hi=None, dense_batches=1, cowclip=None):
 def make_model(cfg, schema=None, hidden=None):
     """The ``--model`` network over the schema's inputs (default: the config's schema) with
     hidden layers of ``hidden`` sizes (default: the config's --fc)."""
-    return make_net(getattr(cfg, "model", "dnn"), schema or make_schema(cfg), cfg.embedding_dim,
+    return make_net(cfg.model, schema or make_schema(cfg), cfg.embedding_dim,
                     cfg.hidden if hidden is None else hidden)

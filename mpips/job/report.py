@@ -38,7 +38,7 @@ def epoch_record(cfg, epoch, st, test_m):
            "train_seconds": round(seconds, 4),
            "examples_per_sec": round(n_ex / seconds, 1) if seconds > 0 else 0.0,
            "train_loss": st.loss_sum / max(n_ex, 1), "train_auc": st.metrics.auc()}
-    rec["batch_flag"] = "global_batch" if getattr(cfg, "global_batch", 0) else "batch_size"
+    rec["batch_flag"] = "global_batch" if cfg.global_batch else "batch_size"
     if cfg.mode == "geo":
         rec["geo_steps"] = cfg.geo_steps
     if cfg.mode == "ssp":

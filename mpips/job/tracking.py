@@ -49,7 +49,7 @@ def identity(cfg):
     """The fields of every record of this run (see the module docstring)."""
     if not _RUN:
         new_run()
-    G = getattr(cfg, "global_batch", 0)
+    G = cfg.global_batch
     # with --global-batch G in force, --batch-size is not what a worker takes: name G instead
     out = dict(_RUN, model=cfg.model, mode=cfg.mode, lr=cfg.lr,
                **({"global_batch": G} if G else {"batch_size": cfg.batch_size}),
