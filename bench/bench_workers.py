@@ -30,7 +30,8 @@ staleness summary for real runs and the simulator's.  Records go to bench/out/be
 (``--json``), each as soon as it is measured (a stopped bench keeps them; two benches may
 share the file); runs already there with the same name are reused unless ``--force``.  A
 plot of AUC and logloss minus local against W (one line per rule and kind) goes to
-docs/studies/workers.png (``--plot``; matplotlib, the ``bench`` extra).
+bench/out/workers.png (``--plot``; matplotlib, the ``bench`` extra; the study's figures in
+docs/studies are written by naming them).
 """
 import argparse
 import json
@@ -191,7 +192,7 @@ def main(argv=None):
                     help="the yardstick's (plain --local run's) flags, e.g. '--batch-size 4096'")
     ap.add_argument("--json", default=str(ROOT / "bench/out/bench_workers.json"))
     ap.add_argument("--force", action="store_true", help="rerun runs already in --json")
-    ap.add_argument("--plot", default=str(ROOT / "docs/studies/workers.png"))
+    ap.add_argument("--plot", default=str(ROOT / "bench/out/workers.png"))
     ap.add_argument("--replot", help="only plot and tabulate this JSON")
     ap.add_argument("--seeds", default="0", help="run everything with each --seed in this list")
     a = ap.parse_args(argv)

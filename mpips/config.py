@@ -34,7 +34,8 @@ STALE_RULES = ("none", "inverse", "sqrt")     # --stale-lr: learning-rate factor
 STALE_CHOICES = STALE_RULES + ("auto",)       # what --stale-lr takes
 PUSH_RULES = ("none", "count", "each")        # --sync-sparse-lr (mpips.tables.push)
 MAX_COUNT = 1 << 24       # float32 counts are exact integers up to here
-LARGE_BATCH = ("none", "cowclip")             # --large-batch rules
+LARGE_BATCH = ("auto", "none", "cowclip")     # --large-batch rules
+AUTO_K = 8               # --large-batch auto: cowclip from a global batch of AUTO_K x the base on
 # --large-batch cowclip's parameters (CowClip, Zheng et al. 2022; the paper's DeepFM values):
 # the clip ratio r, the clip floor zeta, the embeddings' L2 at the base batch, and the dense
 # warm-up in dense steps (the paper warms for about one epoch; here a fixed step count)
@@ -61,14 +62,16 @@ def parse_entry(spec):
 
 
 def parse_large_batch(spec):
-    """'none' | 'cowclip' | 'cowclip:key=value,...' (keys of COWCLIP) -> None or the
-    cowclip parameters (a dict, COWCLIP's defaults filled in); ValueError with the forms."""
+    """'auto' | 'none' | 'cowclip' | 'cowclip:key=value,...' (keys of COWCLIP) -> None
+    (auto, none: no parameters of their own; auto is resolved by the run's plan, from its
+    global batch) or the cowclip parameters (a dict, COWCLIP's defaults filled in);
+    ValueError with the forms."""
     name, _, rest = spec.partition(":")
-    form = (f"--large-batch must be none, cowclip or cowclip:key=value,... (keys "
+    form = (f"--large-batch must be auto, none, cowclip or cowclip:key=value,... (keys "
             f"{', '.join(COWCLIP)}; r > 0, zeta, l2, warmup >= 0); got {spec!r}")
-    if name not in LARGE_BATCH or (name == "none" and rest):
+    if name not in LARGE_BATCH or (name != "cowclip" and rest):
         raise ValueError(form)
-    if name == "none":
+    if name != "cowclip":
         return None
     out = dict(COWCLIP)
     for item in filter(None, rest.split(",")):
@@ -175,14 +178,18 @@ class Config:
                               "mean over the row's occurrences in the batch is clipped to "
                               "norm R x max(|row|, --row-clip-floor); 0 = off")
     row_clip_floor: float = _f(1e-3, "--row-clip: the smallest row norm the threshold uses")
-    large_batch: str = _f("none", "a large-batch rule: none, or cowclip (CowClip, Zheng et "
+    large_batch: str = _f("auto", "a large-batch rule: auto, none, or cowclip (CowClip, Zheng et "
                                   "al. 2022) for k = the global batch / --large-batch-base: "
                                   "the rows' lr unchanged, the dense lr --lr x sqrt(k), an L2 "
                                   "of l2 x k on the pushed rows, each row's gradient (of the "
                                   "batch's mean loss) clipped to norm count x max(r |row|, "
                                   "zeta), and the dense lr warmed up linearly over the first "
                                   "warmup dense steps; cowclip:r=1,zeta=1e-5,l2=1e-5,"
-                                  "warmup=20 are the defaults (docs/modes.md)")
+                                  "warmup=20 unless given; auto (the default): plain "
+                                  "cowclip where the global batch is at least "
+                                  f"{AUTO_K} x --large-batch-base, with --global-batch or one "
+                                  "worker, and the run's flags allow it (the start line says "
+                                  "which; docs/modes.md), none elsewhere")
     large_batch_base: int = _f(4096, "--large-batch: the global batch at which the rule's "
                                      "k is 1")
     # --- model and optimiser
@@ -374,18 +381,22 @@ class Config:
     def check_large_batch(self):
         """--large-batch: its form, and the runs it serves (its L2 and clip act on each
         push of one worker's rows, its dense rate replaces the dense-lr flags)."""
-        if parse_large_batch(self.large_batch) is None:
+        if self.large_batch_base < 1:
+            raise ValueError(f"--large-batch-base must be >= 1; got {self.large_batch_base}")
+        if parse_large_batch(self.large_batch) is None:        # none, or auto: the plan's
             return
-        why = ("--mode geo pushes deltas, not row gradients" if self.mode == "geo" else
-               "--row-clip is a clip of its own (drop it)" if self.row_clip else
-               "--dense-lr-scale sets the dense rate the rule sets (drop it)"
-               if self.dense_lr_scale else
-               f"--sync-sparse-lr {self.sync_sparse_lr} sums the workers' pushes (the rule "
-               f"adds its L2 to each push: use each)" if self.sync_sparse_lr != "each" else
-               f"--large-batch-base must be >= 1; got {self.large_batch_base}"
-               if self.large_batch_base < 1 else "")
-        if why:
+        if why := self.large_batch_conflict():
             raise ValueError(f"--large-batch {self.large_batch}: {why}")
+
+    def large_batch_conflict(self):
+        """Why this run's flags rule out a large-batch rule, or '' (--large-batch auto
+        leaves the rule off for the same reasons)."""
+        return ("--mode geo pushes deltas, not row gradients" if self.mode == "geo" else
+                "--row-clip is a clip of its own (drop it)" if self.row_clip else
+                "--dense-lr-scale sets the dense rate the rule sets (drop it)"
+                if self.dense_lr_scale else
+                f"--sync-sparse-lr {self.sync_sparse_lr} sums the workers' pushes (the rule "
+                f"adds its L2 to each push: use each)" if self.sync_sparse_lr != "each" else "")
 
     def check_simulate(self):
         """--simulate-workers W runs alone in one process (docs/modes.md, Simulator)."""

@@ -48,7 +48,7 @@ def test_cowclip_rows_against_a_loop_over_ids():
     grad_sum = (rng.normal(size=(u, DIM)) * counts[:, None]).astype(np.float32)
     rule = large_batch_rule(parse_args(["--large-batch", "cowclip:r=2,zeta=0.05,l2=0.1",
                                         "--large-batch-base", "4", "--global-batch", "8",
-                                        "--local"]), 8)
+                                        "--local"]), [8])
     assert (rule.k, rule.l2, rule.r, rule.zeta) == (2.0, pytest.approx(0.2), 2.0, 0.05)
     assert rule.dense_scale == math.sqrt(2.0)
     g = grad_sum / np.float32(n)
@@ -131,14 +131,14 @@ def test_a_local_epoch_under_the_rule_against_numpy():
                                rtol=1e-4, atol=1e-6)
     clipped, pushed = trainer.clipped
     assert 0 < clipped < pushed                   # the clip both bit and let rows through
-    assert trainer.clip_summary() == {"row_clip_frac": clipped / pushed}
+    assert trainer.clip_summary() == {"row_clip_frac": clipped / pushed, "large_batch_k": 4.0}
 
 
 def test_the_flag_its_forms_and_the_runs_it_refuses():
     assert parse_large_batch("none") is None
     assert parse_large_batch("cowclip") == {"r": 1.0, "zeta": 1e-5, "l2": 1e-5, "warmup": 20}
     assert parse_large_batch("cowclip:l2=0,warmup=5")["warmup"] == 5
-    for bad in ("lamb", "cowclip:r=0", "cowclip:q=1", "cowclip:warmup=1.5", "none:r=1",
+    for bad in ("lamb", "auto:r=1", "cowclip:r=0", "cowclip:q=1", "cowclip:warmup=1.5", "none:r=1",
                 "cowclip:l2=-1", "cowclip:r=x"):
         with pytest.raises(ValueError, match="--large-batch must be"):
             parse_large_batch(bad)
@@ -156,7 +156,7 @@ def test_the_flag_its_forms_and_the_runs_it_refuses():
         1e-3 * math.sqrt(8))
     plan = make_plan(parse_args(["--local", "--fc", "8", "--local-workers", "8",
                                  "--large-batch", "cowclip", "--batch-size", "2048"]))
-    assert plan.cowclip == large_batch_rule(plan.cfg, 8 * 2048)
+    assert plan.cowclip == large_batch_rule(plan.cfg, [2048] * 8)
     assert dense_lr(plan.cfg, 8, plan.cowclip) == pytest.approx(1e-3 * 2)
     assert plan.cowclip.l2 == pytest.approx(4e-5)
     assert plan.rule_line() == (
@@ -167,8 +167,41 @@ def test_the_flag_its_forms_and_the_runs_it_refuses():
     for unresolved in (lambda: dense_lr(plan.cfg, 8), lambda: trainer_settings(plan.cfg)):
         with pytest.raises(ValueError, match="pass the rule the run's plan resolved"):
             unresolved()
-    assert large_batch_rule(parse_args([]), 4096) is None
+    assert large_batch_rule(parse_args(["--large-batch", "none"]), [32768]) is None
     assert make_plan(parse_args(["--local", "--fc", "8"])).cowclip is None
     cfg = plan.cfg
     assert (identity(cfg)["large_batch"], identity(cfg)["large_batch_base"]) == ("cowclip", 4096)
     assert "large_batch" not in identity(parse_args([]))       # every record names the rule
+
+
+def test_auto_applies_the_rule_from_8_x_the_base_where_it_was_measured():
+    """--large-batch auto (the default): CowClip with its defaults from a global batch of
+    AUTO_K x --large-batch-base on, with --global-batch or one worker, and flags that allow
+    it; off elsewhere, and the start line says why where the batch alone would call for it."""
+    from mpips.config import AUTO_K, Config
+    assert Config().large_batch == "auto" and parse_large_batch("auto") is None and AUTO_K == 8
+
+    def plan(*flags):
+        return make_plan(parse_args(["--local", "--fc", "8", *flags]))
+    one = plan("--batch-size", "32768")                         # one worker at 8 x 4096
+    assert one.cowclip == large_batch_rule(parse_args(["--large-batch", "cowclip"]), [32768])
+    assert one.cowclip.k == 8 and dense_lr(one.cfg, 1, one.cowclip) == pytest.approx(
+        1e-3 * math.sqrt(8))
+    assert one.rule_line().startswith("mpips: large batch: cowclip (auto: the global batch is "
+                                      "at least 8 x --large-batch-base) at k = 32768 / 4096 = 8")
+    assert trainer_settings(one.cfg, one.cowclip).cowclip is one.cowclip
+    assert "large_batch" not in identity(one.cfg)     # the record: large_batch_k, per epoch
+    shared = plan("--local-workers", "8", "--global-batch", "65536")
+    assert shared.cowclip.k == 16
+    small = plan("--batch-size", "16384")                       # below 8 x the base
+    assert small.cowclip is None and small.rule_line() is None
+    assert dense_lr(small.cfg, 1, None) == 1e-3 and trainer_settings(small.cfg).cowclip is None
+    assert plan("--batch-size", "8192", "--large-batch-base", "1024").cowclip.k == 8
+    for flags, why in ((["--local-workers", "8", "--batch-size", "4096"],
+                        "8 workers x --batch-size 4096"),
+                       (["--batch-size", "32768", "--row-clip", "3"], "--row-clip"),
+                       (["--batch-size", "32768", "--dense-lr-scale", "2"], "--dense-lr-scale")):
+        off = plan(*flags)
+        assert off.cowclip is None
+        assert off.rule_line().startswith("mpips: large batch: auto leaves cowclip off: ")
+        assert why in off.rule_line()

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 import os
 
-from mpips.config import parse_large_batch
+from mpips.config import AUTO_K, COWCLIP, parse_large_batch
 from mpips.data.synth import ensure_default_dataset
 from mpips.data.files import resolve_paths
 from mpips.data.reader import DataReader
@@ -79,14 +79,32 @@ class CowClip:
     warmup: int
 
 
-def large_batch_rule(cfg, global_batch):
-    """The CowClip of ``cfg``'s ``--large-batch`` at ``global_batch``, or None (off)."""
-    spec = parse_large_batch(cfg.large_batch)
+def large_batch_rule(cfg, batches):
+    """The CowClip of ``cfg``'s ``--large-batch`` for a run of these worker ``batches`` (the
+    global batch G is their sum), or None (off; --large-batch auto: see auto_rule_off)."""
+    if cfg.large_batch == "auto":
+        spec = None if auto_rule_off(cfg, batches) else dict(COWCLIP)
+    else:
+        spec = parse_large_batch(cfg.large_batch)
     if spec is None:
         return None
-    k = global_batch / cfg.large_batch_base
+    k = sum(batches) / cfg.large_batch_base
     return CowClip(k=k, dense_scale=math.sqrt(k), r=spec["r"], zeta=spec["zeta"], l2=spec["l2"] * k,
                    warmup=spec["warmup"])
+
+
+def auto_rule_off(cfg, batches):
+    """Why ``--large-batch auto`` leaves CowClip off for a run of these worker batches, or
+    '' when it applies it: from a global batch G of AUTO_K x --large-batch-base on, where the
+    rule was measured to gain (one worker, or W workers sharing --global-batch G: docs/
+    studies/scaling-with-w.md, 'A large-batch rule'), and the run's flags allow it."""
+    G, W = sum(batches), len(batches)
+    if G < AUTO_K * cfg.large_batch_base:
+        return f"the global batch {G} is below {AUTO_K} x --large-batch-base {cfg.large_batch_base}"
+    if W > 1 and not cfg.global_batch:
+        return (f"{W} workers x --batch-size {cfg.batch_size} (the rule was measured with "
+                f"--global-batch or one worker: give --large-batch cowclip to apply it)")
+    return cfg.large_batch_conflict()
 
 
 def dense_lr(cfg, n_batches, cowclip=None):
@@ -103,7 +121,7 @@ def dense_lr(cfg, n_batches, cowclip=None):
     batch: ``cowclip``, the run's rule as its plan resolved it (``RunPlan.cowclip``)."""
     if cowclip is not None:
         return cfg.lr * cowclip.dense_scale
-    if cfg.large_batch != "none":
+    if cfg.large_batch not in ("none", "auto"):
         raise ValueError("dense_lr: --large-batch is on: pass the rule the run's plan "
                          "resolved (RunPlan.cowclip)")
     if cfg.dense_lr_scale:

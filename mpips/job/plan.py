@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from mpips.checkpoint.compat import check_kind, check_resume
 from mpips.comm.cluster import default_servers
 from mpips.checkpoint.manifest import chain_manifests
-from mpips.config import Config, split_batch
+from mpips.config import AUTO_K, Config, split_batch
 from mpips.data.files import resolve_paths
-from mpips.job.build import (CowClip, dense_lr, large_batch_rule, make_model, make_schema,
-                             resolve_data)
+from mpips.job.build import (CowClip, auto_rule_off, dense_lr, large_batch_rule, make_model,
+                             make_schema, resolve_data)
 from mpips.job.hooks import NONE, Hooks
 from mpips.job.resume import checked_meta, choose_at_start, first_rank_decides, pin, start_point
 from mpips.schema import Schema
@@ -51,7 +51,7 @@ class TrainerSettings:
 def trainer_settings(cfg, cowclip=None) -> TrainerSettings:
     """The TrainerSettings of ``cfg``; ``cowclip``: its --large-batch rule as the run's plan
     resolved it (``RunPlan.cowclip``; None: the rule is off)."""
-    if cowclip is None and cfg.large_batch != "none":
+    if cowclip is None and cfg.large_batch not in ("none", "auto"):
         raise ValueError("trainer_settings: --large-batch is on: pass the rule the run's "
                          "plan resolved (RunPlan.cowclip)")
     return TrainerSettings(**{f.name: getattr(cfg, f.name)
@@ -126,14 +126,20 @@ class RunPlan:
         return f"mpips: batch: --global-batch {cfg.global_batch} over {W} worker(s): {share}{rate}"
 
     def rule_line(self):
-        """The start line of --large-batch (None when it is off): k and what follows."""
-        rule = self.cowclip
+        """The start line of --large-batch: k and what follows, or why auto leaves the rule
+        off at a global batch it would serve; None when the rule is off and that is all."""
+        rule, cfg = self.cowclip, self.cfg
         if rule is None:
-            return None
-        lr = dense_lr(self.cfg, len(self.batches), rule)
-        return (f"mpips: large batch: {self.cfg.large_batch} at k = {self.global_batch} / "
-                f"{self.cfg.large_batch_base} = {rule.k:g}: dense lr {lr:g} warmed up over "
-                f"{rule.warmup} dense steps, rows' lr {self.cfg.lr:g}, rows' L2 {rule.l2:g}, "
+            why = auto_rule_off(cfg, self.batches) if cfg.large_batch == "auto" else ""
+            if not why or self.global_batch < AUTO_K * cfg.large_batch_base:
+                return None
+            return f"mpips: large batch: auto leaves cowclip off: {why}"
+        lr = dense_lr(cfg, len(self.batches), rule)
+        name = (f"cowclip (auto: the global batch is at least {AUTO_K} x "
+                f"--large-batch-base)" if cfg.large_batch == "auto" else cfg.large_batch)
+        return (f"mpips: large batch: {name} at k = {self.global_batch} / "
+                f"{cfg.large_batch_base} = {rule.k:g}: dense lr {lr:g} warmed up over "
+                f"{rule.warmup} dense steps, rows' lr {cfg.lr:g}, rows' L2 {rule.l2:g}, "
                 f"rows clipped to count x max({rule.r:g} |row|, {rule.zeta:g})")
 
     @property
@@ -204,7 +210,7 @@ def make_plan(cfg, comm=None, hooks=NONE):
                    width=width, workers=workers, batches=batches, sync=is_sync(cfg),
                    resume=path, manifest=manifest, start=start, last_pass=last_pass,
                    train_files=train, test_files=test, hooks=hooks,
-                   cowclip=large_batch_rule(cfg, sum(batches)))
+                   cowclip=large_batch_rule(cfg, batches))
 
 
 def split_batches(cfg, workers):

@@ -55,7 +55,8 @@ def identity(cfg):
                **({"global_batch": G} if G else {"batch_size": cfg.batch_size}),
                schema_hash=schema_hash(make_schema(cfg)), mpips_version=version())
     rule = cfg.large_batch
-    if rule != "none":                       # --large-batch: the rule and its base batch
+    if rule not in ("none", "auto"):         # --large-batch: the rule and its base batch
+                                             # (auto's outcome: large_batch_k, per epoch)
         out.update(large_batch=rule, large_batch_base=cfg.large_batch_base)
     if cfg.resume and not cfg.stream:
         out["resumed_from"] = os.path.basename(os.path.normpath(cfg.resume))

@@ -184,10 +184,12 @@ class StepMath:
 
     def clip_summary(self):
         """{"row_clip_frac": the share of this trainer's pushed rows --row-clip (or
-        --large-batch cowclip) clipped}, or {} when neither is on: for the epoch record."""
+        --large-batch cowclip) clipped, and with cowclip its "large_batch_k"}, or {} when
+        neither is on: for the epoch record."""
         if self.cfg.row_clip <= 0 and self.cfg.cowclip is None:
             return {}
-        return {"row_clip_frac": self.clipped[0] / max(self.clipped[1], 1)}
+        k = {} if self.cfg.cowclip is None else {"large_batch_k": self.cfg.cowclip.k}
+        return {"row_clip_frac": self.clipped[0] / max(self.clipped[1], 1), **k}
 
     def train_epoch(self, batches, epoch, max_steps=0, skip=0):
         """Train over an iterable of Batch (Trainer: or of lists of Batch, one per part),
