@@ -93,13 +93,18 @@ def large_batch_rule(cfg, batches):
                    warmup=spec["warmup"])
 
 
+def auto_batch(cfg, global_batch):
+    """Whether ``global_batch`` is one ``--large-batch auto`` serves: AUTO_K x the base on."""
+    return global_batch >= AUTO_K * cfg.large_batch_base
+
+
 def auto_rule_off(cfg, batches):
     """Why ``--large-batch auto`` leaves CowClip off for a run of these worker batches, or
     '' when it applies it: from a global batch G of AUTO_K x --large-batch-base on, where the
     rule was measured to gain (one worker, or W workers sharing --global-batch G: docs/
     studies/scaling-with-w.md, 'A large-batch rule'), and the run's flags allow it."""
     G, W = sum(batches), len(batches)
-    if G < AUTO_K * cfg.large_batch_base:
+    if not auto_batch(cfg, G):
         return f"the global batch {G} is below {AUTO_K} x --large-batch-base {cfg.large_batch_base}"
     if W > 1 and not cfg.global_batch:
         return (f"{W} workers x --batch-size {cfg.batch_size} (the rule was measured with "

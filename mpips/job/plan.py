@@ -17,7 +17,7 @@ from mpips.comm.cluster import default_servers
 from mpips.checkpoint.manifest import chain_manifests
 from mpips.config import AUTO_K, Config, split_batch
 from mpips.data.files import resolve_paths
-from mpips.job.build import (CowClip, auto_rule_off, dense_lr, large_batch_rule, make_model,
+from mpips.job.build import (CowClip, auto_batch, auto_rule_off, dense_lr, large_batch_rule, make_model,
                              make_schema, resolve_data)
 from mpips.job.hooks import NONE, Hooks
 from mpips.job.resume import checked_meta, choose_at_start, first_rank_decides, pin, start_point
@@ -131,7 +131,7 @@ class RunPlan:
         rule, cfg = self.cowclip, self.cfg
         if rule is None:
             why = auto_rule_off(cfg, self.batches) if cfg.large_batch == "auto" else ""
-            if not why or self.global_batch < AUTO_K * cfg.large_batch_base:
+            if not why or not auto_batch(cfg, self.global_batch):
                 return None
             return f"mpips: large batch: auto leaves cowclip off: {why}"
         lr = dense_lr(cfg, len(self.batches), rule)
