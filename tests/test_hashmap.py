@@ -179,6 +179,11 @@ def test_prefetching_paths_on_flat_arrays_match_a_dict():
     got = np.empty(probe.shape[0], np.int64)
     lookup_rows(slots, row_keys, probe, got)
     assert got.tolist() == [ref.get(k, -1) for k in probe.tolist()]
+    for m in range(2 * AHEAD + 3):      # calls as short as the ring of home slots, and shorter
+        part = np.concatenate([keys[m::7][:m // 2], probe[n:][:m - m // 2]])
+        short = np.empty(m, np.int64)
+        lookup_rows(slots, row_keys, part, short)
+        assert short.tolist() == [ref.get(k, -1) for k in part.tolist()]
     values = rng.standard_normal((n, 5)).astype(np.float32)
     out = np.empty((probe.shape[0], 5), np.float32)
     read_rows(values, got, out)

@@ -32,6 +32,8 @@ _S27 = np.uint64(27)
 _S31 = np.uint64(31)
 _S40 = np.uint64(40)
 _INV_2_24 = 1.0 / 16777216.0
+RING = 32                 # lookup_rows' ring of home slots: a power of two above 2 AHEAD
+assert RING > 2 * AHEAD and RING & (RING - 1) == 0
 
 
 @njit(cache=True, nogil=True, inline='always')
@@ -75,17 +77,23 @@ def lookup_rows(slots, row_keys, keys, rows_out):
     mask = np.uint64(slots.shape[0] - 1)
     found = 0
     n = keys.shape[0]
+    # the home slots of keys i .. i + 2 AHEAD, each hashed once (RING > 2 AHEAD, a power of 2)
+    home = np.empty(RING, np.int64)
+    for j in range(min(2 * AHEAD, n)):
+        home[j] = _home_slot(keys[j], mask)
     for i in range(n):
         # two stages ahead: the home slot of key i + 2 AHEAD, then the key record its
         # slot names for key i + AHEAD (in cache by then), so misses overlap
         if i + 2 * AHEAD < n:
-            prefetch(slots, _home_slot(keys[i + 2 * AHEAD], mask))
+            h = _home_slot(keys[i + 2 * AHEAD], mask)
+            home[(i + 2 * AHEAD) & (RING - 1)] = h
+            prefetch(slots, h)
         if i + AHEAD < n:
-            ahead = slots[_home_slot(keys[i + AHEAD], mask)]
+            ahead = slots[home[(i + AHEAD) & (RING - 1)]]
             if ahead >= 0:
                 prefetch(row_keys, ahead)
         key = keys[i]
-        s = _home_slot(key, mask)
+        s = home[i & (RING - 1)]
         r = np.int64(-1)
         while True:
             cand = slots[s]
