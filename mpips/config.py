@@ -38,8 +38,10 @@ LARGE_BATCH = ("auto", "none", "cowclip")     # --large-batch rules
 AUTO_K = 8               # --large-batch auto: cowclip from a global batch of AUTO_K x the base on
 # --large-batch cowclip's parameters (CowClip, Zheng et al. 2022; the paper's DeepFM values):
 # the clip ratio r, the clip floor zeta, the embeddings' L2 at the base batch, and the dense
-# warm-up in dense steps (the paper warms for about one epoch; here a fixed step count)
-COWCLIP = {"r": 1.0, "zeta": 1e-5, "l2": 1e-5, "warmup": 20}
+# warm-up in dense steps (the paper warms for about one epoch; here a fixed step count),
+# and the power of k that scales the dense lr: 1 (x k); the paper's sqrt(k) is dense=0.5,
+# which lost AUC to x k on 1M, 4M and 16M rows (docs/studies/scaling-with-w.md)
+COWCLIP = {"r": 1.0, "zeta": 1e-5, "l2": 1e-5, "warmup": 20, "dense": 1.0}
 
 
 def parse_entry(spec):
@@ -68,7 +70,8 @@ def parse_large_batch(spec):
     ValueError with the forms."""
     name, _, rest = spec.partition(":")
     form = (f"--large-batch must be auto, none, cowclip or cowclip:key=value,... (keys "
-            f"{', '.join(COWCLIP)}; r > 0, zeta, l2, warmup >= 0); got {spec!r}")
+            f"{', '.join(COWCLIP)}; r > 0, zeta, l2, warmup, dense >= 0; warmup an integer, "
+            f"dense at most 2); got {spec!r}")
     if name not in LARGE_BATCH or (name != "cowclip" and rest):
         raise ValueError(form)
     if name != "cowclip":
@@ -81,7 +84,7 @@ def parse_large_batch(spec):
         except ValueError:
             raise ValueError(form) from None
         if key not in out or not value >= 0 or (key == "r" and value == 0) or (
-                key == "warmup" and value != int(value)):
+                key == "warmup" and value != int(value)) or (key == "dense" and value > 2):
             raise ValueError(form)
         out[key] = int(value) if key == "warmup" else value
     return out
@@ -180,12 +183,12 @@ class Config:
     row_clip_floor: float = _f(1e-3, "--row-clip: the smallest row norm the threshold uses")
     large_batch: str = _f("auto", "a large-batch rule: auto, none, or cowclip (CowClip, Zheng et "
                                   "al. 2022) for k = the global batch / --large-batch-base: "
-                                  "the rows' lr unchanged, the dense lr --lr x sqrt(k), an L2 "
+                                  "the rows' lr unchanged, the dense lr --lr x k^dense, an L2 "
                                   "of l2 x k on the pushed rows, each row's gradient (of the "
                                   "batch's mean loss) clipped to norm count x max(r |row|, "
                                   "zeta), and the dense lr warmed up linearly over the first "
                                   "warmup dense steps; cowclip:r=1,zeta=1e-5,l2=1e-5,"
-                                  "warmup=20 unless given; auto (the default): plain "
+                                  "warmup=20,dense=1 unless given; auto (the default): plain "
                                   "cowclip where the global batch is at least "
                                   f"{AUTO_K} x --large-batch-base, with --global-batch or one "
                                   "worker, and the run's flags allow it (the start line says "

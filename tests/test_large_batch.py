@@ -1,5 +1,5 @@
 """--large-batch cowclip (CowClip, Zheng et al. 2022): k = G / --large-batch-base, the rows'
-lr unchanged, the dense lr --lr x sqrt(k) warmed up linearly over its first N dense steps,
+lr unchanged, the dense lr --lr x k^dense (default x k) warmed up linearly over its first N dense steps,
 an L2 of l2 x k on each pushed row and each row's gradient (of the batch's mean loss)
 clipped to norm count x max(r |row|, zeta).
 
@@ -23,7 +23,7 @@ from mpips.worker.trainer import Trainer, cowclip_rows
 P, DIM, SLOTS = 6, 4, 2
 SIZES = (3, 5, 2, 4, 3, 5)                # examples of each step's batch
 LR, BASE, G = 0.5, 2, 8                   # k = 4: dense lr LR x 2
-RULE = "cowclip:r=5,zeta=0.01,l2=0.02,warmup=3"
+RULE = "cowclip:r=5,zeta=0.01,l2=0.02,warmup=3,dense=0.75"     # dense lr LR x 4^0.75
 
 
 def reference_rows(grad_sum, ids, counts, rows, n, r, zeta, l2):
@@ -50,7 +50,7 @@ def test_cowclip_rows_against_a_loop_over_ids():
                                         "--large-batch-base", "4", "--global-batch", "8",
                                         "--local"]), [8])
     assert (rule.k, rule.l2, rule.r, rule.zeta) == (2.0, pytest.approx(0.2), 2.0, 0.05)
-    assert rule.dense_scale == math.sqrt(2.0)
+    assert rule.dense_scale == 2.0                    # k^1
     g = grad_sum / np.float32(n)
     clipped = cowclip_rows(g, rows, counts, n, rule)
     want = reference_rows(grad_sum, range(u), counts, dict(enumerate(rows)), n, 2.0, 0.05,
@@ -92,7 +92,7 @@ def test_a_local_epoch_under_the_rule_against_numpy():
     assert rule.k == G / BASE
     model = Model()
     sparse, dense = make_tables(cfg, model, cowclip=rule)
-    assert dense.opt.lr == pytest.approx(LR * 2) and sparse.opt.lr == LR   # sqrt(k), 1
+    assert dense.opt.lr == pytest.approx(LR * 4 ** 0.75) and sparse.opt.lr == LR   # k^0.75, 1
     fresh, _ = make_tables(cfg, model, cowclip=rule)   # the same seed: the rows' first values
     ps = LocalPS(sparse, dense)
     trainer = Trainer(trainer_settings(cfg, rule), model, ps, lambda ids: plan_keys(ids, 1),
@@ -122,7 +122,7 @@ def test_a_local_epoch_under_the_rule_against_numpy():
         for key, g in upd.items():
             rows[key] = rows[key] - LR * g
         warm = min(1.0, (t + 1) / spec["warmup"])
-        w = w - LR * math.sqrt(k) * warm * (t + 1) * Model.g.astype(np.float64) / n
+        w = w - LR * k ** spec["dense"] * warm * (t + 1) * Model.g.astype(np.float64) / n
     np.testing.assert_allclose(dense.values, w, rtol=1e-5)
     keys = np.array(sorted(rows), np.int64)
     got = np.empty((len(keys), DIM), np.float32)
@@ -136,10 +136,11 @@ def test_a_local_epoch_under_the_rule_against_numpy():
 
 def test_the_flag_its_forms_and_the_runs_it_refuses():
     assert parse_large_batch("none") is None
-    assert parse_large_batch("cowclip") == {"r": 1.0, "zeta": 1e-5, "l2": 1e-5, "warmup": 20}
+    assert parse_large_batch("cowclip") == {"r": 1.0, "zeta": 1e-5, "l2": 1e-5, "warmup": 20,
+                                            "dense": 1.0}
     assert parse_large_batch("cowclip:l2=0,warmup=5")["warmup"] == 5
     for bad in ("lamb", "auto:r=1", "cowclip:r=0", "cowclip:q=1", "cowclip:warmup=1.5", "none:r=1",
-                "cowclip:l2=-1", "cowclip:r=x"):
+                "cowclip:l2=-1", "cowclip:r=x", "cowclip:dense=-1", "cowclip:dense=3"):
         with pytest.raises(ValueError, match="--large-batch must be"):
             parse_large_batch(bad)
     for extra, why in ((["--mode", "geo"], "geo"), (["--row-clip", "3"], "--row-clip"),
@@ -152,15 +153,18 @@ def test_the_flag_its_forms_and_the_runs_it_refuses():
     # --batch-size; the dense rate, the start line and the trainer read its rule
     plan = make_plan(parse_args(["--local", "--fc", "8", "--local-workers", "8",
                                  "--large-batch", "cowclip", "--global-batch", "32768"]))
-    assert plan.cowclip.k == 8 and dense_lr(plan.cfg, 8, plan.cowclip) == pytest.approx(
-        1e-3 * math.sqrt(8))
+    assert plan.cowclip.k == 8 and dense_lr(plan.cfg, 8, plan.cowclip) == pytest.approx(8e-3)
+    for power, scale in ((0.5, math.sqrt(8)), (0, 1.0), (0.75, 8 ** 0.75)):    # dense: k's power
+        rule = large_batch_rule(parse_args(["--large-batch", f"cowclip:dense={power}"]), [32768])
+        assert rule.dense_scale == pytest.approx(scale) and rule.dense == power
+        assert dense_lr(plan.cfg, 8, rule) == pytest.approx(1e-3 * scale)
     plan = make_plan(parse_args(["--local", "--fc", "8", "--local-workers", "8",
                                  "--large-batch", "cowclip", "--batch-size", "2048"]))
     assert plan.cowclip == large_batch_rule(plan.cfg, [2048] * 8)
-    assert dense_lr(plan.cfg, 8, plan.cowclip) == pytest.approx(1e-3 * 2)
+    assert dense_lr(plan.cfg, 8, plan.cowclip) == pytest.approx(1e-3 * 4)
     assert plan.cowclip.l2 == pytest.approx(4e-5)
     assert plan.rule_line() == (
-        "mpips: large batch: cowclip at k = 16384 / 4096 = 4: dense lr 0.002 warmed up over "
+        "mpips: large batch: cowclip at k = 16384 / 4096 = 4: dense lr 0.004 (--lr x k^1) warmed up over "
         "20 dense steps, rows' lr 0.001, rows' L2 4e-05, rows clipped to count x max(1 |row|, "
         "1e-05)")
     assert trainer_settings(plan.cfg, plan.cowclip).cowclip is plan.cowclip
@@ -185,8 +189,7 @@ def test_auto_applies_the_rule_from_8_x_the_base_where_it_was_measured():
         return make_plan(parse_args(["--local", "--fc", "8", *flags]))
     one = plan("--batch-size", "32768")                         # one worker at 8 x 4096
     assert one.cowclip == large_batch_rule(parse_args(["--large-batch", "cowclip"]), [32768])
-    assert one.cowclip.k == 8 and dense_lr(one.cfg, 1, one.cowclip) == pytest.approx(
-        1e-3 * math.sqrt(8))
+    assert one.cowclip.k == 8 and dense_lr(one.cfg, 1, one.cowclip) == pytest.approx(8e-3)
     assert one.rule_line().startswith("mpips: large batch: cowclip (auto: the global batch is "
                                       "at least 8 x --large-batch-base) at k = 32768 / 4096 = 8")
     assert trainer_settings(one.cfg, one.cowclip).cowclip is one.cowclip

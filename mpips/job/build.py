@@ -68,7 +68,7 @@ def make_reader(cfg, files, batch_size, warn, shuffle=None, norm=None, schema=No
 @dataclass(frozen=True)
 class CowClip:
     """``--large-batch cowclip`` resolved for a run of global batch G (once, by the run's
-    plan: ``RunPlan.cowclip``): k = G / base, the dense lr's factor sqrt(k) (the rate is
+    plan: ``RunPlan.cowclip``): k = G / base, the dense lr's factor k^dense (the rate is
     :func:`dense_lr`'s), the clip's ratio r and floor zeta, the rows' L2 (``l2`` x k) and
     the dense warm-up in dense steps."""
     k: float
@@ -77,6 +77,7 @@ class CowClip:
     zeta: float
     l2: float
     warmup: int
+    dense: float = 1.0          # dense_scale = k ** dense
 
 
 def large_batch_rule(cfg, batches):
@@ -89,8 +90,8 @@ def large_batch_rule(cfg, batches):
     if spec is None:
         return None
     k = sum(batches) / cfg.large_batch_base
-    return CowClip(k=k, dense_scale=math.sqrt(k), r=spec["r"], zeta=spec["zeta"], l2=spec["l2"] * k,
-                   warmup=spec["warmup"])
+    return CowClip(k=k, dense_scale=k ** spec["dense"], r=spec["r"], zeta=spec["zeta"],
+                   l2=spec["l2"] * k, warmup=spec["warmup"], dense=spec["dense"])
 
 
 def auto_batch(cfg, global_batch):
@@ -122,7 +123,7 @@ def dense_lr(cfg, n_batches, cowclip=None):
     With ``--global-batch G`` the rule follows G, not W: a dense step averages G examples
     at any W, as one process's step of batch G does, so the rate is that process's,
     ``--lr`` (x 1): the dense steps of W workers at G match ``--local --batch-size G``.
-    With ``--large-batch cowclip``: ``--lr`` x sqrt(G / --large-batch-base), G the global
+    With ``--large-batch cowclip``: ``--lr`` x (G / --large-batch-base)^dense, G the global
     batch: ``cowclip``, the run's rule as its plan resolved it (``RunPlan.cowclip``)."""
     if cowclip is not None:
         return cfg.lr * cowclip.dense_scale
