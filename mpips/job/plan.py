@@ -138,9 +138,10 @@ class RunPlan:
         name = (f"cowclip (auto: the global batch is at least {AUTO_K} x "
                 f"--large-batch-base)" if cfg.large_batch == "auto" else cfg.large_batch)
         return (f"mpips: large batch: {name} at k = {self.global_batch} / "
-                f"{cfg.large_batch_base} = {rule.k:g}: dense lr {lr:g} (--lr x k^{rule.dense:g}) "
-                f"warmed up over {rule.warmup} dense steps, rows' lr {cfg.lr:g}, rows' L2 {rule.l2:g}, "
-                f"rows clipped to count x max({rule.r:g} |row|, {rule.zeta:g})")
+                f"{cfg.large_batch_base} = {rule.k:g}: dense lr {lr:g} (--lr x "
+                f"k^{rule.dense:g}) warmed up over {rule.warmup} dense steps, rows' lr "
+                f"{cfg.lr:g}, rows' L2 {rule.l2:g}, rows clipped to count x "
+                f"max({rule.r:g} |row|, {rule.zeta:g})")
 
     @property
     def pull_order(self):
