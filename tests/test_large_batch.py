@@ -1,6 +1,6 @@
 """--large-batch cowclip (CowClip, Zheng et al. 2022): k = G / --large-batch-base, the rows'
-lr unchanged, the dense lr --lr x k^dense (default x k) warmed up linearly over its first N dense steps,
-an L2 of l2 x k on each pushed row and each row's gradient (of the batch's mean loss)
+lr unchanged, the dense lr --lr x k^dense (default x k) warmed up linearly over its first N
+dense steps, an L2 of l2 x k on each pushed row and each row's gradient (of the batch's mean loss)
 clipped to norm count x max(r |row|, zeta).
 
 The update of a one-process Trainer under the rule is checked step by step against a
@@ -164,9 +164,9 @@ def test_the_flag_its_forms_and_the_runs_it_refuses():
     assert dense_lr(plan.cfg, 8, plan.cowclip) == pytest.approx(1e-3 * 4)
     assert plan.cowclip.l2 == pytest.approx(4e-5)
     assert plan.rule_line() == (
-        "mpips: large batch: cowclip at k = 16384 / 4096 = 4: dense lr 0.004 (--lr x k^1) warmed up over "
-        "20 dense steps, rows' lr 0.001, rows' L2 4e-05, rows clipped to count x max(1 |row|, "
-        "1e-05)")
+        "mpips: large batch: cowclip at k = 16384 / 4096 = 4: dense lr 0.004 (--lr x k^1) "
+        "warmed up over 20 dense steps, rows' lr 0.001, rows' L2 4e-05, rows clipped to "
+        "count x max(1 |row|, 1e-05)")
     assert trainer_settings(plan.cfg, plan.cowclip).cowclip is plan.cowclip
     for unresolved in (lambda: dense_lr(plan.cfg, 8), lambda: trainer_settings(plan.cfg)):
         with pytest.raises(ValueError, match="pass the rule the run's plan resolved"):

@@ -68,16 +68,20 @@ def make_reader(cfg, files, batch_size, warn, shuffle=None, norm=None, schema=No
 @dataclass(frozen=True)
 class CowClip:
     """``--large-batch cowclip`` resolved for a run of global batch G (once, by the run's
-    plan: ``RunPlan.cowclip``): k = G / base, the dense lr's factor k^dense (the rate is
-    :func:`dense_lr`'s), the clip's ratio r and floor zeta, the rows' L2 (``l2`` x k) and
-    the dense warm-up in dense steps."""
+    plan: ``RunPlan.cowclip``): k = G / base, the power ``dense`` of k that scales the dense
+    lr (:attr:`dense_scale`; the rate is :func:`dense_lr`'s), the clip's ratio r and floor
+    zeta, the rows' L2 (``l2`` x k) and the dense warm-up in dense steps."""
     k: float
-    dense_scale: float
+    dense: float
     r: float
     zeta: float
     l2: float
     warmup: int
-    dense: float = 1.0          # dense_scale = k ** dense
+
+    @property
+    def dense_scale(self):
+        """The dense lr's factor, k^dense."""
+        return self.k ** self.dense
 
 
 def large_batch_rule(cfg, batches):
@@ -90,8 +94,8 @@ def large_batch_rule(cfg, batches):
     if spec is None:
         return None
     k = sum(batches) / cfg.large_batch_base
-    return CowClip(k=k, dense_scale=k ** spec["dense"], r=spec["r"], zeta=spec["zeta"],
-                   l2=spec["l2"] * k, warmup=spec["warmup"], dense=spec["dense"])
+    return CowClip(k=k, dense=spec["dense"], r=spec["r"], zeta=spec["zeta"], l2=spec["l2"] * k,
+                   warmup=spec["warmup"])
 
 
 def auto_batch(cfg, global_batch):
