@@ -131,7 +131,8 @@ def test_a_local_epoch_under_the_rule_against_numpy():
                                rtol=1e-4, atol=1e-6)
     clipped, pushed = trainer.clipped
     assert 0 < clipped < pushed                   # the clip both bit and let rows through
-    assert trainer.clip_summary() == {"row_clip_frac": clipped / pushed, "large_batch_k": 4.0}
+    assert trainer.clip_summary() == {"row_clip_frac": clipped / pushed, "large_batch_k": 4.0,
+                                     "large_batch_dense": 0.75}
 
 
 def test_the_flag_its_forms_and_the_runs_it_refuses():

@@ -184,11 +184,13 @@ class StepMath:
 
     def clip_summary(self):
         """{"row_clip_frac": the share of this trainer's pushed rows --row-clip (or
-        --large-batch cowclip) clipped, and with cowclip its "large_batch_k"}, or {} when
-        neither is on: for the epoch record."""
+        --large-batch cowclip) clipped, and with cowclip its "large_batch_k" and the power
+        of k its dense rate takes, "large_batch_dense"}, or {} when neither is on: for the
+        epoch record."""
         if self.cfg.row_clip <= 0 and self.cfg.cowclip is None:
             return {}
-        k = {} if self.cfg.cowclip is None else {"large_batch_k": self.cfg.cowclip.k}
+        rule = self.cfg.cowclip
+        k = {} if rule is None else {"large_batch_k": rule.k, "large_batch_dense": rule.dense}
         return {"row_clip_frac": self.clipped[0] / max(self.clipped[1], 1), **k}
 
     def train_epoch(self, batches, epoch, max_steps=0, skip=0):
