@@ -23,7 +23,8 @@ Runs: ``torch`` (the reference: one process, 2 threads, ``--hash-bucket 1000001`
 ``torch-rowadam`` (per-row lazy Adam), ``torch-spin`` (OpenMP's default spinning), and
 mpips's ``local``, ``local2``, ``async``, ``sync``, ``geo``, ``ssp``
 (bench_train.RUNS; 2 servers x 2 workers, ``OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1``),
-plus any ``--run NAME=FLAGS`` (4 ranks, or 1 with ``--local``).  ``--extra`` goes to every mpips
+plus any ``--run NAME=FLAGS`` (4 ranks, or 1 with ``--local``; ``--run "1x2=-n 3 --servers 1"``
+sets the ranks).  ``--extra`` goes to every mpips
 run, ``--torch-extra`` to every torch run.
 
 Per run: train ex/s (the training span, as mpips's ``train_seconds``), whole-job ex/s
@@ -157,7 +158,13 @@ def parse_runs(names, custom):
         if not sep or not name:
             raise SystemExit(f"--run wants NAME=FLAGS; got {spec!r}")
         f = shlex.split(flags)
-        table[name] = ("mpips", f, 1 if "--local" in f else 4)
+        ranks = 1 if "--local" in f else 4
+        if f[:1] == ["-n"]:                 # "-n N FLAGS": N ranks (a layout: 1x2 is -n 3
+            try:                            # --servers 1)
+                ranks, f = int(f[1]), f[2:]
+            except (IndexError, ValueError):
+                raise SystemExit(f"--run {name}: -n wants a number of ranks; got {flags!r}")
+        table[name] = ("mpips", f, ranks)
         if name not in names:
             names.append(name)
     unknown = [n for n in names if n not in table]
