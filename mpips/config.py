@@ -31,7 +31,25 @@ SIM_SPARSE = ("async", "sync")              # mpips.worker.simulate.SPARSE
 
 
 STALE_RULES = ("none", "inverse", "sqrt")     # --stale-lr: learning-rate factor by staleness s
-STALE_CHOICES = STALE_RULES + ("auto",)       # what --stale-lr takes
+STALE_CHOICES = STALE_RULES + ("auto",)       # what --stale-lr takes (and power:P)
+STALE_POWER = {"none": 0.0, "sqrt": 0.5, "inverse": 1.0}
+
+
+def stale_power(rule):
+    """The power P of a --stale-lr rule (a pushed row's lr x (1 + s)^-P): none 0, sqrt 0.5,
+    inverse 1, power:P with 0 <= P <= 4.  Raises ValueError for anything else ("auto" is
+    resolved by the run's workers first: mpips.tables.staleness.stale_rule)."""
+    if rule in STALE_POWER:
+        return STALE_POWER[rule]
+    name, sep, value = str(rule).partition(":")
+    try:
+        power = float(value) if name == "power" and sep else None
+    except ValueError:
+        power = None
+    if power is None or not 0.0 <= power <= 4.0:
+        raise ValueError(f"--stale-lr must be one of {', '.join(STALE_CHOICES)} or power:P "
+                         f"(0 <= P <= 4); got {rule!r}")
+    return power
 PUSH_RULES = ("none", "count", "each")        # --sync-sparse-lr (mpips.tables.push)
 MAX_COUNT = 1 << 24       # float32 counts are exact integers up to here
 LARGE_BATCH = ("auto", "none", "cowclip")     # --large-batch rules
@@ -173,10 +191,10 @@ class Config:
                            "one step late, so that a step waits for the other workers once "
                            "instead of twice (docs/modes.md); 0 = the step after they are "
                            "computed", choices=(0, 1))
-    stale_lr: str = _f("none", "async/ssp: damp each pushed sparse row's lr by its staleness s "
+    stale_lr: str = _f("auto", "async/ssp: damp each pushed sparse row's lr by its staleness s "
                                "(updates the row took since the worker pulled it): none, "
-                               "inverse (1/(1+s)), sqrt (1/sqrt(1+s)) or auto (none up to 4 "
-                               "workers, sqrt beyond)", choices=STALE_CHOICES)
+                               "inverse (1/(1+s)), sqrt (1/sqrt(1+s)), power:P ((1+s)^-P) or "
+                               "auto (none up to 16 workers, power:0.75 beyond)")
     row_clip: float = _f(0.0, "CowClip-style clipping of each pushed sparse row's gradient: its "
                               "mean over the row's occurrences in the batch is clipped to "
                               "norm R x max(|row|, --row-clip-floor); 0 = off")
@@ -321,9 +339,8 @@ class Config:
         if not hidden or min(hidden) < 1:
             raise ValueError(f"--fc needs at least one positive layer size; got {self.fc!r}")
         parse_entry(self.entry)
-        if self.stale_lr not in STALE_CHOICES:
-            raise ValueError(f"--stale-lr must be one of {', '.join(STALE_CHOICES)}; got "
-                             f"{self.stale_lr!r}")
+        if self.stale_lr != "auto":
+            stale_power(self.stale_lr)          # raises with the forms it takes
         self.check_schema()
         self.check_simulate()
         if self.stream and self.train:

@@ -73,8 +73,9 @@ def local_backend(plan):
     log_line(f"mpips local: {W} worker(s), {model.n_params} dense parameters"
              f"{model_note(model)}")
     log_line(plan.batch_line())
-    if plan.rule_line():
-        log_line(plan.rule_line())
+    for line in (plan.rule_line(), plan.stale_line()):
+        if line:
+            log_line(line)
     log_line(plan.schema.describe())
     if plan.resume:
         ck.load_local(plan.resume, inner_table(ps.sparse), ps.dense, admission_of(ps.sparse))

@@ -15,7 +15,7 @@ from mpips.tables.admission import AdmittedTable
 from mpips.tables.optim import OptimizerConfig
 from mpips.tables.sparse import SparseTable
 from mpips.tables.staleness import (HIST_BINS, MAX_PULLS, StalenessTracker, lr_factors,
-                                    summarize)
+                                    stale_rule, summarize)
 from tests.conftest import run_cmd
 
 DIM = 3
@@ -243,6 +243,45 @@ def test_lr_factors():
     np.testing.assert_array_equal(sq, np.float32([1, 1 / np.sqrt(2), 0.5, 1 / 3]))
     with pytest.raises(ValueError, match="none, inverse, sqrt"):
         lr_factors("linear", s)
+    # power:P, (1 + s)^-P: the named rules are its P = 0, 0.5 and 1
+    np.testing.assert_array_equal(lr_factors("power:0.75", s),
+                                  np.float32([1, 2 ** -0.75, 0.25 ** 0.75, 9 ** -0.75]))
+    np.testing.assert_allclose(lr_factors("power:1", s), inv, rtol=1e-7)
+    np.testing.assert_allclose(lr_factors("power:0.5", s), sq, rtol=1e-7)
+    assert lr_factors("power:0", s) is None
+    for bad in ("power:", "power:x", "power:-1", "power:5", "pow:0.5", "auto"):
+        with pytest.raises(ValueError, match="power:P"):
+            lr_factors(bad, s)
+
+
+def test_stale_lr_auto_is_the_default_and_damps_only_beyond_16_workers():
+    from mpips.config import parse_args
+    from mpips.job.plan import make_plan
+    from mpips.train import local_backend
+    assert parse_args([]).stale_lr == "auto"
+    assert [stale_rule("auto", w) for w in (1, 2, 8, 16, 17, 64)] == \
+        ["none"] * 4 + ["power:0.75"] * 2
+    assert [stale_rule(r, 64) for r in ("none", "inverse", "power:2")] == ["none", "inverse", "power:2"]
+    for bad in ("power:9", "cube"):
+        with pytest.raises(ValueError, match="--stale-lr must be one of"):
+            parse_args(["--stale-lr", bad])
+    sim = ["--local", "--global-batch", "4096", "--simulate-workers"]
+    cases = [(sim + ["16"], "none"), (sim + ["17"], "power:0.75"),
+             (sim + ["32", "--stale-lr", "none"], "none"),
+             (sim + ["8", "--stale-lr", "inverse"], "inverse"),
+             (sim + ["8", "--stale-lr", "sqrt"], "sqrt"),
+             (["--local", "--local-workers", "32"], None)]      # sync: nothing is stale
+    for args, rule in cases:
+        plan = make_plan(parse_args(args))
+        line = plan.stale_line()
+        if rule in ("none", None):
+            assert line is None, (args, line)
+        else:                                   # the start line names what the run applies
+            assert {"sqrt": "1 / sqrt(1 + s)", "inverse": "1 / (1 + s)",
+                    "power:0.75": "(1 + s)^-0.75"}[rule] in line, line
+            assert ("auto: 17 workers, more than 16" in line) == ("17" in args), line
+        if rule is not None:                    # and the simulator's LocalPS applies it
+            assert local_backend(plan).ps.rule == rule, args
 
 
 # ---- the kernels' per-row learning-rate factor

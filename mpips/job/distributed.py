@@ -76,7 +76,7 @@ def run_distributed(plan, comm):
                  f"workers, mode {cfg.mode}, {model.n_params} dense parameters"
                  f"{model_note(model)}")
         log_line(plan.batch_line())
-        for line in (plan.rule_line(), plan.pull_line()):
+        for line in (plan.rule_line(), plan.pull_line(), plan.stale_line()):
             if line:
                 log_line(line)
         log_line(schema.describe())

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from mpips.checkpoint.compat import check_kind, check_resume
 from mpips.comm.cluster import default_servers
 from mpips.checkpoint.manifest import chain_manifests
-from mpips.config import AUTO_K, Config, split_batch
+from mpips.config import AUTO_K, Config, split_batch, stale_power
 from mpips.data.files import resolve_paths
 from mpips.job.build import (CowClip, auto_batch, auto_rule_off, dense_lr, large_batch_rule, make_model,
                              make_schema, resolve_data)
@@ -23,6 +23,7 @@ from mpips.job.hooks import NONE, Hooks
 from mpips.job.resume import checked_meta, choose_at_start, first_rank_decides, pin, start_point
 from mpips.schema import Schema
 from mpips.tables.ownership import plan_keys
+from mpips.tables.staleness import STALE_AUTO_W, counts_staleness, stale_rule
 from mpips.worker.geo import GeoTrainer
 from mpips.worker.late import LateTrainer
 from mpips.worker.trainer import Trainer
@@ -161,6 +162,22 @@ class RunPlan:
                 "in the push's message: one a server a step, the rows miss the pushes that "
                 "arrive after it")
         return f"mpips: async pull: {what} ({why})"
+
+    def stale_line(self):
+        """The start line of the pushed rows' staleness damping (--stale-lr) when a run's
+        servers (or the simulator) apply one; None when they apply none."""
+        cfg = self.cfg
+        rule = stale_rule(cfg.stale_lr, self.workers)
+        counted = (cfg.simulate_workers and cfg.sim_sparse == "async" if cfg.local else
+                   counts_staleness(cfg.mode, cfg.staleness))
+        if rule == "none" or not counted:
+            return None
+        why = (f"--stale-lr auto: {self.workers} workers, more than {STALE_AUTO_W}"
+               if cfg.stale_lr == "auto" else f"--stale-lr {rule}")
+        what = {"inverse": "1 / (1 + s)", "sqrt": "1 / sqrt(1 + s)"}.get(
+            rule, f"(1 + s)^-{stale_power(rule):g}")
+        return (f"mpips: staleness damping: each pushed row's lr x {what} for the s updates "
+                f"the row took since its pull ({why})")
 
     def with_data(self):
         """This plan with its file lists (the embedded dataset made on first use: one rank

@@ -55,7 +55,8 @@ from mpips.comm.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, MAX_LINE_
 from mpips.server.checks import RequestChecks
 from mpips.tables.dense import pack_state, unpack_state
 from mpips.tables import push as push_rules
-from mpips.tables.staleness import RULES, StalenessTracker, counts_staleness, lr_factors
+from mpips.config import stale_power
+from mpips.tables.staleness import StalenessTracker, counts_staleness, lr_factors
 
 CHECK_EVERY = 0.05  # seconds between liveness checks of an idle server
 MAX_REJECT_LINES = 100  # malformed requests logged one line each; later ones only counted
@@ -75,8 +76,7 @@ class Server(RequestChecks):
     def __init__(self, comm, worker_ranks, sparse, dense, mode="async", staleness=0,
                  timeout=120.0, idle_max=IDLE[1], idle_timeout=None, label="server",
                  shard=(0, 1), stale_lr="none", sync_sparse_lr="none"):
-        if stale_lr not in RULES:
-            raise ValueError(f"--stale-lr must be one of {', '.join(RULES)}; got {stale_lr!r}")
+        stale_power(stale_lr)               # raises for a rule it is not
         self.comm, self.sparse, self.dense = comm, sparse, dense
         self.shard = (int(shard[0]), int(shard[1]))
         self.workers = list(worker_ranks)

@@ -10,7 +10,8 @@ does), it counts the staleness of every pushed row as the servers do, keyed by t
 ``rule`` (``--stale-lr``).
 """
 from mpips.comm.protocol import Op
-from mpips.tables.staleness import RULES, lr_factors
+from mpips.config import stale_power
+from mpips.tables.staleness import lr_factors
 
 
 class _Done:
@@ -21,14 +22,13 @@ class _Done:
 class LocalPS:
     """Holds the whole sparse table and the whole dense vector (one 'server').
 
-    tracker: a StalenessTracker of ``sparse`` or None (no counting); rule: one of
-    ``mpips.tables.staleness.RULES``, applied to the counted staleness of each push.
+    tracker: a StalenessTracker of ``sparse`` or None (no counting); rule: a --stale-lr rule
+    (``mpips.config.stale_power``), applied to the counted staleness of each push.
     """
     n_servers = 1
 
     def __init__(self, sparse, dense, tracker=None, rule="none"):
-        if rule not in RULES:
-            raise ValueError(f"--stale-lr must be one of {', '.join(RULES)}; got {rule!r}")
+        stale_power(rule)                   # raises for a rule it is not
         self.sparse, self.dense = sparse, dense
         self.tracker, self.rule = tracker, rule
         self.wait_s = 0.0
