@@ -50,6 +50,8 @@ def stale_power(rule):
         raise ValueError(f"--stale-lr must be one of {', '.join(STALE_CHOICES)} or power:P "
                          f"(0 <= P <= 4); got {rule!r}")
     return power
+
+
 PUSH_RULES = ("none", "count", "each")        # --sync-sparse-lr (mpips.tables.push)
 MAX_COUNT = 1 << 24       # float32 counts are exact integers up to here
 LARGE_BATCH = ("auto", "none", "cowclip")     # --large-batch rules

@@ -127,12 +127,6 @@ def test_dense_lr_scales_with_the_batches_of_a_dense_step():
         assert sparse.opt.lr == pytest.approx(0.002)
 
 
-def test_stale_rule_auto_damps_only_beyond_four_workers():
-    from mpips.tables.staleness import stale_rule
-    assert [stale_rule("auto", w) for w in (1, 2, 4, 5, 8, 64)] == ["none"] * 3 + ["sqrt"] * 3
-    assert [stale_rule(r, 2) for r in ("none", "inverse", "sqrt")] == ["none", "inverse", "sqrt"]
-
-
 OLD_CKPT = ROOT / "tests" / "data" / "ckpt-v1-async"
 
 

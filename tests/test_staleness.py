@@ -268,13 +268,14 @@ def test_stale_lr_auto_is_the_default_and_damps_only_beyond_16_workers():
     sim = ["--local", "--global-batch", "4096", "--simulate-workers"]
     cases = [(sim + ["16"], "none"), (sim + ["17"], "power:0.75"),
              (sim + ["32", "--stale-lr", "none"], "none"),
+             (sim + ["32", "--stale-lr", "power:0"], "power:0"),        # no damping either
              (sim + ["8", "--stale-lr", "inverse"], "inverse"),
              (sim + ["8", "--stale-lr", "sqrt"], "sqrt"),
              (["--local", "--local-workers", "32"], None)]      # sync: nothing is stale
     for args, rule in cases:
         plan = make_plan(parse_args(args))
         line = plan.stale_line()
-        if rule in ("none", None):
+        if rule in ("none", "power:0", None):
             assert line is None, (args, line)
         else:                                   # the start line names what the run applies
             assert {"sqrt": "1 / sqrt(1 + s)", "inverse": "1 / (1 + s)",

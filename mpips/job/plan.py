@@ -170,7 +170,7 @@ class RunPlan:
         rule = stale_rule(cfg.stale_lr, self.workers)
         counted = (cfg.simulate_workers and cfg.sim_sparse == "async" if cfg.local else
                    counts_staleness(cfg.mode, cfg.staleness))
-        if rule == "none" or not counted:
+        if stale_power(rule) == 0.0 or not counted:
             return None
         why = (f"--stale-lr auto: {self.workers} workers, more than {STALE_AUTO_W}"
                if cfg.stale_lr == "auto" else f"--stale-lr {rule}")

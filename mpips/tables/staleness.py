@@ -32,7 +32,7 @@ import numpy as np
 from mpips.config import STALE_CHOICES, STALE_RULES, stale_power
 from mpips.kernels.staleness import count_push
 
-RULES = STALE_RULES                     # --stale-lr: learning-rate factor by staleness s
+RULES = STALE_RULES                     # --stale-lr's named rules (and power:P: stale_power)
 HIST_BINS = 65          # staleness 0 .. 63, and [64] = 64 or more
 MAX_PULLS = 2           # pull records kept per worker (async: steps t and t+1)
 MAX_RECORD_ROWS = 1 << 22   # a step pulled again past this many rows keeps its newest pull
