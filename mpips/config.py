@@ -30,26 +30,21 @@ MODELS = ("dnn", "wide_deep", "deepfm")     # mpips.models.zoo.MODELS
 SIM_SPARSE = ("async", "sync")              # mpips.worker.simulate.SPARSE
 
 
-STALE_RULES = ("none", "inverse", "sqrt")     # --stale-lr: learning-rate factor by staleness s
-STALE_CHOICES = STALE_RULES + ("auto",)       # what --stale-lr takes (and power:P)
-STALE_POWER = {"none": 0.0, "sqrt": 0.5, "inverse": 1.0}
+STALE_POWER = {"none": 0.0, "sqrt": 0.5, "inverse": 1.0}   # --stale-lr: lr x (1 + s)^-P
 
 
 def stale_power(rule):
-    """The power P of a --stale-lr rule (a pushed row's lr x (1 + s)^-P): none 0, sqrt 0.5,
-    inverse 1, power:P with 0 <= P <= 4.  Raises ValueError for anything else ("auto" is
-    resolved by the run's workers first: mpips.tables.staleness.stale_rule)."""
-    if rule in STALE_POWER:
-        return STALE_POWER[rule]
-    name, sep, value = str(rule).partition(":")
+    """P of a --stale-lr rule (a pushed row's lr x (1 + s)^-P): none 0, sqrt 0.5, inverse 1,
+    power:P (0 <= P <= 4); else ValueError (auto: mpips.tables.staleness.stale_rule)."""
+    name, _, value = str(rule).partition(":")
     try:
-        power = float(value) if name == "power" and sep else None
+        p = STALE_POWER[rule] if rule in STALE_POWER else float(value) if name == "power" else -1
     except ValueError:
-        power = None
-    if power is None or not 0.0 <= power <= 4.0:
-        raise ValueError(f"--stale-lr must be one of {', '.join(STALE_CHOICES)} or power:P "
+        p = -1
+    if not 0 <= p <= 4:
+        raise ValueError(f"--stale-lr must be one of none, inverse, sqrt, auto or power:P "
                          f"(0 <= P <= 4); got {rule!r}")
-    return power
+    return float(p)
 
 
 PUSH_RULES = ("none", "count", "each")        # --sync-sparse-lr (mpips.tables.push)
@@ -576,39 +571,4 @@ def parse_fc(value):
     if isinstance(value, str):
         return tuple(int(x) for x in value.split(",") if x.strip())
     return tuple(int(x) for x in value)
-
-
-ORDER_KEYS = ("shuffle", "shuffle_window", "seed", "batch_size", "global_batch",
-              "local_workers")
-
-
-# --- mpips.infer / mpips.export: the checkpoint to read ---------------------------------
-class _ModelAlias(argparse.Action):
-    """``--model`` in infer/export: the old name of ``--checkpoint`` (recorded, to note)."""
-
-    def __call__(self, parser, ns, values, option_string=None):
-        ns.checkpoint, ns.model_alias = values, True
-
-
-def add_checkpoint_option(p):
-    """``--checkpoint DIR`` (required), with ``--model`` kept as an alias."""
-    p.add_argument("--checkpoint", default="", help="checkpoint directory, or a root holding "
-                   "ckpt-* directories (its newest checkpoint whose chain verifies)")
-    p.add_argument("--model", action=_ModelAlias, dest="checkpoint", metavar="CHECKPOINT",
-                   help="the old name of --checkpoint (in mpips.train --model is the network)")
-
-
-def checkpoint_arg(p, args, warn):
-    """The --checkpoint path; errors (``p.error``) when missing or when ``--model`` names
-    a network, and ``warn``s once when the alias was used."""
-    if not args.checkpoint:
-        p.error("--checkpoint DIR is required (a checkpoint directory or a --save-dir root)")
-    if getattr(args, "model_alias", False):
-        if args.checkpoint in MODELS:
-            p.error(f"--model {args.checkpoint} names a network, but here --model is the old "
-                    f"name of --checkpoint: give --checkpoint DIR (the network is stored in "
-                    f"the checkpoint; --network {args.checkpoint} checks it)")
-        warn(f"{p.prog}: note: --model is the old name of --checkpoint here (in mpips.train "
-             f"--model is the network); use --checkpoint {args.checkpoint}")
-    return args.checkpoint
 

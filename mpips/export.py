@@ -23,7 +23,8 @@ import time
 import mpips.serving.bundle as bd
 from mpips.checkpoint import read_manifest, resolve
 from mpips.checkpoint.compat import check_wanted
-from mpips.config import MODELS, add_checkpoint_option, checkpoint_arg
+from mpips.checkpoint.load import add_checkpoint_option, checkpoint_arg
+from mpips.config import MODELS
 
 PROG = "python -m mpips.export"
 

@@ -55,7 +55,8 @@ from mpips.job.build import make_reader
 from mpips.serving.bundle import Snapshot, bundle_info, schema_of_manifest
 from mpips.checkpoint import read_manifest, resolve, saved_settings
 from mpips.checkpoint.compat import check_wanted
-from mpips.config import MODELS, Config, add_checkpoint_option, checkpoint_arg
+from mpips.checkpoint.load import add_checkpoint_option, checkpoint_arg
+from mpips.config import MODELS, Config
 from mpips.data.files import resolve_paths, split_files
 from mpips.metrics import BinaryMetrics
 from mpips.job.resume import first_rank_decides

@@ -16,9 +16,12 @@ import json
 import os
 
 from mpips.checkpoint.manifest import UNKNOWN, CheckpointError, run_settings, saved_settings
-from mpips.config import ORDER_KEYS, Config, parse_fc
+from mpips.config import Config, parse_fc
 from mpips.models.zoo import stored_name
 from mpips.schema import check_same, load_schema, stored_schema
+
+ORDER_KEYS = ("shuffle", "shuffle_window", "seed", "batch_size", "global_batch",
+              "local_workers")     # a mid-epoch resume skips batches: their order must match
 
 
 # Settings that change what the numbers in a checkpoint mean (a row's id, a weight's place,

@@ -8,11 +8,13 @@ ids are re-assigned by ``owner_of``, so S servers' files load into any S'.  Size
 dtypes and CRC-32s are verified against the manifest again as the rows are read; any
 problem raises CheckpointError.  The files themselves are read by ``mpips.checkpoint.h5io``.
 """
+import argparse
 import os
 
 import numpy as np
 
 from mpips.checkpoint.h5io import Shard, dense_slice, fold_removed, tables_schema
+from mpips.config import MODELS
 from mpips.checkpoint.manifest import (_DIR_RE, MANIFEST, SKIPPED_FIELDS, CheckpointError,
                                        chain_manifests, list_checkpoints, read_manifest,
                                        stderr_warn)
@@ -213,3 +215,34 @@ def load_config(path, warn=None):
 def load_local(path, sparse, dense, admission=None):
     """Load checkpoint ``path`` (dir or root) whole into one process's empty tables."""
     return load_shard_into(resolve(path), sparse, dense, 0, 1, [0, len(dense)], admission)
+
+
+# --- mpips.infer / mpips.export: the checkpoint to read (their --checkpoint flag) --------
+class _ModelAlias(argparse.Action):
+    """``--model`` in infer/export: the old name of ``--checkpoint`` (recorded, to note)."""
+
+    def __call__(self, parser, ns, values, option_string=None):
+        ns.checkpoint, ns.model_alias = values, True
+
+
+def add_checkpoint_option(p):
+    """``--checkpoint DIR`` (required), with ``--model`` kept as an alias."""
+    p.add_argument("--checkpoint", default="", help="checkpoint directory, or a root holding "
+                   "ckpt-* directories (its newest checkpoint whose chain verifies)")
+    p.add_argument("--model", action=_ModelAlias, dest="checkpoint", metavar="CHECKPOINT",
+                   help="the old name of --checkpoint (in mpips.train --model is the network)")
+
+
+def checkpoint_arg(p, args, warn):
+    """The --checkpoint path; errors (``p.error``) when missing or when ``--model`` names
+    a network, and ``warn``s once when the alias was used."""
+    if not args.checkpoint:
+        p.error("--checkpoint DIR is required (a checkpoint directory or a --save-dir root)")
+    if getattr(args, "model_alias", False):
+        if args.checkpoint in MODELS:
+            p.error(f"--model {args.checkpoint} names a network, but here --model is the old "
+                    f"name of --checkpoint: give --checkpoint DIR (the network is stored in "
+                    f"the checkpoint; --network {args.checkpoint} checks it)")
+        warn(f"{p.prog}: note: --model is the old name of --checkpoint here (in mpips.train "
+             f"--model is the network); use --checkpoint {args.checkpoint}")
+    return args.checkpoint

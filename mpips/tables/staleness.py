@@ -29,10 +29,9 @@ a row made by the push itself, an id that has no row) get staleness 0 and are co
 """
 import numpy as np
 
-from mpips.config import STALE_CHOICES, STALE_RULES, stale_power
+from mpips.config import stale_power
 from mpips.kernels.staleness import count_push
 
-RULES = STALE_RULES                     # --stale-lr's named rules (and power:P: stale_power)
 HIST_BINS = 65          # staleness 0 .. 63, and [64] = 64 or more
 MAX_PULLS = 2           # pull records kept per worker (async: steps t and t+1)
 MAX_RECORD_ROWS = 1 << 22   # a step pulled again past this many rows keeps its newest pull
@@ -176,9 +175,6 @@ def counts_staleness(mode, staleness):
 SMALL_W = 4     # "auto" rules: up to this many workers the rules before issue 22 measured best
 STALE_AUTO_W = 16   # --stale-lr auto (the default): no damping up to this many workers,
 STALE_AUTO = "power:0.75"   # and this beyond
-
-
-CHOICES = STALE_CHOICES         # what --stale-lr takes
 
 
 def stale_rule(rule, n_workers):
