@@ -24,37 +24,6 @@ def pytest_configure(config):
     import compileall
     for d in ("mpips", "data_prep", "tests"):
         compileall.compile_dir(str(ROOT / d), quiet=2)
-    warm_kernels()
-
-
-# The runs whose numba kernels are compiled once before the tests (mpips.job.warmup on a few
-# synthetic Criteo lines each): the default model and optimizer, the other models,
-# optimizers and modes, admission and the staleness damping.
-WARM_RUNS = ["", "--model deepfm", "--model wide_deep", "--optimizer sgd", "--optimizer adagrad",
-             "--mode sync", "--mode geo", "--entry count:2", "--stale-lr inverse"]
-_WARM = """import sys
-from mpips.config import parse_args
-from mpips.job.plan import make_plan
-from mpips.job.warmup import warm
-for flags in sys.argv[1:]:
-    warm(make_plan(parse_args(["--fc", "8"] + flags.split())), files=[])
-"""
-
-
-def warm_kernels():
-    """Fill numba's cache once, in one process, before any test starts.
-
-    A fresh clone's cache is empty, and each test process compiles the kernels it calls at
-    its first call: the two xdist workers' jobs compiled the same kernels side by side, and
-    in a clean clone the suite took 618 s against 439 s with the cache filled (the tests'
-    own seconds 1168 against 832). This costs ~30 s once on a cold cache, ~3 s on a warm
-    one. A failure here is only reported: the tests then compile as before."""
-    r = subprocess.run([sys.executable, "-c", _WARM, *WARM_RUNS], capture_output=True, text=True,
-                       env=dict(os.environ, **MPI_ENV), cwd=str(ROOT), timeout=900,
-                       stdin=subprocess.DEVNULL)
-    if r.returncode != 0:
-        print(f"conftest: warming numba's cache failed (the tests compile as they go):\n"
-              f"{r.stderr[-2000:]}", file=sys.stderr)
 
 
 def mpiexec_path():
