@@ -168,14 +168,15 @@ class RunPlan:
         servers (or the simulator) apply one; None when they apply none."""
         cfg = self.cfg
         rule = stale_rule(cfg.stale_lr, self.workers)
+        power = stale_power(rule)
         counted = (cfg.simulate_workers and cfg.sim_sparse == "async" if cfg.local else
                    counts_staleness(cfg.mode, cfg.staleness))
-        if stale_power(rule) == 0.0 or not counted:
+        if power == 0.0 or not counted:
             return None
         why = (f"--stale-lr auto: {self.workers} workers, more than {STALE_AUTO_W}"
                if cfg.stale_lr == "auto" else f"--stale-lr {rule}")
         what = {"inverse": "1 / (1 + s)", "sqrt": "1 / sqrt(1 + s)"}.get(
-            rule, f"(1 + s)^-{stale_power(rule):g}")
+            rule, f"(1 + s)^-{power:g}")
         return (f"mpips: staleness damping: each pushed row's lr x {what} for the s updates "
                 f"the row took since its pull ({why})")
 

@@ -172,7 +172,7 @@ def counts_staleness(mode, staleness):
     return mode == "async" or (mode == "ssp" and staleness > 0)
 
 
-SMALL_W = 4     # "auto" rules: up to this many workers the rules before issue 22 measured best
+SMALL_W = 4     # --dense-lr-rule auto: x W up to this many workers (mpips.job.build)
 STALE_AUTO_W = 16   # --stale-lr auto (the default): no damping up to this many workers,
 STALE_AUTO = "power:0.75"   # and this beyond
 
