@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mpips import checkpoint as ck
-from mpips.models.ctr_dnn import CTRDNN
+from mpips.models.zoo import make_net
 from mpips.schema import Schema
 from mpips.tables.dense import DenseTable
 from mpips.tables.optim import OptimizerConfig
@@ -42,7 +42,7 @@ def build(rows, dim, seed):
     for lo in range(0, rows, PUSH_CHUNK):
         k = keys[lo:lo + PUSH_CHUNK]
         sparse.push(k, rng.standard_normal((len(k), dim)).astype(np.float32))
-    model = CTRDNN.for_schema(Schema.criteo(), dim, (400, 400, 400))
+    model = make_net("dnn", Schema.criteo(), dim, (400, 400, 400))
     dense = DenseTable(model.init_params(seed), opt)
     dense.push(rng.standard_normal(model.n_params).astype(np.float32))
     return sparse, dense, keys, opt

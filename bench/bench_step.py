@@ -3,8 +3,9 @@
     python bench/bench_step.py                      # Criteo shape, batch 512, one thread
     python bench/bench_step.py --workers 2          # the dense optimizer on a 1/2 shard
 
-One process, one thread, the model's own code: ``CTRDNN.forward_backward`` runs with its
-module's ``np.matmul`` and kernels wrapped in timers, so every product and every kernel
+One process, one thread, the model's own code: the dnn network's ``forward_backward`` (the
+layer path, ``mpips.models.network``) runs with its layers' ``np.matmul`` and kernels wrapped
+in timers, so every product and every kernel
 call of a step is timed where the model makes it: each call site's best over ``--reps``
 steps, and the best time of a step outside those calls.  The step's other pieces (dedup,
 gather, scatter, metrics, the dense Adam step) are the trainer's calls on the same batch.
@@ -28,7 +29,10 @@ from common import ROOT  # noqa: E402,F401  (the repo root on sys.path)
 
 import numpy as np  # noqa: E402
 
-import mpips.models.ctr_dnn as ctr_dnn  # noqa: E402
+import mpips.kernels.layers as layer_kernels  # noqa: E402
+import mpips.models.layers as layers  # noqa: E402
+import mpips.models.network as network  # noqa: E402
+from mpips.models.zoo import builtin  # noqa: E402
 from mpips.kernels.embedding import gather_rows, scatter_add_rows, unique_inverse  # noqa: E402
 from mpips.metrics import BinaryMetrics  # noqa: E402
 from mpips.tables.dense import DenseTable  # noqa: E402
@@ -65,7 +69,7 @@ def _timed(fn, label_of, sites):
 
 
 class _TimedNumpy:
-    """numpy, with matmul timed (what ctr_dnn's ``np`` becomes during the profile)."""
+    """numpy, with matmul timed (what the layers' ``np`` becomes during the profile)."""
 
     def __init__(self, sites):
         def label(a, b, out=None):
@@ -78,8 +82,9 @@ class _TimedNumpy:
         return getattr(np, name)
 
 
-KERNELS = ("bias_relu_", "outer_relu_backward_colsum_", "relu_backward_colsum_",
-           "sigmoid_bce_")
+# (module, name) of every kernel a dnn step calls, timed where it is called
+KERNELS = ((layers, "bias_relu_"), (layers, "relu_backward_colsum_"),
+           (network, "sigmoid_bce_"), (layer_kernels, "outer_"))
 
 
 def profile_model(model, params, emb, dense, label, reps):
@@ -88,11 +93,11 @@ def profile_model(model, params, emb, dense, label, reps):
     a loaded machine a whole 15 ms step is rarely left alone, its pieces often are."""
     grad, gemb = np.zeros_like(params), np.empty_like(emb)
     sites = _Sites()
-    saved = {k: getattr(ctr_dnn, k) for k in KERNELS + ("np",)}
+    saved = {(m, k): getattr(m, k) for m, k in KERNELS + ((layers, "np"),)}
     try:
-        ctr_dnn.np = _TimedNumpy(sites)
-        for k in KERNELS:
-            setattr(ctr_dnn, k, _timed(saved[k], lambda *a, k=k: k, sites))
+        layers.np = _TimedNumpy(sites)
+        for m, k in KERNELS:
+            setattr(m, k, _timed(saved[m, k], lambda *a, k=k: k, sites))
         outside = float("inf")
         for _ in range(reps):
             sites.start_step()
@@ -101,8 +106,8 @@ def profile_model(model, params, emb, dense, label, reps):
             step = time.perf_counter() - t0
             outside = min(outside, step - sum(sites.last[:sites.i]))
     finally:
-        for k, v in saved.items():
-            setattr(ctr_dnn, k, v)
+        for (m, k), v in saved.items():
+            setattr(m, k, v)
     return list(zip(sites.labels, sites.best)), outside
 
 
@@ -170,7 +175,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     hidden = tuple(int(x) for x in a.fc.split(","))
-    model = ctr_dnn.CTRDNN(a.n_sparse, a.dim, a.n_dense, hidden)
+    model = builtin("dnn", a.n_sparse, a.dim, a.n_dense, hidden)
     params = model.init_params(0)
     B = a.batch
     emb = rng.standard_normal((B, model.emb_width), dtype=np.float32) * 0.1

@@ -26,7 +26,7 @@ FORMATS = ("auto", "tsv", "slot")
 SAVE_MODES = ("full", "base", "delta")
 SHRINK_EVERY = ("day", "pass", "never")
 LATE_PASS = ("warn", "fail")
-MODELS = ("dnn", "wide_deep", "deepfm")     # mpips.models.zoo.MODELS
+MODELS = ("dnn", "wide_deep", "deepfm", "dcn_v2", "dlrm")   # mpips.models.zoo.MODELS
 SIM_SPARSE = ("async", "sync")              # mpips.worker.simulate.SPARSE
 
 
@@ -211,9 +211,9 @@ class Config:
     large_batch_base: int = _f(4096, "--large-batch: the global batch at which the rule's "
                                      "k is 1")
     # --- model and optimiser
-    model: str = _f("dnn", "network: dnn (CTR-DNN), wide_deep (Wide&Deep) or deepfm (DeepFM); "
-                           "wide_deep and deepfm add a first-order weight to every table row "
-                           "(docs/models.md)", choices=MODELS)
+    model: str = _f("dnn", "network: a built-in one, dnn (CTR-DNN), wide_deep (Wide&Deep), "
+                           "deepfm (DeepFM), dcn_v2 (DCN-v2), dlrm (DLRM), or a network file "
+                           "FILE.toml (--print-model NAME prints one; docs/models.md)")
     embedding_dim: int = _f(10, "embedding size per sparse slot")
     fc: str = _f("400,400,400", "hidden layer sizes, comma-separated")
     optimizer: str = _f("adam", "optimizer of the sparse rows (on the servers) and of the dense "
@@ -324,11 +324,14 @@ class Config:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
         for name, choices in (("shrink_every", SHRINK_EVERY), ("late_pass", LATE_PASS),
                               ("save_mode", SAVE_MODES),
-                              ("mode", MODES), ("optimizer", OPTIMIZERS), ("model", MODELS),
+                              ("mode", MODES), ("optimizer", OPTIMIZERS),
                               ("data_format", FORMATS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(choices)}; "
                                  f"got {getattr(self, name)!r}")
+        if self.model not in MODELS and not self.model.endswith(".toml"):
+            raise ValueError(f"--model must be one of {', '.join(MODELS)} or a network file "
+                             f"FILE.toml; got {self.model!r}")
         try:
             hidden = self.hidden
         except ValueError:

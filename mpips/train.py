@@ -31,6 +31,7 @@ from mpips.job.stop import STOP
 from mpips.job.stream import run_stream
 from mpips.job.tracking import new_run
 from mpips.job.warmup import report_new, signatures, warm
+from mpips.models.zoo import network_text
 from mpips.tables.staleness import StalenessTracker, stale_rule
 from mpips.worker.local import LocalPS
 
@@ -107,7 +108,22 @@ def main(argv=None):
         stop.restore(previous)
 
 
+def print_model(argv):
+    """``--print-model NAME``: print a built-in network's file (or a FILE.toml) and exit."""
+    i = next(i for i, a in enumerate(argv) if a.split("=")[0] == "--print-model")
+    name = argv[i].split("=", 1)[1] if "=" in argv[i] else \
+        (argv[i + 1] if i + 1 < len(argv) else "")
+    try:
+        print(network_text(name), end="")
+    except ValueError as e:
+        print(f"mpips: error: --print-model: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _main(argv):
+    if any(a.split("=")[0] == "--print-model" for a in argv):
+        return print_model(argv)
     hooks = Hooks.from_env()    # test and benchmark aids: the environment is read here only
     if "--local" in argv:       # no MPI at all
         try:

@@ -3,8 +3,13 @@ import numpy as np
 import pytest
 
 from mpips.kernels import mlp
-from mpips.models import ctr_dnn
-from mpips.models.ctr_dnn import CTRDNN
+from mpips.models import network as ctr_dnn
+from mpips.models import zoo
+
+
+def CTRDNN(n_sparse, dim, n_dense, hidden=(400, 400, 400), **kw):
+    """The built-in dnn network (the CTR-DNN) through the layer path."""
+    return zoo.builtin("dnn", n_sparse, dim, n_dense, hidden, **kw)
 
 pytestmark = pytest.mark.exact      # float results against references, bit-equal paths
 
@@ -13,7 +18,7 @@ TINY = dict(n_sparse=4, dim=3, n_dense=2, hidden=(5, 4))
 
 def make_batch(model, batch, seed=0, dtype=np.float64):
     rng = np.random.default_rng(seed)
-    emb = rng.standard_normal((batch, model.n_emb)).astype(dtype)
+    emb = rng.standard_normal((batch, model.emb_width)).astype(dtype)
     dense = rng.random((batch, model.n_dense)).astype(dtype)
     label = (rng.random(batch) < 0.4).astype(dtype)
     return emb, dense, label
@@ -34,7 +39,7 @@ def reference_loss(logit, label):
 
 def run_fb(model, params, emb, dense, label):
     grad = np.empty_like(params)
-    gemb = np.empty((emb.shape[0], model.n_emb), model.dtype)
+    gemb = np.empty((emb.shape[0], model.emb_width), model.dtype)
     loss, probs = model.forward_backward(params, emb, dense, label, grad, gemb)
     return loss, probs.copy(), grad, gemb
 
@@ -48,7 +53,7 @@ def test_layout_is_contiguous_and_complete():
     assert off == m.n_params == (14 * 5 + 5) + (5 * 4 + 4) + (4 + 1)
     assert [n for n, _, _ in m.layout] == ["fc0.w", "fc0.b", "fc1.w", "fc1.b", "out.w", "out.b"]
     default = CTRDNN(n_sparse=26, dim=10, n_dense=13)     # Criteo's 26 slots + 13 dense
-    assert default.n_in == 26 * 10 + 13
+    assert default.tensors["x"].width == 26 * 10 + 13      # the MLP's input
     assert default.n_params == 273 * 400 + 400 + 2 * (400 * 400 + 400) + 401
 
 
@@ -100,8 +105,8 @@ def test_float32_matches_float64_and_stays_float32():
     l32, pr32, g32, ge32 = run_fb(m32, p32, emb.astype(np.float32),
                                    dense.astype(np.float32), label.astype(np.float32))
     assert pr32.dtype == g32.dtype == ge32.dtype == np.float32
-    ws = m32._ws
-    for arr in [ws.x, ws.logit, ws.dlogit, ws.probs, *ws.act, *ws.grad]:
+    fc = m32.tensors["fc"].producer
+    for arr in [*m32._out.values(), *m32._grad.values(), m32.probs, *fc.acts, *fc.grads]:
         assert arr.dtype == np.float32
     assert l32 == pytest.approx(l64, rel=1e-5)
     np.testing.assert_allclose(g32, g64, rtol=1e-3, atol=1e-5)
@@ -114,10 +119,10 @@ def test_workspace_reuse_with_smaller_batch():
     params = m.init_params(0)
     emb, dense, label = make_batch(m, 16, seed=6, dtype=np.float32)
     run_fb(m, params, emb, dense, label)                   # workspace for 16 rows
-    ws = m._ws
+    ws = m._out["fc"]
     got = run_fb(m, params, emb[:5], dense[:5], label[:5])
     want = run_fb(fresh, params, emb[:5], dense[:5], label[:5])
-    assert m._ws is ws                                     # no re-allocation
+    assert m._out["fc"] is ws                              # no re-allocation
     assert got[0] == want[0]
     for a, b in zip(got[1:], want[1:]):
         np.testing.assert_array_equal(a, b)
@@ -131,7 +136,7 @@ def test_predict_equals_forward_probs(monkeypatch):
     out = np.empty(23, np.float32)
     monkeypatch.setattr(ctr_dnn, "PREDICT_CHUNK", 6)      # exercise chunking
     m.predict(params, emb, dense, out)
-    assert m._ws.cap == 6
+    assert m._ws_cap == 6
     np.testing.assert_allclose(out, probs, rtol=1e-6)
     out64 = np.empty(23)
     m.predict(params, emb, dense, out64)
@@ -201,7 +206,7 @@ def test_bad_inputs_raise():
     m = CTRDNN(**TINY)
     params = m.init_params(0)
     emb, dense, label = make_batch(m, 4, dtype=np.float32)
-    grad, gemb = np.empty_like(params), np.empty((4, m.n_emb), np.float32)
+    grad, gemb = np.empty_like(params), np.empty((4, m.emb_width), np.float32)
     with pytest.raises(ValueError, match="grad_out"):
         m.forward_backward(params, emb, dense, label, grad.astype(np.float64), gemb)
     with pytest.raises(ValueError, match="emb must have shape"):
@@ -212,7 +217,7 @@ def test_bad_inputs_raise():
         m.forward_backward(params, emb, dense, label, grad, gemb[:3])
     with pytest.raises(ValueError, match="params"):
         m.predict(params[:-1], emb, dense, np.empty(4))
-    with pytest.raises(ValueError, match="hidden"):
+    with pytest.raises(ValueError, match="widths"):
         CTRDNN(26, 10, 13, hidden=())
     with pytest.raises(ValueError, match="unknown init"):
         CTRDNN(26, 10, 13, init="he")

@@ -5,7 +5,7 @@ import pytest
 
 from mpips.kernels.embedding import unique_inverse
 from mpips.kernels.pooling import pool_backward, pool_forward
-from mpips.models.ctr_dnn import CTRDNN
+from mpips.models.zoo import builtin
 
 
 def random_bags(rng, n, S, max_len=5, vocab=12, p_empty=0.25):
@@ -85,7 +85,7 @@ def test_gradient_through_pooling_matches_finite_differences():
     pooling = np.array([0, 1, 1], np.int8)
     ids, offsets = random_bags(rng, n, S, max_len=4, vocab=6)
     keys, inverse = unique_inverse(ids)
-    m = CTRDNN(n_sparse=S, dim=dim, n_dense=2, hidden=(5, 3), dtype=np.float64)
+    m = builtin("dnn", n_sparse=S, dim=dim, n_dense=2, hidden=(5, 3), dtype=np.float64)
     params = m.init_params(1) + 0.1 * rng.standard_normal(m.n_params)
     dense = rng.random((n, 2))
     label = (rng.random(n) < 0.5).astype(np.float64)

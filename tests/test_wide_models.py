@@ -4,20 +4,17 @@ central differences."""
 import numpy as np
 import pytest
 
-from mpips.kernels.fm import wide_fm_backward_, wide_fm_forward_
+from mpips.kernels.layers import first_order_fm_forward_, fm2_backward_, fm2_forward_
 from mpips.kernels.pooling import pool_backward, pool_forward
 from mpips.models import zoo
-from mpips.models.ctr_dnn import CTRDNN
-from mpips.models.deepfm import DeepFM
-from mpips.models.wide_deep import WideDeep
 
 S, D, DIM, HID = 4, 2, 3, (5, 4)
 NAMES = ("wide_deep", "deepfm")
 
 
 def net(name, dtype=np.float64, pooling=None):
-    return zoo.MODELS[name](n_sparse=S, dim=DIM, n_dense=D, hidden=HID, dtype=dtype,
-                            pooling=pooling)
+    return zoo.builtin(name, n_sparse=S, dim=DIM, n_dense=D, hidden=HID, dtype=dtype,
+                       pooling=pooling)
 
 
 def bags(n, multi, rng, n_rows):
@@ -40,7 +37,7 @@ def reference_logit(m, params, rows, ids, off, dense):
     v = {k: a.astype(np.float64) for k, a in m.views(params).items()}
     w, p = pooled[:, :, 0], pooled[:, :, 1:]
     logit = v["wide.b"][0] + w.sum(1) + dense @ v["wide.u"]
-    if m.USE_FM:
+    if m.name == "deepfm":
         logit += sum((p[:, f] * p[:, g]).sum(1) for f in range(S) for g in range(f + 1, S))
     h = np.concatenate([p.reshape(n, -1), dense], axis=1)
     for i in range(len(m.hidden)):
@@ -108,26 +105,27 @@ def test_gradients_match_central_differences(name, multi):
 def test_fm_kernel_is_the_pairwise_sum_and_its_gradient():
     """The kernel alone: fm = sum_{f<g} <p_f, p_g> and d fm / d p_f = sum_{g != f} p_g."""
     rng = np.random.default_rng(3)
-    emb = rng.standard_normal((5, S * (DIM + 1)))
-    x, wide = np.zeros((5, S * DIM + D)), np.zeros(5)
-    wide_fm_forward_(emb, S, True, x, wide)
-    e = emb.reshape(5, S, DIM + 1)
-    pairs = sum((e[:, f, 1:] * e[:, g, 1:]).sum(1) for f in range(S) for g in range(f + 1, S))
-    np.testing.assert_allclose(wide, e[:, :, 0].sum(1) + pairs, rtol=1e-12)
-    np.testing.assert_array_equal(x[:, :S * DIM], e[:, :, 1:].reshape(5, -1))
-    dl, gp, out = rng.standard_normal(5), rng.standard_normal((5, S * DIM)), np.empty_like(emb)
-    wide_fm_backward_(emb, S, True, dl, gp, out)
-    o = out.reshape(5, S, DIM + 1)
-    np.testing.assert_array_equal(o[:, :, 0], np.repeat(dl[:, None], S, 1))
-    want = gp.reshape(5, S, DIM) + dl[:, None, None] * (e[:, :, 1:].sum(1, keepdims=True)
-                                                       - e[:, :, 1:])
-    np.testing.assert_allclose(o[:, :, 1:], want, rtol=1e-12)
+    w, p = rng.standard_normal((5, S)), rng.standard_normal((5, S * DIM))
+    e = p.reshape(5, S, DIM)
+    pairs = sum((e[:, f] * e[:, g]).sum(1) for f in range(S) for g in range(f + 1, S))
+    wide, fm = np.zeros(5), np.zeros(5)
+    first_order_fm_forward_(w, p, S, True, wide)
+    np.testing.assert_allclose(wide, w.sum(1) + pairs, rtol=1e-12)
+    fm2_forward_(p, S, fm)
+    np.testing.assert_allclose(fm, pairs, rtol=1e-12)
+    dl, gp = rng.standard_normal(5), rng.standard_normal((5, S * DIM))
+    out = gp.copy()
+    fm2_backward_(p, S, dl, out, True)                     # added to what is there
+    want = gp.reshape(5, S, DIM) + dl[:, None, None] * (e.sum(1, keepdims=True) - e)
+    np.testing.assert_allclose(out.reshape(5, S, DIM), want, rtol=1e-12)
+    fm2_backward_(p, S, dl, out, False)                    # or written over it
+    np.testing.assert_allclose(out.reshape(5, S, DIM), want - gp.reshape(5, S, DIM),
+                               rtol=1e-12, atol=1e-12)
 
 
 def test_row_widths_layout_and_names():
-    assert zoo.row_dim("dnn", 10) == 10 and zoo.row_dim("deepfm", 10) == 11
-    assert zoo.emb_dim("wide_deep", 11) == 10
-    d, w, f = CTRDNN(S, DIM, D, HID), WideDeep(S, DIM, D, HID), DeepFM(S, DIM, D, HID)
+    d, w, f = (zoo.builtin(n, S, DIM, D, HID) for n in ("dnn", "wide_deep", "deepfm"))
+    assert (d.row_dim, w.row_dim, f.row_dim) == (DIM, DIM + 1, DIM + 1)
     assert w.n_params == f.n_params == d.n_params + 1 + D
     assert [n for n, _, _ in w.layout][-2:] == ["wide.b", "wide.u"]
     assert w.emb_width == S * (DIM + 1) and d.emb_width == S * DIM
@@ -135,7 +133,7 @@ def test_row_widths_layout_and_names():
     np.testing.assert_array_equal(p[:d.n_params], d.init_params(0))    # same MLP init
     assert not p[d.n_params:].any()                                     # w_0, u start at 0
     with pytest.raises(ValueError, match="unknown model 'fm'"):
-        zoo.model_class("fm")
+        zoo.network_text("fm")
     from mpips.config import MODELS
     assert MODELS == tuple(zoo.MODELS)              # the flag's choices are the zoo's names
 

@@ -17,7 +17,7 @@ import os
 
 from mpips.checkpoint.manifest import UNKNOWN, CheckpointError, run_settings, saved_settings
 from mpips.config import Config, parse_fc
-from mpips.models.zoo import stored_name
+from mpips.models.zoo import model_digest, stored_name
 from mpips.schema import check_same, load_schema, stored_schema
 
 ORDER_KEYS = ("shuffle", "shuffle_window", "seed", "batch_size", "global_batch",
@@ -32,7 +32,7 @@ ORDER_KEYS = ("shuffle", "shuffle_window", "seed", "batch_size", "global_batch",
 # the manifest's "settings" (mpips.checkpoint.run_settings).  `model` (--model) is one:
 # a checkpoint saved before it existed is a dnn's (the default).
 MEANING = (
-    ("model", "--model", "the network the weights belong to"),
+    ("network", "--model", "the network the weights belong to"),
     ("hash_bucket", "--hash-bucket", "which row each feature value maps to"),
     ("ids", "feature-id hashing", "which row each feature value maps to"),
     ("norm", "--stats", "the dense inputs the weights were trained on"),
@@ -40,7 +40,7 @@ MEANING = (
     ("fc", "--fc", "the layout of the dense weights"),
     ("optimizer", "--optimizer", "the optimizer state stored with every row"),
 )
-_NORMALISE = {"model": str, "hash_bucket": int, "embedding_dim": int, "fc": parse_fc,
+_NORMALISE = {"hash_bucket": int, "embedding_dim": int, "fc": parse_fc,
               "optimizer": str}
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
 
@@ -51,6 +51,8 @@ def _meaning(config, settings):
     for key, _, _ in MEANING:
         if key in settings:
             out[key] = settings[key]
+        elif key == "network":      # a run, or a checkpoint saved before networks were files
+            out[key] = model_digest(config.get("model", _DEFAULTS["model"]))
         else:
             value = config.get(key, _DEFAULTS.get(key))
             out[key] = _NORMALISE.get(key, lambda v: v)(value)
@@ -82,6 +84,8 @@ def run_meaning(cfg, skip=(), schema=None):
 
 def _show(key, flag, value, config, other):
     """One setting's value for a message; the normalisation by its first differing value."""
+    if key == "network":
+        return f"{flag} {config.get('model', _DEFAULTS['model'])} (network {value})"
     if key != "norm":
         return f"{flag} {','.join(map(str, value)) if key == 'fc' else value}"
     if value is None:
@@ -103,6 +107,10 @@ def _fix(key, flag, value, config):
     """How to run with the saved value of a setting."""
     if key == "ids":
         return "use the mpips version that saved it, or train a new model"
+    if key == "network":
+        return (f"run with the network it was saved with (python -m mpips.train --print-model "
+                f"{config.get('model', _DEFAULTS['model'])} prints a built-in one), or do not "
+                f"resume from it")
     if key == "norm":
         use = ("run without --stats" if value is None else
                f"run with --stats {config.get('stats')} (or a file of the same values)")
@@ -181,7 +189,7 @@ def check_elements(elements):
     ``MEANING``), and its ids this mpips's hashing (scoring and export take the rest from the
     stored config and settings)."""
     check_chain(elements)
-    check_compatible(elements[-1][1], elements[-1][1]["config"], skip=("norm",))
+    check_compatible(elements[-1][1], elements[-1][1]["config"], skip=("norm", "network"))
 
 
 def check_model(manifest, want, where):

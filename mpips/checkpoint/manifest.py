@@ -21,6 +21,7 @@ import time
 
 from mpips.data.binary import load_stats
 from mpips.data.criteo import ID_HASH
+from mpips.models.spec import digest as net_digest
 from mpips.schema import Schema, SchemaError
 
 FORMAT = "mpips-checkpoint"
@@ -212,6 +213,9 @@ def _check_manifest(path, m):
           "bad optimizer")
     _need(isinstance(m.get("config"), dict), where, "config is not an object")
     _need(isinstance(m.get("schema", {}), dict), where, "schema is not an object")
+    net = m.get("network", {"name": "", "text": ""})
+    _need(isinstance(net, dict) and isinstance(net.get("name"), str)
+          and isinstance(net.get("text"), str), where, "network is not {name, text}")
     shards = m.get("shards")
     _need(isinstance(shards, list) and len(shards) == S, where, f"needs {S} shard entries")
     for i, sh in enumerate(shards):
@@ -402,6 +406,9 @@ def write_manifest(ckpt_dir, info):
                 "meta": info.get("meta") or {}, "shards": entries}
     if info.get("schema") is not None:
         manifest["schema"] = info["schema"]
+    if info.get("network") is not None:       # the network's text and its digest
+        manifest["network"] = dict(info["network"])
+        manifest["settings"]["network"] = net_digest(info["network"]["text"])
     try:
         manifest = seal(manifest)
     except (TypeError, ValueError) as e:

@@ -215,14 +215,15 @@ def server_save_hooks(save_dir, server_id, n_servers, sparse, dense, dense_lo,
 
 
 def save_local(root, sparse, dense, mode, config=None, meta=None, admission=None,
-               parent=None, schema=None):
+               parent=None, schema=None, network=None):
     """Save one process's whole tables as a one-shard checkpoint; return its directory.
 
     parent: a delta's parent directory name (default: the newest base/delta in root);
-    schema: the feature schema as a dict (``Schema.to_dict()``), stored in the manifest.
+    schema: the feature schema as a dict (``Schema.to_dict()``), stored in the manifest;
+    network: the network's {name, text} (``mpips.models.zoo.network_record``), likewise.
     """
     d = new_checkpoint_dir(root, mode, parent)
     info = save_shard(d, 0, 1, sparse, dense, 0, mode, admission)
     write_manifest(d, {"shards": [info], "config": config, "meta": meta, "parent": parent,
-                       "schema": schema})
+                       "schema": schema, "network": network})
     return d

@@ -22,6 +22,7 @@ from mpips.comm.liveness import WATCH, wait_collective
 from mpips.metrics import BinaryMetrics
 from mpips.tables.ownership import dense_bounds
 from mpips.job.progress import make_progress
+from mpips.models.zoo import network_record
 from mpips.comm.protocol import Op
 from mpips.job.report import log_line, model_note, noise_fields, peak_rss_mb, write_metrics
 from mpips.job.plan import make_trainer
@@ -308,7 +309,8 @@ class DistBackend:
             self.client.dense_put(self.trainer.replica)
         infos = [json.loads(b) for b in self.client.save(seq, SAVE_MODES.index(mode), step)]
         ck.write_manifest(path, {"shards": infos, "config": self.cfg.to_json(), "meta": meta,
-                                 "parent": parent, "schema": self.schema.to_dict()})
+                                 "parent": parent, "schema": self.schema.to_dict(),
+                                 "network": network_record(self.trainer.model)})
         self.lineage.saved(path, mode)
         log_line(f"SAVE --> {path} ({mode}, {sum(x['rows'] for x in infos)} rows)")
         tidy(self.cfg, self.lineage)

@@ -20,6 +20,7 @@ from mpips.job.report import (epoch_record, log_line, noise_fields, noise_line, 
                            write_metrics)
 from mpips.job.stop import STOP, Stopped
 from mpips.job.tracking import open_tensorboard
+from mpips.models.zoo import network_record
 from mpips.tables.admission import AdmittedTable
 from mpips.worker.simulate import Simulator
 
@@ -187,7 +188,7 @@ class LocalBackend:
         path = ck.save_local(self.cfg.save_dir, inner_table(self.ps.sparse), self.ps.dense, mode,
                              self.cfg.to_json(), meta, admission_of(self.ps.sparse),
                              self.lineage.parent if mode == "delta" else None,
-                             self.schema.to_dict())
+                             self.schema.to_dict(), network_record(self.trainer.model))
         self.lineage.saved(path, mode)
         log_line(f"SAVE --> {path} ({mode}, {len(self.ps.sparse)} rows)")
         tidy(self.cfg, self.lineage)

@@ -59,8 +59,12 @@ def resolve(model):
 
 
 def digest(text):
-    """A short hash of a network's text: what a checkpoint and a bundle are checked by."""
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+    """The network's identity, what a checkpoint and a bundle are checked by: a short hash
+    of its parsed description (comments, spacing, name and description do not count, so a
+    copied built-in is the same network)."""
+    spec = parse(text)
+    spec.pop("name")
+    return hashlib.sha256(repr(sorted(spec.items())).encode("utf-8")).hexdigest()[:16]
 
 
 def _fail(where, what, field, msg):

@@ -1,32 +1,44 @@
-"""The networks by ``--model`` name, and what the name means for the sparse table.
+"""The networks by ``--model``: a built-in name (a TOML file shipped in
+``mpips/models/networks/``) or the path of the user's own FILE.toml (docs/models.md).
 
-dnn: :class:`CTRDNN` (rows ``[v]``, width dim); wide_deep, deepfm: rows ``[w | v]`` of
-width dim + 1 (docs/models.md).  A checkpoint or bundle stores the name (``config.model``,
-bundle ``model.model``); one written before models had names is a dnn.
+A checkpoint stores the network's text (manifest ``network``) and its digest (settings);
+a bundle's ``model`` record holds the text too.  One saved before networks were files
+holds only the name (``config.model``; none: dnn), which means the built-in file.
 """
-from mpips.models.ctr_dnn import CTRDNN
-from mpips.models.deepfm import DeepFM
-from mpips.models.wide_deep import WideDeep
+from mpips.models.network import Network
+from mpips.models.spec import BUILTIN, NetworkError, builtin_text, digest, parse, resolve
 
-MODELS = {cls.name: cls for cls in (CTRDNN, WideDeep, DeepFM)}
+MODELS = BUILTIN
 DEFAULT = "dnn"
 
 
-def model_class(name):
-    """The network class of ``--model name``; ValueError (one line) for an unknown name."""
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
-    return MODELS[name]
+def network_text(model):
+    """The TOML text of ``--model`` (a built-in name or FILE.toml); NetworkError (one line)."""
+    return resolve(model)[1]
 
 
-def row_dim(name, dim):
-    """Width of a sparse table row of model ``name`` with embeddings of ``dim``."""
-    return dim + model_class(name).EXTRA_COLS
+def model_digest(model):
+    """The digest of ``--model``'s network."""
+    return digest(network_text(model))
 
 
-def emb_dim(name, row_width):
-    """The embedding dim of model ``name`` whose table rows are ``row_width`` wide."""
-    return row_width - model_class(name).EXTRA_COLS
+def extra_cols(text):
+    """Table columns before the embedding: 1 when an input reads the first-order weight."""
+    return int("first_order" in parse(text)["inputs"].values())
+
+
+def stored_network(record):
+    """(name, text) of the network a checkpoint manifest or a bundle's model record holds."""
+    if isinstance(record.get("network"), dict):
+        return record["network"]["name"], record["network"]["text"]
+    if "config" in record:                                     # a manifest
+        name = record["config"].get("model", DEFAULT)
+    else:                                                      # a bundle's model record
+        name = record.get("model", DEFAULT)
+    if name not in BUILTIN:
+        raise NetworkError(f"the stored network {name!r} has no text and is not a built-in "
+                           f"one ({', '.join(BUILTIN)})")
+    return name, builtin_text(name)
 
 
 def stored_name(manifest):
@@ -34,6 +46,28 @@ def stored_name(manifest):
     return manifest.get("config", {}).get("model", DEFAULT)
 
 
-def make_net(name, schema, dim, hidden, **kw):
-    """Model ``name`` over a feature schema's inputs with embeddings of ``dim``."""
-    return model_class(name).for_schema(schema, dim, hidden, **kw)
+def make_net(model, schema, dim, hidden, text=None, **kw):
+    """The network of ``--model`` (or of its ``text``) over a feature schema's inputs with
+    embeddings of ``dim`` and ``--fc`` widths ``hidden``."""
+    name = model
+    if text is None:
+        name, text = resolve(model)
+    return Network(text, schema.n_sparse, dim, schema.n_dense, hidden,
+                   pooling=schema.pooling_codes(), slot_names=schema.sparse_names,
+                   name=name, where=f"network {model}", **kw)
+
+
+__all__ = ("MODELS", "DEFAULT", "NetworkError", "digest", "network_text", "model_digest",
+           "extra_cols", "stored_network", "stored_name", "make_net", "builtin", "network_record")
+
+
+def builtin(name, n_sparse, dim, n_dense, hidden=(400, 400, 400), **kw):
+    """Built-in network ``name`` over S slots of ``dim`` and D dense features (no schema)."""
+    if name not in BUILTIN:
+        raise NetworkError(f"unknown model {name!r}; choose one of {', '.join(BUILTIN)}")
+    return Network(builtin_text(name), n_sparse, dim, n_dense, hidden, name=name, **kw)
+
+
+def network_record(net):
+    """What a manifest or a bundle stores of a network: its name and text."""
+    return {"name": net.name, "text": net.text}

@@ -40,6 +40,8 @@ from mpips.checkpoint.manifest import CheckpointError, chain_manifests, fsync, s
 from mpips.checkpoint.compat import check_compatible, check_elements
 from mpips.data.criteo import make_norm
 from mpips.data.binary import load_stats
+from mpips.models.spec import digest as net_digest
+from mpips.models.zoo import stored_network
 from mpips.schema import SchemaError, stored_schema
 
 FORMAT = "mpips-bundle"
@@ -150,16 +152,27 @@ def data_settings(manifest, stats=""):
 def model_settings(manifest):
     """The network of a checkpoint manifest: ``model`` (its --model; none saved: dnn),
     ``embedding_dim`` (the table's row width: dim, or dim + 1 for models with w), fc,
-    n_params."""
+    n_params, and ``network``: its {name, text} (one saved before networks were files: the
+    built-in file of its name)."""
     cfg = manifest["config"]
+    try:
+        name, text = stored_network(manifest)
+    except ValueError as e:
+        raise BundleError(f"bad stored network: {e}") from None
     return {"model": cfg.get("model", "dnn"), "embedding_dim": int(manifest["embedding_dim"]),
-            "fc": cfg.get("fc", "400,400,400"), "n_params": int(manifest["n_params"])}
+            "fc": cfg.get("fc", "400,400,400"), "n_params": int(manifest["n_params"]),
+            "network": {"name": name, "text": text}}
 
 
 def same_model(a, b):
     """Whether two bundles' ``model`` records describe one network (a record written
-    before models had names is a dnn's)."""
-    return dict({"model": "dnn"}, **a) == dict({"model": "dnn"}, **b)
+    before models had names is a dnn's; one before networks were files, its built-in
+    file's)."""
+    def key(r):
+        r = dict({"model": "dnn"}, **r)
+        r["network"] = net_digest(stored_network(r)[1])
+        return r
+    return key(a) == key(b)
 
 
 # ------------------------------------------------------------------ writing

@@ -17,7 +17,7 @@ import mpips.serving.bundle as bd
 from mpips.config import parse_fc
 from mpips.data.criteo import make_norm
 from mpips.kernels.pooling import pool_forward
-from mpips.models.zoo import emb_dim, make_net
+from mpips.models.zoo import extra_cols, make_net, stored_network
 from mpips.schema import Schema
 from mpips.serving.table import Table, hash_slots  # noqa: F401 - hash_slots: mpips.infer's
 
@@ -42,7 +42,9 @@ class ServingModel:
         self.model_cfg, self.data, self.version = dict(model), dict(data), dict(version or {})
         self.name = self.model_cfg.get("model", "dnn")
         try:
-            self._hidden, self._emb_dim = hidden, emb_dim(self.name, self.dim)
+            self._net_name, self._net_text = stored_network(self.model_cfg)
+            self._hidden = hidden
+            self._emb_dim = self.dim - extra_cols(self._net_text)
         except ValueError as e:
             raise bd.BundleError(f"bad model record: {e}") from None
         self.schema = schema or Schema.criteo()
@@ -107,7 +109,8 @@ class ServingModel:
         return net
 
     def _net(self):
-        return make_net(self.name, self.schema, self._emb_dim, self._hidden)
+        return make_net(self._net_name, self.schema, self._emb_dim, self._hidden,
+                        text=self._net_text)
 
     def embed(self, ids, offsets=None):
         """(B, n_sparse * dim) float32 slot embeddings: of one-hot ids (B, n_sparse), or the

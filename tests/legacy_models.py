@@ -1,32 +1,12 @@
-"""Paddle's CTR-DNN: embeddings of the sparse slots + dense features -> ReLU MLP -> logit.
-
-Network, for a batch of B examples::
-
-    x      = concat(emb (B, n_sparse*dim), dense (B, n_dense))    # (B, n_in)
-    a_0    = relu(x @ W_0 + b_0)                                   # (B, hidden[0])
-    a_l    = relu(a_{l-1} @ W_l + b_l)                             # (B, hidden[l])
-    logit  = a_last @ w_out + b_out                                # (B,)
-    p      = sigmoid(logit)
-    loss   = mean_i BCE_with_logits(logit_i, y_i)
-
-(FC 2 + softmax in Paddle's version is the same maths.)
-
-All dense parameters live in ONE flat vector so they can be split over servers as
-contiguous slices; ``layout`` lists ``(name, offset, shape)`` in storage order:
-``fc0.w (n_in, h0), fc0.b (h0,), fc1.w, fc1.b, ..., out.w (h_last,), out.b (1,)``.
-Weights are stored (in, out), row-major, so ``fc0.w``'s first ``n_sparse*dim`` rows (the
-embedding part) are one contiguous block.
-
-The big products run through BLAS (``np.matmul(..., out=)``); the elementwise work is
-in :mod:`mpips.kernels.mlp`. Workspaces are allocated for the largest batch seen and
-re-used, so a training step allocates nothing large. Not thread-safe: one model object
-per thread.
-"""
+"""The networks as they were before networks were files (mpips 0.1's CTRDNN, WideDeep and
+DeepFM classes and their first-order/FM kernels), kept unchanged as the reference that the
+layer path must equal bit for bit (tests/test_networks.py).  Not used by mpips itself."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
+from numba import njit
 
 from mpips.kernels.mlp import (
     bias_relu_,
@@ -35,6 +15,83 @@ from mpips.kernels.mlp import (
     sigmoid_,
     sigmoid_bce_,
 )
+
+
+@njit(cache=True, nogil=True)
+def wide_fm_forward_(emb, n_slots, use_fm, x_out, wide_out):
+    """Split the pooled rows and compute the per-example first-order (+ FM) sum.
+
+    Parameters
+    ----------
+    emb : float (B, S*W)       pooled ``[w | p]`` rows, slot-major
+    n_slots : int              S
+    use_fm : bool              add the FM term
+    x_out : float (B, >= S*d)  out: columns [0, S*d) get ``p`` (the MLP input), slot-major
+    wide_out : float (B,)      out: first[i] (+ fm[i])
+
+    Returns
+    -------
+    None
+    """
+    n = emb.shape[0]
+    W = emb.shape[1] // n_slots
+    d = W - 1
+    for i in range(n):
+        first = 0.0
+        for f in range(n_slots):
+            first += emb[i, f * W]
+            for k in range(d):
+                x_out[i, f * d + k] = emb[i, f * W + 1 + k]
+        fm = 0.0
+        if use_fm:
+            for k in range(d):
+                s = 0.0
+                q = 0.0
+                for f in range(n_slots):
+                    v = float(emb[i, f * W + 1 + k])
+                    s += v
+                    q += v * v
+                fm += s * s - q
+        wide_out[i] = first + 0.5 * fm
+    return None
+
+
+@njit(cache=True, nogil=True)
+def wide_fm_backward_(emb, n_slots, use_fm, dlogit, grad_p, grad_out):
+    """Gradient into the pooled ``[w | p]`` rows: d(first)/d(w) = 1, d(fm)/d(p_fk) =
+    ``sum_g p_gk - p_fk``, plus the MLP's gradient ``grad_p`` for the ``p`` columns.
+
+    Parameters
+    ----------
+    emb : float (B, S*W)        the forward's input
+    n_slots : int               S
+    use_fm : bool               the FM term is in the logit
+    dlogit : float (B,)         d(loss)/d(logit)
+    grad_p : float (B, S*d)     d(loss)/d(p) through the MLP
+    grad_out : float (B, S*W)   out: d(loss)/d(emb), overwritten
+
+    Returns
+    -------
+    None
+    """
+    n = emb.shape[0]
+    W = emb.shape[1] // n_slots
+    d = W - 1
+    for i in range(n):
+        g = dlogit[i]
+        for f in range(n_slots):
+            grad_out[i, f * W] = g
+            for k in range(d):
+                grad_out[i, f * W + 1 + k] = grad_p[i, f * d + k]
+        if use_fm:
+            for k in range(d):
+                s = 0.0
+                for f in range(n_slots):
+                    s += emb[i, f * W + 1 + k]
+                for f in range(n_slots):
+                    grad_out[i, f * W + 1 + k] += g * (s - emb[i, f * W + 1 + k])
+    return None
+
 
 # Weight initialisations: name -> sampler(rng, fan_in, fan_out, size) in float64.
 INITS = {
@@ -302,3 +359,68 @@ class CTRDNN:
         ws = self._workspace(batch)
         logit = self._forward(params, emb, dense, ws, batch)
         return sigmoid_bce_(logit, label, ws.probs[:batch], ws.dlogit[:batch], 1.0) / batch
+
+
+class WideDeep(CTRDNN):
+    """Wide&Deep over a flat parameter vector (same arguments as :class:`CTRDNN`)."""
+    name = "wide_deep"
+    EXTRA_COLS = 1          # w before the embedding in every table row
+    USE_FM = False
+
+    def _build_layout(self):
+        layout = super()._build_layout()
+        _, off, shape = layout[-1]
+        off += int(np.prod(shape))
+        layout.append(("wide.b", off, (1,)))
+        layout.append(("wide.u", off + 1, (self.n_dense,)))
+        return layout
+
+    def _wide(self, flat):
+        """(w_0 (1,), u (D,)) views of a flat vector."""
+        _, off, _ = self.layout[-2]
+        return flat[off:off + 1], flat[off + 1:off + 1 + self.n_dense]
+
+    def _workspace(self, batch):
+        ws = super()._workspace(batch)
+        if not hasattr(ws, "wide"):
+            ws.wide = np.empty(ws.cap, self.dtype)                        # (B,)
+            ws.lin = np.empty(ws.cap, self.dtype)                         # (B,) u . dense
+            ws.gp = np.empty((ws.cap, self.n_emb), self.dtype)            # (B, S*d)
+            ws.emb = None
+        return ws
+
+    def _forward(self, params, emb, dense, ws, batch):
+        x = ws.x[:batch]                                                  # (B, n_in)
+        wide = ws.wide[:batch]                                            # (B,)
+        wide_fm_forward_(emb, self.n_sparse, self.USE_FM, x, wide)       # x[:, :S*d] = p
+        x[:, self.n_emb:] = dense
+        w0, u = self._wide(params)
+        if self.n_dense:
+            lin = ws.lin[:batch]
+            np.matmul(x[:, self.n_emb:], u, out=lin)
+            wide += lin
+        wide += w0[0]
+        ws.emb = emb                                                      # for the backward
+        logit = self._mlp_forward(params, ws, batch)
+        logit += wide
+        return logit
+
+    def _backward(self, params, grad_out, grad_emb_out, ws, batch):
+        gp = ws.gp[:batch]                                                # (B, S*d)
+        super()._backward(params, grad_out, gp, ws, batch)
+        dlogit = ws.dlogit[:batch]
+        g0, gu = self._wide(grad_out)
+        g0[0] = dlogit.sum()
+        if self.n_dense:
+            np.matmul(ws.x[:batch, self.n_emb:].T, dlogit, out=gu)        # du = dense^T dlogit
+        wide_fm_backward_(ws.emb, self.n_sparse, self.USE_FM, dlogit, gp, grad_emb_out)
+        ws.emb = None
+
+
+class DeepFM(WideDeep):
+    """DeepFM over a flat parameter vector (same arguments as :class:`CTRDNN`)."""
+    name = "deepfm"
+    USE_FM = True
+
+
+MODELS = {cls.name: cls for cls in (CTRDNN, WideDeep, DeepFM)}
