@@ -93,7 +93,6 @@ class Network:
             raise ValueError(f"dtype must be float32 or float64; got {self.dtype}")
         self.n_sparse, self.dim, self.n_dense = int(n_sparse), int(dim), int(n_dense)
         self.hidden, self.init, self.text = tuple(int(h) for h in hidden), init, text
-        self.digest = digest(text)
         self.pooling = np.zeros(self.n_sparse, np.int8) if pooling is None else \
             np.array(pooling, np.int8)                     # (S,)
         if self.pooling.shape != (self.n_sparse,) or not np.isin(self.pooling, (0, 1)).all():
@@ -101,6 +100,7 @@ class Network:
                              f"{self.n_sparse} slots; got {pooling!r}")
         self.slot_names = list(slot_names or [f"C{i + 1}" for i in range(self.n_sparse)])
         spec = parse(text, where)
+        self.digest = digest(text)
         self.name = name or spec["name"] or "network"
         self._build(spec, where)
         self._ws_cap = 0
