@@ -5,6 +5,7 @@
     python bench/bench_vs_torch.py --gen "--interactions 0.45 --signal 1.4" --runs torch,local,async
     python bench/bench_vs_torch.py --data DIR                   # any DIR/train + DIR/test
     python bench/bench_vs_torch.py --model deepfm               # Wide&Deep / DeepFM, both sides
+    python bench/bench_vs_torch.py --model dcn_v2,dlrm --runs torch,local,async   # DCN-v2, DLRM
     python bench/bench_vs_torch.py --model dnn,wide_deep,deepfm --runs torch,local,async
                                                                 # each, then one table of all
     python bench/bench_vs_torch.py --seeds 0,1,2,3             # a round per init seed: AUC
@@ -78,7 +79,7 @@ TORCH_RUNS = {"torch": (["--hash-bucket", "1000001"], "PASSIVE"),
 TORCH_ENV = dict(ENV, OMP_NUM_THREADS="2")
 
 
-MODELS = ("dnn", "wide_deep", "deepfm")
+MODELS = ("dnn", "wide_deep", "deepfm", "dcn_v2", "dlrm")
 
 SHAPES = {"criteo": {"dim": 10, "fc": "400,400,400"},
           "wide": {"dim": 9, "fc": "512,256,128,128,128"}}
@@ -376,7 +377,7 @@ def main(argv=None):
     ap.add_argument("--torch-extra", default="", help="flags for every torch run")
     ap.add_argument("--model", default="dnn",
                     help="the network of every run, mpips's and torch's: dnn (default), "
-                         "wide_deep, deepfm, or several, comma-separated (each in turn, then "
+                         "wide_deep, deepfm, dcn_v2, dlrm, or several, comma-separated (each in turn, then "
                          "one table of them all)")
     ap.add_argument("--json", default="", help="write records and medians to this file")
     ap.add_argument("--no-bound", action="store_true", help="do not measure the GEMM bound")

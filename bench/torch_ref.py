@@ -1,10 +1,15 @@
 """PyTorch reference: the same networks as mpips, on CPU in one process, to compare against.
 
     python bench/torch_ref.py --train DIR/train --test DIR/test [--hash-bucket 1000001]
-        [--model dnn|wide_deep|deepfm]
+        [--model dnn|wide_deep|deepfm|dcn_v2|dlrm]
 
 ``--model`` picks the network as mpips's ``--model`` does (``WideDeep``, ``DeepFM`` below:
-rows [w | v], w_0 and u from 0, the same MLP and initialisation).
+rows [w | v], w_0 and u from 0, the same MLP and initialisation).  ``DCNv2`` and ``DLRM``
+are mpips's built-in ``dcn_v2.toml`` and ``dlrm.toml`` (mpips/models/networks/): their
+parameters have mpips's names, shapes (a weight (in, out), a width-1 weight a vector) and
+flat order, and start from mpips's own draw: Xavier-uniform with each weight's (fan_in,
+fan_out) from ``numpy.random.default_rng(--seed)`` in the flat layout's order, biases 0,
+so both sides start from the same dense weights.
 
 Same inputs as mpips: batches come from mpips's own ``DataReader`` (same feature hashing,
 same dense normalisation, same file order, last partial batch trained), so both see the
@@ -64,6 +69,20 @@ class CTRDNN(nn.Module):
                  init_range=0.05, pooling=None):
         """pooling None: one id per slot (nn.Embedding); else per slot 0 = sum, 1 = mean."""
         super().__init__()
+        self._embedding(n_rows, n_sparse, dim, init_range, pooling)
+        layers, fan_in = [], n_sparse * dim + n_dense
+        for h in hidden:
+            layers += [nn.Linear(fan_in, h), nn.ReLU()]
+            fan_in = h
+        layers.append(nn.Linear(fan_in, 1))
+        self.mlp = nn.Sequential(*layers)
+        for m in self.mlp:
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def _embedding(self, n_rows, n_sparse, dim, init_range, pooling):
+        """The table ``emb`` (rows of ``dim``, uniform in [-init_range, init_range])."""
         self.n_sparse, self.dim = n_sparse, dim
         self.mean_slots = None
         if pooling is None:
@@ -76,16 +95,6 @@ class CTRDNN(nn.Module):
             self.emb = nn.EmbeddingBag(n_rows, dim, mode=mode, sparse=True,
                                        include_last_offset=True)
         nn.init.uniform_(self.emb.weight, -init_range, init_range)
-        layers, fan_in = [], n_sparse * dim + n_dense
-        for h in hidden:
-            layers += [nn.Linear(fan_in, h), nn.ReLU()]
-            fan_in = h
-        layers.append(nn.Linear(fan_in, 1))
-        self.mlp = nn.Sequential(*layers)
-        for m in self.mlp:
-            if isinstance(m, nn.Linear):
-                nn.init.xavier_uniform_(m.weight)
-                nn.init.zeros_(m.bias)
 
     def forward(self, rows, dense, offsets=None):
         n = dense.shape[0]
@@ -146,7 +155,128 @@ class DeepFM(WideDeep):
     FM = True
 
 
-MODELS = {"dnn": CTRDNN, "wide_deep": WideDeep, "deepfm": DeepFM}
+def xavier_flat(layout, seed):
+    """mpips's dense init (mpips.models.network, init "xavier"): ``layout`` lists (name,
+    shape, fan) in the flat vector's order; a weight with a fan (fan_in, fan_out) is drawn
+    U(-1, 1) x sqrt(6 / (fan_in + fan_out)) from one ``default_rng(seed)`` in that order (in
+    float64, then float32), a parameter without one (a bias) is 0.  name -> array."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape, fan in layout:
+        n = int(np.prod(shape))
+        x = np.zeros(n) if fan is None else \
+            rng.uniform(-1.0, 1.0, n) * np.sqrt(6.0 / (fan[0] + fan[1]))
+        out[name] = x.astype(np.float32).reshape(shape)
+    return out
+
+
+def mlp_layout(name, fan_in, widths, linear=False):
+    """mpips's ``mlp`` ``name`` (``linear``: one layer named ``name``): (name, shape, fan) of
+    ``{name}{i}.w`` (in, out), or (in,) at width 1, and ``{name}{i}.b``."""
+    out = []
+    for i, h in enumerate(widths):
+        pre = name if linear else f"{name}{i}"
+        out += [(f"{pre}.w", (fan_in,) if h == 1 else (fan_in, h), (fan_in, h)),
+                (f"{pre}.b", (h,), None)]
+        fan_in = h
+    return out
+
+
+class LayerNet(CTRDNN):
+    """A network whose dense parameters are mpips's: ``self.layout`` (name, shape, fan) in
+    mpips's flat order, each a parameter of ``self.p`` under its name with '.' -> '_', drawn
+    by :func:`xavier_flat`.  ``param(name)`` gives one by its mpips name."""
+
+    def _params(self, layout, seed):
+        self.layout = layout
+        init = xavier_flat(layout, seed)
+        self.p = nn.ParameterDict({k.replace(".", "_"): nn.Parameter(torch.from_numpy(v))
+                                   for k, v in init.items()})
+
+    def param(self, name):
+        return self.p[name.replace(".", "_")]
+
+    def mlp_forward(self, name, x, n_layers, relu=True):
+        """``n_layers`` of mpips's mlp ``name``: x W_i + b_i, then ReLU."""
+        for i in range(n_layers):
+            x = torch.addmm(self.param(f"{name}{i}.b"), x, self.param(f"{name}{i}.w"))
+            if relu:
+                x = torch.relu(x)
+        return x
+
+    def logit(self, x):
+        """mpips's width-1 ``linear`` ``out``: x . w + b, (n,)."""
+        return torch.mv(x, self.param("out.w")) + self.param("out.b")
+
+    def slots(self, rows, n, offsets):
+        """The pooled slots (n, S*dim)."""
+        return self.pooled(rows, n, offsets).reshape(n, self.n_sparse * self.dim)
+
+
+class DCNv2(LayerNet):
+    """mpips's ``dcn_v2.toml``: x0 = concat(pooled slots, dense) (m wide); a full-rank cross
+    network of depth 3, ``x_{l+1} = x0 * (x_l W_l + b_l) + x_l`` (W_l (m, m)), and the ReLU
+    MLP of ``--fc`` over x0, side by side; concat(cross, MLP) -> a linear to one logit."""
+    DEPTH = 3
+
+    def __init__(self, n_rows, n_sparse=26, dim=10, n_dense=13, hidden=(400, 400, 400),
+                 init_range=0.05, pooling=None, seed=0):
+        nn.Module.__init__(self)
+        self._embedding(n_rows, n_sparse, dim, init_range, pooling)
+        m = n_sparse * dim + n_dense
+        self.hidden = tuple(hidden)
+        layout = []
+        for li in range(self.DEPTH):
+            layout += [(f"cross{li}.w", (m, m), (m, m)), (f"cross{li}.b", (m,), None)]
+        layout += mlp_layout("fc", m, self.hidden)
+        layout += mlp_layout("out", m + self.hidden[-1], [1], linear=True)
+        self._params(layout, seed)
+
+    def forward(self, rows, dense, offsets=None):
+        n = dense.shape[0]
+        x0 = torch.cat([self.slots(rows, n, offsets), dense], dim=1)
+        x = x0
+        for li in range(self.DEPTH):
+            x = x0 * torch.addmm(self.param(f"cross{li}.b"), x, self.param(f"cross{li}.w")) + x
+        fc = self.mlp_forward("fc", x0, len(self.hidden))
+        return self.logit(torch.cat([x, fc], dim=1))
+
+
+class DLRM(LayerNet):
+    """mpips's ``dlrm.toml``: a bottom ReLU MLP [64, dim] over the dense features; fields =
+    [bottom, slot_1 .. slot_S] (F = S + 1, each of dim); their pairwise dots <e_a, e_b>,
+    a < b in row-major order; concat(bottom, dots) -> the ReLU MLP of ``--fc`` -> a linear
+    to one logit."""
+    BOTTOM = 64
+
+    def __init__(self, n_rows, n_sparse=26, dim=10, n_dense=13, hidden=(400, 400, 400),
+                 init_range=0.05, pooling=None, seed=0):
+        nn.Module.__init__(self)
+        self._embedding(n_rows, n_sparse, dim, init_range, pooling)
+        self.hidden = tuple(hidden)
+        f = n_sparse + 1
+        li, lj = torch.triu_indices(f, f, offset=1)         # row-major: a, then b > a
+        self.register_buffer("pair_a", li, persistent=False)
+        self.register_buffer("pair_b", lj, persistent=False)
+        layout = mlp_layout("bottom", n_dense, [self.BOTTOM, dim])
+        layout += mlp_layout("fc", dim + f * (f - 1) // 2, self.hidden)
+        layout += mlp_layout("out", self.hidden[-1], [1], linear=True)
+        self._params(layout, seed)
+
+    def forward(self, rows, dense, offsets=None):
+        n = dense.shape[0]
+        bottom = self.mlp_forward("bottom", dense, 2)                          # (n, dim)
+        fields = torch.cat([bottom.unsqueeze(1),
+                            self.slots(rows, n, offsets).reshape(n, self.n_sparse, self.dim)],
+                           dim=1)                                               # (n, F, dim)
+        z = torch.bmm(fields, fields.transpose(1, 2))                           # (n, F, F)
+        pairs = z[:, self.pair_a, self.pair_b]                                  # (n, F(F-1)/2)
+        fc = self.mlp_forward("fc", torch.cat([bottom, pairs], dim=1), len(self.hidden))
+        return self.logit(fc)
+
+
+MODELS = {"dnn": CTRDNN, "wide_deep": WideDeep, "deepfm": DeepFM, "dcn_v2": DCNv2,
+          "dlrm": DLRM}
 
 
 class RowAdam:
@@ -223,10 +353,12 @@ def run(a):
             raise SystemExit(f"torch_ref: no training rows in {a.train}")
         idmap = IdMap(0, vocab)
         vocab_s = time.perf_counter() - t0
-    model = MODELS[a.model](idmap.n_rows, n_sparse=schema.n_sparse, dim=a.embedding_dim,
-                            n_dense=schema.n_dense, hidden=tuple(int(x) for x in a.fc.split(",")),
-                            init_range=a.init_range,
-                            pooling=None if schema.is_criteo else schema.pooling_codes())
+    cls = MODELS[a.model]
+    model = cls(idmap.n_rows, n_sparse=schema.n_sparse, dim=a.embedding_dim,
+                n_dense=schema.n_dense, hidden=tuple(int(x) for x in a.fc.split(",")),
+                init_range=a.init_range,
+                pooling=None if schema.is_criteo else schema.pooling_codes(),
+                **({"seed": a.seed} if issubclass(cls, LayerNet) else {}))
     if not a.hash_bucket:
         with torch.no_grad():
             model.emb.weight[-1] = 0.0          # the unknown-id row: zeros, never trained
@@ -296,7 +428,8 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--batch-size", type=int, default=512)
     ap.add_argument("--epochs", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="torch's seed; dcn_v2 and dlrm draw "
+                    "their dense weights from numpy's default_rng(seed), as mpips --seed")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     ap.add_argument("--embedding-dim", type=int, default=10)
     ap.add_argument("--fc", default="400,400,400")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mpips.kernels.optim import N_HYPER, adam_rows
-from mpips.models.ctr_dnn import CTRDNN as MpipsDNN
+from mpips.models import zoo
 
 torch = pytest.importorskip("torch")
 _spec = importlib.util.spec_from_file_location(
@@ -15,6 +15,11 @@ torch_ref = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(torch_ref)
 
 HIDDEN = (32, 16)
+
+
+def MpipsDNN(n_sparse, dim, n_dense, hidden, dtype=np.float32):
+    """mpips's ``dnn`` network (the layer path)."""
+    return zoo.builtin("dnn", n_sparse, dim, n_dense, hidden, dtype=dtype)
 
 
 def _copy_mlp(ref, v):
@@ -104,10 +109,9 @@ def test_vocabulary_map_sends_unknown_ids_to_the_zero_row():
 
 @pytest.mark.parametrize("name", ["wide_deep", "deepfm"])
 def test_wide_models_loss_and_gradients_equal_mpips(name):
-    from mpips.models import zoo
     rng = np.random.default_rng(1)
     B, S, dim = 16, 26, 4
-    ours = zoo.MODELS[name](26, dim, 13, HIDDEN, dtype=np.float64)
+    ours = zoo.builtin(name, 26, dim, 13, HIDDEN, dtype=np.float64)
     params = ours.init_params(0) + 0.05 * rng.standard_normal(ours.n_params)
     emb = rng.normal(0, 0.3, (B, S * (dim + 1)))
     dense = rng.random((B, 13))
@@ -132,3 +136,51 @@ def test_wide_models_loss_and_gradients_equal_mpips(name):
     np.testing.assert_allclose(ref.w0.grad.numpy(), g["wide.b"], rtol=1e-9, atol=1e-15)
     np.testing.assert_allclose(linears[0].weight.grad.numpy(), g["fc0.w"].T, rtol=1e-9,
                                atol=1e-15)
+
+
+@pytest.mark.parametrize("name", ["dcn_v2", "dlrm"])
+def test_layer_networks_loss_and_gradients_equal_mpips(name):
+    """DCN-v2 and DLRM: the reference's forward (its own maths, not mpips's kernels) gives
+    mpips's loss and probabilities, and autograd gives mpips's gradient of every dense
+    parameter and of every pooled slot row, in float64."""
+    rng = np.random.default_rng(2)
+    B, S, dim = 16, 26, 4
+    ours = zoo.builtin(name, S, dim, 13, HIDDEN, dtype=np.float64)
+    params = ours.init_params(0) + 0.05 * rng.standard_normal(ours.n_params)
+    emb = rng.normal(0, 0.3, (B, S * dim))
+    dense = rng.random((B, 13))
+    label = (rng.random(B) < 0.3).astype(np.float64)
+    grad, grad_emb = np.empty_like(params), np.empty_like(emb)
+    loss, probs = ours.forward_backward(params, emb, dense, label, grad, grad_emb)
+    probs = probs.copy()
+    ref = torch_ref.MODELS[name](B * S, dim=dim, hidden=HIDDEN).double()
+    assert [(n, tuple(s)) for n, s, _ in ref.layout] == \
+        [(n, tuple(s)) for n, _, s in ours.layout]             # same names, shapes, order
+    v = ours.views(params)
+    with torch.no_grad():
+        for pname, _, _ in ref.layout:
+            ref.param(pname).copy_(torch.from_numpy(v[pname]))
+        ref.emb.weight.copy_(torch.from_numpy(emb.reshape(B * S, dim)))
+    logit = ref(torch.arange(B * S).reshape(B, S), torch.from_numpy(dense))
+    tl = torch.nn.BCEWithLogitsLoss()(logit, torch.from_numpy(label))
+    tl.backward()
+    assert tl.item() == pytest.approx(loss, rel=1e-12)
+    np.testing.assert_allclose(torch.sigmoid(logit).detach().numpy(), probs, rtol=1e-10)
+    np.testing.assert_allclose(ref.emb.weight.grad.to_dense().numpy().reshape(B, -1), grad_emb,
+                               rtol=1e-9, atol=1e-15)
+    g = ours.views(grad)
+    for pname, _, _ in ref.layout:
+        np.testing.assert_allclose(ref.param(pname).grad.numpy(), g[pname], rtol=1e-9,
+                                   atol=1e-15, err_msg=f"{name}: d loss / d {pname}")
+    assert {n.split("_")[0].rstrip("0123456789") for n in ref.p} >= \
+        ({"cross", "fc", "out"} if name == "dcn_v2" else {"bottom", "fc", "out"})
+
+
+@pytest.mark.parametrize("name", ["dcn_v2", "dlrm"])
+def test_layer_networks_start_from_mpips_init(name):
+    """The reference's dense weights at --seed s are mpips's init_params(s), bit for bit."""
+    ours = zoo.builtin(name, 26, 10, 13, (400, 400, 400))
+    ref = torch_ref.MODELS[name](1000, hidden=(400, 400, 400), seed=3)
+    flat = np.concatenate([ref.param(n).detach().numpy().reshape(-1) for n, _, _ in ref.layout])
+    np.testing.assert_array_equal(flat, ours.init_params(3))
+    assert not np.array_equal(flat, ours.init_params(4))
