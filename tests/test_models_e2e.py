@@ -1,11 +1,13 @@
-"""Wide&Deep and DeepFM end to end (tiny data):
+"""Wide&Deep, DeepFM, DCN-v2, DLRM and a network file end to end (tiny data):
 
 - sync with 2 workers == --local --local-workers 2, bit for bit, for each model; the table
   rows are [w | v] (width dim + 1) and w learns;
 - a checkpoint resumes exactly (1 epoch + resume + 1 == 2 epochs), and scores the same
   through mpips.infer, mpips.export and the Predictor as training evaluated it;
-- a checkpoint under another --model (train --resume, infer/export --network) is one
-  clear line; a checkpoint without a model name is a dnn.
+- a checkpoint under another --model (train --resume, infer/export --network), or under an
+  edited network file, is one clear line; a checkpoint without a model name is a dnn;
+- a network file a user writes (two MLP towers added) trains, resumes and serves from the
+  text stored in its checkpoint and bundle, after the file is gone.
 """
 import json
 import os
@@ -23,10 +25,47 @@ from tests.test_dense_replica import assert_identical
 from tests.test_modes import load_params, train
 
 MODELS = ("wide_deep", "deepfm")
+TWO_TOWERS = """
+[inputs]
+emb = "all"
+dense = "dense"
+
+[layers.x]
+type = "concat"
+inputs = ["emb", "dense"]
+
+[layers.a]
+type = "mlp"
+inputs = ["x"]
+widths = [16, 8]
+
+[layers.b]
+type = "mlp"
+inputs = ["x"]
+widths = [12]
+activation = "sigmoid"
+
+[layers.la]
+type = "linear"
+inputs = ["a"]
+width = 1
+
+[layers.lb]
+type = "linear"
+inputs = ["b"]
+width = 1
+
+[layers.logit]
+type = "add"
+inputs = ["la", "lb"]
+
+[output]
+logits = ["logit"]
+"""
 SMALL = ("--batch-size", "100", "--lr", "0.003", "--embedding-dim", "4")
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", MODELS + ("dcn_v2", "dlrm"))
 def test_sync_equals_local_workers_bit_for_bit(tiny_data, tmp_path, model):
     common = ("--model", model, "--max-steps", "30") + SMALL
     dist = train(tiny_data, tmp_path, "sync", "--mode", "sync", *common, n=4)[0]
@@ -34,6 +73,8 @@ def test_sync_equals_local_workers_bit_for_bit(tiny_data, tmp_path, model):
     assert_identical(tmp_path / "sync", tmp_path / "local")
     assert dist["train_examples"] == local["train_examples"] == 6000
     assert dist["train_loss"] == pytest.approx(local["train_loss"], rel=1e-12)
+    if model not in MODELS:
+        return
     m = ck.read_manifest(ck.resolve(str(tmp_path / "sync")))
     assert m["embedding_dim"] == 5 and m["config"]["model"] == model      # [w | v_1..v_4]
     _, values, dense = load_params(tmp_path / "sync")
@@ -45,7 +86,7 @@ def scores(path):
     return np.loadtxt(path)
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", MODELS + ("dcn_v2",))
 def test_checkpoint_round_trip(tiny_data, tmp_path, model, capsys):
     common = ("--model", model, "--local", "--max-steps", "20") + SMALL
     two = train(tiny_data, tmp_path, "two", *common, "--epochs", "2")
@@ -96,7 +137,8 @@ def test_checkpoint_without_a_model_name_is_a_dnn(tiny_data, tmp_path):
     m = ck.read_manifest(ck.resolve(str(tmp_path / "old")))
     del m["config"]["model"]
     check_compatible(m, parse_args(["--local", "--fc", "32,16", *SMALL]))
-    with pytest.raises(ck.CheckpointError, match="--model dnn; this run has --model deepfm"):
+    with pytest.raises(ck.CheckpointError, match=r"--model dnn \(network \w+\); this run has "
+                                                 r"--model deepfm \(network \w+\)"):
         check_compatible(m, parse_args(["--local", "--fc", "32,16", "--model", "deepfm", *SMALL]))
 
 
@@ -130,3 +172,48 @@ def test_deepfm_learns_in_every_distributed_mode(tiny_data, tmp_path, mode):
     assert rec["test_auc"] > 0.65, rec
     _, values, _ = load_params(tmp_path / "run")
     assert values.shape[1] == 5 and np.abs(values[:, 0]).max() > 0.06
+
+
+def test_a_network_file_trains_resumes_and_serves_from_its_stored_text(tiny_data, tmp_path,
+                                                                       capsys):
+    """Two MLP towers over the same inputs, added: trains; 1 + resume + 1 == 2 epochs; an
+    edited file is refused on resume (one line); infer, export and the Predictor rebuild
+    the network from the checkpoint's and the bundle's text once the file is gone."""
+    net = tmp_path / "towers.toml"
+    net.write_text(TWO_TOWERS)
+    common = ("--model", str(net), "--local", "--max-steps", "20") + SMALL
+    two = train(tiny_data, tmp_path, "two", *common, "--epochs", "2")
+    train(tiny_data, tmp_path, "one", *common, "--epochs", "1")
+    train(tiny_data, tmp_path, "res", *common, "--epochs", "2", "--resume", str(tmp_path / "one"))
+    assert_identical(tmp_path / "two", tmp_path / "res")
+    assert two[-1]["test_auc"] > 0.6, two
+    m = ck.read_manifest(ck.resolve(str(tmp_path / "two")))
+    assert m["network"]["text"] == TWO_TOWERS and m["settings"]["network"]
+    net.write_text(TWO_TOWERS.replace("widths = [12]", "widths = [10]"))
+    proc = run_cmd(["-m", "mpips.train", *common, "--resume", str(tmp_path / "one"),
+                    "--train", tiny_data[0]])
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and "the network the weights belong to" \
+        in err[0], proc.stderr
+    net.unlink()
+    pf, mf = tmp_path / "p.txt", tmp_path / "m.json"
+    root = str(tmp_path / "two")
+    assert infer.main(["--checkpoint", root, "--data", tiny_data[1], "--predictions-out",
+                       str(pf), "--metrics-out", str(mf)]) == 0
+    assert json.load(open(mf))["test_auc"] == pytest.approx(two[-1]["test_auc"], abs=1e-4)
+    assert export.main(["--checkpoint", root, "--out", str(tmp_path / "b.h5")]) == 0
+    assert bd.read_manifest(str(tmp_path / "b.h5"))["model"]["network"]["text"] == TWO_TOWERS
+    lines = [ln for f in sorted(os.listdir(tiny_data[1]))
+             for ln in open(os.path.join(tiny_data[1], f), "rb")]
+    got = Predictor(str(tmp_path / "b.h5")).predict_lines(lines)
+    np.testing.assert_allclose(got, scores(pf), rtol=0, atol=1e-6)
+
+
+def test_print_model_prints_the_shipped_file(capsys):
+    from mpips.models.spec import builtin_text
+    from mpips.train import main
+    assert main(["--print-model", "dcn_v2"]) == 0
+    assert capsys.readouterr().out == builtin_text("dcn_v2")
+    assert main(["--print-model", "dcnv2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown model 'dcnv2'" in err[0]

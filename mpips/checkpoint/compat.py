@@ -45,10 +45,13 @@ _NORMALISE = {"hash_bucket": int, "embedding_dim": int, "fc": parse_fc,
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
 
 
-def _meaning(config, settings):
-    """{key: value} of the MEANING keys for a config dict and its derived settings."""
+def _meaning(config, settings, skip=()):
+    """{key: value} of the MEANING keys (but ``skip``) for a config dict and its derived
+    settings."""
     out = {}
     for key, _, _ in MEANING:
+        if key in skip:
+            continue
         if key in settings:
             out[key] = settings[key]
         elif key == "network":      # a run, or a checkpoint saved before networks were files
@@ -79,7 +82,7 @@ def run_meaning(cfg, skip=(), schema=None):
         if schema is None and config.get("schema"):
             schema = load_schema(config["schema"])
         settings = run_settings(config, schema)
-    return dict(_meaning(config, settings), **dict.fromkeys(skip, UNKNOWN))
+    return dict(_meaning(config, settings, skip), **dict.fromkeys(skip, UNKNOWN))
 
 
 def _show(key, flag, value, config, other):
