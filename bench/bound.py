@@ -4,7 +4,7 @@
     python bench/bound.py --fc 512,256,128,128,128 --n-sparse 300 --dim 9 --n-dense 0
     python bench/bound.py --json bound.json
 
-A training step of the MLP is these matrix products (the model's own, ``mpips.models.ctr_dnn``,
+A training step of the MLP is these matrix products (the model's own, ``mpips.models.network``,
 with the same operand layouts: weights stored (in, out), row-major, transposes as views):
 
 * forward, per layer:        ``a_l = a_{l-1} @ W_l``                  (B, in) x (in, out)

@@ -5,7 +5,7 @@ A bundle (``kind`` ``full``) holds::
     /sparse/keys     int64 (n,)          ids with a row
     /sparse/values   float32|16 (n, dim) their embeddings (no optimizer state)
     /sparse/evicted  int64 (0,)
-    /dense/values    float32 (n_params,) the dense network, flat (CTRDNN layout)
+    /dense/values    float32 (n_params,) the dense network, flat (the network's layout)
 
 A *patch* (``kind`` ``patch``) has the same datasets: the rows changed since the bundle
 it names in ``since`` (its checkpoint), the ids evicted since then, and the whole dense
