@@ -29,7 +29,6 @@ from common import ROOT  # noqa: E402,F401  (the repo root on sys.path)
 
 import numpy as np  # noqa: E402
 
-import mpips.kernels.layers as layer_kernels  # noqa: E402
 import mpips.models.layers as layers  # noqa: E402
 import mpips.models.network as network  # noqa: E402
 from mpips.models.zoo import builtin  # noqa: E402
@@ -83,8 +82,8 @@ class _TimedNumpy:
 
 
 # (module, name) of every kernel a dnn step calls, timed where it is called
-KERNELS = ((layers, "bias_relu_"), (layers, "relu_backward_colsum_"),
-           (network, "sigmoid_bce_"), (layer_kernels, "outer_"))
+KERNELS = ((layers, "bias_relu_"), (layers, "outer_relu_backward_colsum_"),
+           (layers, "relu_backward_colsum_"), (network, "sigmoid_bce_"))
 
 
 def profile_model(model, params, emb, dense, label, reps):

@@ -21,10 +21,12 @@ def log_line(text):
 
 
 def model_note(model):
-    """', model NAME (rows of W floats)' for the start line; empty for the default dnn."""
+    """', model NAME (rows of W floats: [w | v])' for the start line; empty for the
+    default dnn."""
     if model.name == "dnn":
         return ""
-    return f", model {model.name} (rows of {model.row_dim} floats: [w | v])"
+    rows = f" (rows of {model.row_dim} floats: [w | v])" if model.row_dim > model.dim else ""
+    return f", model {model.name}{rows}"
 
 
 def peak_rss_mb():

@@ -19,7 +19,7 @@ Tensors carry a field structure for ``fm2`` and ``dot``: ``fields`` vectors of
 import numpy as np
 
 from mpips.kernels import layers as K
-from mpips.kernels.mlp import bias_relu_, relu_backward_colsum_
+from mpips.kernels.mlp import bias_relu_, outer_relu_backward_colsum_, relu_backward_colsum_
 
 ACTIVATIONS = ("relu", "identity", "sigmoid")
 
@@ -140,13 +140,25 @@ class Dense(Layer):
         if self.act not in ACTIVATIONS:
             raise SpecError("activation", f"must be one of {', '.join(ACTIVATIONS)}; got "
                                           f"{self.act!r}")
-        fan_in = ins[0].width
+        fan_in, self.names = ins[0].width, []
         for i, h in enumerate(self.widths):
             pre = name if kind == "linear" else f"{name}{i}"
             shape = (fan_in,) if h == 1 else (fan_in, h)
             self.params += [(f"{pre}.w", shape, (fan_in, h)), (f"{pre}.b", (h,), None)]
+            self.names.append((f"{pre}.w", f"{pre}.b"))
             fan_in = h
         self.width = self.widths[-1]
+        self.relu_below = None      # fused: the relu Dense whose only reader this logit is
+        self.preact_grad = False    # fused: the layer above hands d(pre-activation)
+
+    def fuse_relu_below(self, below):
+        """A width-1 identity layer reading a relu layer alone writes that layer's
+        d(pre-activation) and bias gradient in one pass (the CTR-DNN's output step)."""
+        self.relu_below, below.preact_grad = below, True
+
+    def last_bias(self):
+        """The name of the last layer's bias."""
+        return self.names[-1][1]
 
     def alloc(self, cap, dtype):
         self.acts = [np.empty((cap, h), dtype) for h in self.widths[:-1]]    # (B, h_i)
@@ -154,8 +166,8 @@ class Dense(Layer):
         self.scratch = np.empty((cap, self.ins[0].width), dtype)
 
     def _wb(self, P, i):
-        pre = self.name if self.kind == "linear" else f"{self.name}{i}"
-        return P[f"{pre}.w"], P[f"{pre}.b"]
+        w, b = self.names[i]
+        return P[w], P[b]
 
     def forward(self, P, xs, out, n):
         inp = xs[0]
@@ -192,7 +204,8 @@ class Dense(Layer):
     def backward(self, P, G, xs, out, gout, sinks, n):
         last = len(self.widths) - 1
         dz = gout
-        self._act_backward(dz, out, self._wb(G, last)[1])
+        if not self.preact_grad:
+            self._act_backward(dz, out, self._wb(G, last)[1])
         for i in range(last, -1, -1):
             w = self._wb(P, i)[0]
             gw = self._wb(G, i)[0]
@@ -208,7 +221,11 @@ class Dense(Layer):
                 self._act_backward(da, a_prev, self._wb(G, i - 1)[1])
                 dz = da
             elif sinks[0] is not None:
-                if w.ndim == 1:
+                if self.relu_below is not None:
+                    outer_relu_backward_colsum_(dz1, w, xs[0], sinks[0].buf,
+                                                G[self.relu_below.last_bias()])
+                    sinks[0].done()
+                elif w.ndim == 1:
                     K.outer_(dz1, w, sinks[0].buf, sinks[0].acc)
                     sinks[0].done()
                 else:

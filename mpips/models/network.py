@@ -20,7 +20,8 @@ import numpy as np
 
 from mpips.kernels import layers as K
 from mpips.kernels.mlp import sigmoid_, sigmoid_bce_
-from mpips.models.layers import Concat, FirstOrder, FM2, SpecError, Sum, Tensor, make_layer
+from mpips.models.layers import Concat, Dense, FirstOrder, FM2, SpecError, Sum, Tensor
+from mpips.models.layers import make_layer
 from mpips.models.layers import Sink, SplitSink
 from mpips.models.spec import NetworkError, digest, parse, substitute
 
@@ -153,6 +154,7 @@ class Network:
             self.layers.append(layer)
         self._check_output(spec, where)
         self._fuse()
+        self._fuse_relu()
         self._layout(sorted(self.layers, key=lambda L: L.file_index))
 
     def _check_output(self, spec, where):
@@ -198,6 +200,18 @@ class Network:
                 fm.ins[0].consumers[fm.ins[0].consumers.index(fm)] = fo
                 self.layers.remove(fm)
                 self.fused = (fo.name, fm.name)
+
+    def _fuse_relu(self):
+        """A width-1 identity linear that alone reads a relu linear/mlp writes that layer's
+        d(pre-activation) and bias gradient itself: one pass instead of two (the same
+        bits: the mask and the sums are the same operations)."""
+        for L in self.layers:
+            t = L.ins[0]
+            below = t.producer
+            if (isinstance(L, Dense) and L.widths == [1] and L.act == "identity"
+                    and isinstance(below, Dense) and below.act == "relu"
+                    and t.consumers == [L] and t is not self.logit):
+                L.fuse_relu_below(below)
 
     def _layout(self, in_file_order):
         self.layout, self._fans, off = [], {}, 0
