@@ -172,7 +172,7 @@ def test_d9_every_meaning_key_is_compared(tmp_path):
              "embedding_dim": (dict(embedding_dim=8), "--embedding-dim 4; this run has"),
              "fc": (dict(fc="3,2"), "--fc 3; this run has --fc 3,2"),
              "optimizer": (dict(optimizer="sgd"), "--optimizer adam; this run has"),
-             "model": (dict(model="deepfm"), "--model dnn; this run has --model deepfm")}
+             "network": (dict(model="deepfm"), "--model dnn (network ")}
     for key, (change, want) in cases.items():
         with pytest.raises(ck.CheckpointError, match=want.replace("(", r"\(")):
             check_compatible(m, Config(**dict(base, **change)))
