@@ -21,11 +21,12 @@ and until when, repeated every ``WAIT_REPORT_EVERY`` seconds).
 A pass that becomes ready after a later one was taken is never trained: it is logged as a
 warning and counted (``passes_late``), or stops the run with ``--late-pass fail``.
 SIGTERM, SIGINT or SIGUSR1 (e.g. from Slurm before a requeue) stops it as it stops a batch
-run (``mpips.job.stop``): at the next step boundary of every worker (or before the pass's
-training, if it came in the shrink or the evaluation), with a checkpoint recording the pass,
-the batches of it trained and its evaluation's figures (never as the pass done), or, between
-passes, at the pass's own checkpoint; the run exits 75 and the same command (or ``--resume
-auto``) finishes that pass from there, without shrinking or evaluating it again.  Passes are
+run (``mpips.job.stop``): at the next step boundary of every worker, or before the pass's
+training when it came in the shrink or the evaluation, or between passes.  Inside a pass,
+a checkpoint records the pass, the batches of it trained and its evaluation's figures (none
+yet if it stopped right after the shrink), never the pass as done; between passes the pass's
+own checkpoint is the position.  The run exits 75, and the same command (or ``--resume
+auto``) finishes that pass from there without shrinking or evaluating it again.  Passes are
 numbered over the whole stream (a resumed run goes on counting), so a pass's shuffle seed
 is the same in every run.
 """
@@ -125,7 +126,8 @@ class PassFeed:
             backoff.sleep(at_most=timeout - (time.monotonic() - t0))
 
     def resumed(self, name):
-        """Pass ``name``, which the checkpoint stopped inside of (it is finished first)."""
+        """Pass ``name``, which the checkpoint stopped inside of (it is finished first; a
+        pass before it that is ready now was not when it was taken: it is late)."""
         for p in ready_passes(self.root):
             if p.name == name:
                 self.known.add(name)
@@ -194,8 +196,7 @@ class StreamRun:
         self.feed = None
         if backend.is_logger:
             late = plan.manifest["meta"].get("passes_late", []) if plan.resume else []
-            self.feed = PassFeed(cfg.stream, at.in_pass or self.done, cfg.late_pass, _warn,
-                                 late, say=log)
+            self.feed = PassFeed(cfg.stream, self.done, cfg.late_pass, _warn, late, say=log)
         self.records = []
         self.admitted_before = backend.stats().get("admitted_total", 0)
 
@@ -234,6 +235,9 @@ class StreamRun:
                                (cfg.shrink_every == "pass" and self.done is not None)):
             self._phase("shrink")
             evicted = backend.shrink(cfg.shrink_threshold)
+            if backend.stop_now():          # a signal in the shrink: stop before the eval
+                self._stop_inside(p, 0, None)
+                return False
         files = p.files()
         test = inside.test if inside is not None else None
         if test is None:                    # progressive: before the pass trains (resumed at
@@ -311,6 +315,8 @@ class StreamRun:
 def _finite(test):
     """Record fields for a checkpoint's JSON: a non-finite number (an AUC of one class)
     as None."""
+    if test is None:
+        return None
     return {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
             for k, v in test.items()}
 
