@@ -115,22 +115,25 @@ def test_a_stopped_pass_is_never_recorded_as_done(stream, tmp_path):
 @pytest.mark.exact
 @pytest.mark.parametrize("where", ["train", "eval", "shrink", "save", "between"])
 def test_local_stop_then_resume_equals_the_uninterrupted_run(stream, ref, tmp_path, where):
-    """SIGTERM in the 2nd pass's training (after batch 3), as its evaluation, its shrink or
-    its save begins, or while the run asks for the pass after the 2nd: exit 75, then the
+    """SIGTERM in the 2nd pass's training (after batch 3), as its evaluation or its save
+    begins, as the 3rd pass's shrink begins (the first that evicts), or while the run asks
+    for the pass after the 2nd: exit 75, then the
     same command; the final checkpoint equals the uninterrupted run's, every array, and
     every pass is trained once with the uninterrupted run's evaluation and table figures."""
     spec, expect = {
         "train": ("TERM:1:3", f"in pass {PASSES[1]} after batch 3"),
         "eval": ("TERM:1:eval", f"in pass {PASSES[1]} after batch 0"),
-        "shrink": ("TERM:1:shrink", f"in pass {PASSES[1]} after batch 0"),
+        "shrink": ("TERM:2:shrink", f"in pass {PASSES[2]} after batch 0"),   # one that evicts
         "save": ("TERM:1:save", f"after pass {PASSES[1]} (waiting for the next)"),
         "between": ("TERM:2:wait", f"after pass {PASSES[1]} (waiting for the next)"),
     }[where]
     run = tmp_path / "run"
     meta = stopped(stream, run, spec, *LOCAL, where=expect)
-    if where in ("eval", "shrink"):                 # stopped before the pass's training
-        assert meta["in_pass"] == PASSES[1] and meta["steps"] == 0
-        assert (meta["pass_test"] is not None) == (where == "eval")   # shrink: stopped before it
+    if where == "eval":                             # stopped before the pass's training
+        assert meta["in_pass"] == PASSES[1] and meta["steps"] == 0 and meta["pass_test"]
+    elif where == "shrink":                         # ... and before its evaluation
+        assert meta["in_pass"] == PASSES[2] and meta["steps"] == 0
+        assert meta["pass_test"] is None and meta["pass_evicted"] > 0
     elif where != "train":
         assert meta["pass"] == PASSES[1] and "in_pass" not in meta
     proc = resumed(stream, run, *LOCAL)

@@ -94,6 +94,8 @@ def checked_meta(path, m, cfg):
          "in_pass is not a pass name")
     need(meta.get("pass_test") is None or isinstance(meta["pass_test"], dict),
          "pass_test is not an object")
+    need(_is_int(meta.get("pass_evicted", 0)) and meta.get("pass_evicted", 0) >= 0,
+         "pass_evicted is not >= 0")
     if cfg.stream or not cfg.resume:
         return meta
     epoch, complete = meta.get("epoch", -1), meta.get("complete", True)
@@ -111,14 +113,16 @@ def checked_meta(path, m, cfg):
 class StreamAt:
     """Where a stream continues: after pass ``last`` (None: before its first), with
     ``passes`` passes trained before; when a signal stopped it inside a pass, ``in_pass``
-    names it, ``steps`` of its batches (per worker) are trained and ``test`` holds its
-    evaluation's record fields (None: not evaluated yet).  The stream's first pass ever is
+    names it, ``steps`` of its batches (per worker) are trained, ``test`` holds its
+    evaluation's record fields (None: not evaluated yet) and ``evicted`` the rows its shrink
+    evicted, when no record of the stopped run reported them.  The stream's first pass ever is
     number 0; ``passes`` numbers the next (its shuffle seed and its TRAIN lines)."""
     last: str = None
     passes: int = 0
     in_pass: str = None
     steps: int = 0
     test: dict = None
+    evicted: int = 0
 
 
 def stream_at(meta):
@@ -128,7 +132,8 @@ def stream_at(meta):
     inside = meta.get("in_pass")
     return StreamAt(last=meta.get("pass"), passes=meta.get("passes", 0), in_pass=inside,
                     steps=meta.get("steps", 0) if inside else 0,
-                    test=meta.get("pass_test") if inside else None)
+                    test=meta.get("pass_test") if inside else None,
+                    evicted=meta.get("pass_evicted", 0) if inside else 0)
 
 
 def max_batches(files, batch_size):

@@ -230,13 +230,13 @@ class StreamRun:
         cfg, backend = self.cfg, self.backend
         inside, self.inside = self.inside, None
         new_day = p.day != self.prev_day
-        evicted = 0
+        evicted = inside.evicted if inside is not None else 0
         if inside is None and ((cfg.shrink_every == "day" and new_day and self.prev_day) or
                                (cfg.shrink_every == "pass" and self.done is not None)):
             self._phase("shrink")
             evicted = backend.shrink(cfg.shrink_threshold)
             if backend.stop_now():          # a signal in the shrink: stop before the eval
-                self._stop_inside(p, 0, None)
+                self._stop_inside(p, 0, None, evicted=evicted)
                 return False
         files = p.files()
         test = inside.test if inside is not None else None
@@ -244,8 +244,8 @@ class StreamRun:
             self._phase("eval")             # its start: the model has not seen it yet)
             test = test_fields(backend.evaluate(files))
         skip = inside.steps if inside is not None else 0
-        if backend.stop_now():              # a signal in the shrink or the evaluation
-            self._stop_inside(p, skip, test)
+        if backend.stop_now():              # a signal in the evaluation
+            self._stop_inside(p, skip, test, evicted=evicted)
             return False
         backend.trainer.on_step = chain(
             self.plan.hooks.killer(p.name), self.plan.hooks.signaller(self.index)) \
@@ -268,17 +268,20 @@ class StreamRun:
 
     def _meta(self, last, **inside):
         """A checkpoint's position: after pass ``last``, ``self.index`` passes trained
-        before the next; ``inside``: in_pass, steps, pass_test of the pass stopped."""
+        before the next; ``inside``: in_pass, steps, pass_test, pass_evicted of the pass
+        stopped."""
         return {"pass": last, "epoch": -1, "passes": self.index + (0 if inside else 1),
                 "passes_late": self.feed.late if self.feed else []} | inside
 
     def _stop_inside(self, p, steps, test, st=None, evicted=0):
         """Stopped inside pass p after ``steps`` of its batches: save that position (never
-        as the pass done), record what was trained, and say so."""
+        as the pass done), record what was trained (``st``; None: nothing yet, and the
+        shrink's ``evicted`` count goes to the pass's record after the resume), say so."""
         path = None
         if self.cfg.save_dir:
             path = self.backend.save("delta", self._meta(
-                self.done, in_pass=p.name, steps=steps, pass_test=_finite(test)))
+                self.done, in_pass=p.name, steps=steps, pass_test=_finite(test),
+                pass_evicted=int(evicted) if st is None else 0))
         if st is not None:
             self._record(p, st, evicted, {}, stopped_at_batch=steps)
         self._stopped(f"in pass {p.name} after batch {steps}", steps, path)
@@ -299,9 +302,7 @@ class StreamRun:
             self.admitted_before = audit["admitted_total"]
         rec = epoch_record(self.cfg, self.index, st, None) | test
         rec["pass"] = p.name
-        rec.update({k: v for k, v in where.items() if v})
-        if "stopped_at_batch" in where:
-            rec["stopped_at_batch"] = where["stopped_at_batch"]
+        rec.update({k: v for k, v in where.items() if v or k == "stopped_at_batch"})
         if self.feed is not None:
             rec["passes_late"] = len(self.feed.late)
         if backend.is_logger:
