@@ -122,8 +122,8 @@ def test_local_stop_then_resume_equals_the_uninterrupted_run(stream, ref, tmp_pa
     every pass is trained once with the uninterrupted run's evaluation and table figures."""
     spec, expect = {
         "train": ("TERM:1:3", f"in pass {PASSES[1]} after batch 3"),
-        "eval": ("TERM:1:eval", f"in pass {PASSES[1]} after batch 0"),
-        "shrink": ("TERM:2:shrink", f"in pass {PASSES[2]} after batch 0"),   # one that evicts
+        "eval": ("TERM:1:eval", f"in pass {PASSES[1]} before its first batch"),
+        "shrink": ("TERM:2:shrink", f"in pass {PASSES[2]} before its first batch"),  # evicts
         "save": ("TERM:1:save", f"after pass {PASSES[1]} (waiting for the next)"),
         "between": ("TERM:2:wait", f"after pass {PASSES[1]} (waiting for the next)"),
     }[where]

@@ -284,7 +284,8 @@ class StreamRun:
                 pass_evicted=int(evicted) if st is None else 0))
         if st is not None:
             self._record(p, st, evicted, {}, stopped_at_batch=steps)
-        self._stopped(f"in pass {p.name} after batch {steps}", steps, path)
+        at = f"after batch {steps}" if steps else "before its first batch"
+        self._stopped(f"in pass {p.name} {at}", steps, path)
 
     def _stopped(self, where, steps, path):
         STOP["stopped"] = Stopped(STOP["signal"] or "a signal to another rank", self.index,
