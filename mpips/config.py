@@ -132,9 +132,11 @@ class Config:
                          "docs/data.md); empty = Criteo's 13 integer + 26 categorical columns")
     pipe_command: str = _f("", "feed each data file to this shell command and read its stdout "
                                "in the schema's format (overrides the schema's pipe_command)")
-    pipe_timeout: float = _f(90.0, "fail the run when a pipe command sends nothing for this "
-                                    "many seconds, or does not exit this long after closing "
-                                    "its output (names the file and the command)")
+    pipe_timeout: float = _f(0.0, "fail the run when a pipe command sends nothing for this "
+                                   "many seconds, or does not exit this long after closing "
+                                   "its output (names the file and the command); 0 = 90, or "
+                                   "3/4 of --peer-timeout when that is less, so that it fires "
+                                   "before the servers' --peer-timeout")
     stats: str = _f("", "normalisation statistics (stats.json from data_prep.criteo); default: "
                         "Paddle's constants for text, a prepared set's own stats for binary parts")
     cache_dir: str = _f("~/.cache/mpips", "where the embedded synthetic dataset is kept")
@@ -363,8 +365,9 @@ class Config:
             raise ValueError(f"--max-bad-fraction must be in [0, 1]; got {self.max_bad_fraction}")
         if self.idle_sleep < 0 or self.progress_every < 0 or self.shuffle_window < 0:
             raise ValueError("--idle-sleep, --progress-every and --shuffle-window must be >= 0")
-        if self.lr <= 0 or self.peer_timeout <= 0 or not self.pipe_timeout > 0:
-            raise ValueError("--lr, --peer-timeout and --pipe-timeout must be positive")
+        if self.lr <= 0 or self.peer_timeout <= 0 or not self.pipe_timeout >= 0:
+            raise ValueError("--lr and --peer-timeout must be positive, --pipe-timeout >= 0 "
+                             "(0: by --peer-timeout)")
         if self.overlap_pull and self.mode != "async":
             raise ValueError(f"--overlap-pull is for --mode async; got --mode {self.mode}")
         if self.pull_after == "exchange" and (self.mode != "async" or self.overlap_pull
@@ -567,6 +570,17 @@ def parse_args(argv=None, prog="python -m mpips.train"):
         if f.name in given or f.name not in values:
             values[f.name] = getattr(args, f.name)
     return Config(**values).validate()
+
+
+PIPE_TIMEOUT = 90.0     # --pipe-timeout 0: this, or PIPE_SHARE x --peer-timeout when less
+PIPE_SHARE = 0.75
+
+
+def pipe_timeout(cfg):
+    """The seconds a --pipe-command may send nothing: --pipe-timeout, or (0) PIPE_TIMEOUT s,
+    below --peer-timeout (PIPE_SHARE of it) when that is shorter: the pipe's own line, which
+    names the file and the command, comes before the servers' silence timeout."""
+    return cfg.pipe_timeout or min(PIPE_TIMEOUT, PIPE_SHARE * cfg.peer_timeout)
 
 
 def parse_fc(value):

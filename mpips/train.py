@@ -5,8 +5,9 @@
 
 Only this module touches COMM_WORLD.  A failure on any rank prints one line
 `mpips: rank R: Error: message` and aborts the whole job with a non-zero exit.  SIGTERM,
-SIGINT (Ctrl-C) and SIGUSR1, which mpiexec forwards to every rank, stop a batch run at a
-step boundary with a checkpoint and exit code 75 (mpips.job.stop; docs/resume.md); Ctrl-C
+SIGINT (Ctrl-C) and SIGUSR1, which mpiexec forwards to every rank, stop a batch run (or a
+stream, inside its pass) at a step boundary with a checkpoint and exit code 75
+(mpips.job.stop; docs/resume.md); Ctrl-C
 a second time stops at once: one line for the job and exit code 130 on every rank, without
 tracebacks.
 """

@@ -145,6 +145,23 @@ def test_hanging_pipe_local_cli(tiny_data, tmp_path):
     assert gone(word), processes_with(word)
 
 
+def test_pipe_timeout_defaults_below_the_peer_timeout(tiny_data, tmp_path):
+    """Without --pipe-timeout a hanging pipe fails after 3/4 of --peer-timeout when that is
+    under 90 s (the pipe's line, naming file and command, before the servers' timeout)."""
+    from mpips.config import Config, pipe_timeout
+    assert pipe_timeout(Config()) == 90.0 and pipe_timeout(Config(peer_timeout=4)) == 3.0
+    assert pipe_timeout(Config(peer_timeout=4, pipe_timeout=10)) == 10.0
+    word, cmd = marker_cmd(tmp_path, "exec sleep WORD")
+    t0 = time.monotonic()
+    proc = run_cmd(["-m", "mpips.train", "--local", "--train", tiny_data[0], "--fc", "16",
+                    "--epochs", "1", "--peer-timeout", "4", "--pipe-command", cmd],
+                   timeout=3 + SLACK)
+    assert proc.returncode == 1 and time.monotonic() - t0 < 3 + SLACK
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("mpips: local: PipeError: ") and "sent nothing for 3 s" in last, last
+    assert gone(word), processes_with(word)
+
+
 # ---------------------------------------------------------------- 2. a full disk
 SAVE_IN_A_SMALL_FILE_LIMIT = """
 import resource, sys
@@ -272,6 +289,37 @@ def test_fifo_as_data_is_named_as_a_fifo(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(FileNotFoundError, match=r"a named pipe \(FIFO\), not a regular file"):
         resolve_paths(str(fifo))
+
+
+def test_symlink_loop_and_broken_link_as_data_are_named(tmp_path):
+    a, b, broken = tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "c.txt"
+    a.symlink_to(b)
+    b.symlink_to(a)
+    broken.symlink_to(tmp_path / "gone.txt")
+    with pytest.raises(FileNotFoundError, match=r"a\.txt.*: a symbolic link loop \("):
+        resolve_paths(str(a))
+    with pytest.raises(FileNotFoundError, match=r"c\.txt.*: a broken symbolic link \(to "
+                       r".*gone\.txt"):
+        resolve_paths(str(broken))
+    with pytest.raises(FileNotFoundError, match=r"no such file, directory or glob match"):
+        resolve_paths(str(tmp_path / "none.txt"))
+
+
+def test_no_writable_numba_cache_folder_compiles_without_it_in_one_line(tmp_path):
+    """numba can write its cache nowhere (here: only NUMBA_CACHE_DIR is tried, and it is
+    below a file): the kernels import and run uncached after one line, no traceback."""
+    (tmp_path / "file").write_text("")
+    env = dict(os.environ, NUMBA_CACHE_LOCATOR_CLASSES="UserProvidedCacheLocator",
+               NUMBA_CACHE_DIR=str(tmp_path / "file" / "cache"))
+    code = ("import numpy as np; from mpips.kernels.pages import *; import mpips.kernels as k; "
+            "from mpips.data.files import resolve_paths; print('cache off', k.CACHE_OFF_NOW)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       cwd=str(ROOT), timeout=120)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert p.stdout.strip() == "cache off True"
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mpips: warning: numba finds no folder"), lines
+    assert "NUMBA_CACHE_DIR a writable folder" in lines[0]
 
 
 LOST_SERVER = """

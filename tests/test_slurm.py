@@ -16,9 +16,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from data_prep.stream_synth import generate_stream
+from tests.conftest import MPI_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = ROOT / "jobs" / "slurm"
@@ -222,16 +224,20 @@ def test_infer_job_scores_the_trained_checkpoint(train_job, slurm_env, tmp_path)
     assert rec["test_logloss"] == pytest.approx(trained["test_logloss"], rel=1e-12), (rec, trained)
 
 
-def start_stream(slurm_env, layout, tmp_path, hours=24):
+STREAM_FLAGS = ["--fc", "32,16", "--mode", "sync", "--batch-size", "64", "--entry", "count:2",
+                "--shrink-every", "pass", "--shrink-threshold", "2"]
+
+
+def start_stream(slurm_env, layout, tmp_path, hours=24, **env_extra):
     """Submit stream.sbatch running mpips on a small synthetic stream; return (job id, log,
     env, data, ckpt, pass names) once the job has trained a pass."""
-    env = job_env(slurm_env)
+    env = job_env(slurm_env, **env_extra)
     if "--stream" not in module_help("mpips.train"):
         _unavailable("mpips.train has no --stream (streaming feature, issue 6)")
     data, ckpt = tmp_path / "stream", tmp_path / "ckpt"
     names = [p["name"] for p in generate_stream(str(data), days=1, hours=hours, rows_per_pass=1000,
                                                 parts=2, seed=1)["passes"]]
-    job = submit("stream.sbatch", [str(data), str(ckpt), "--stream-timeout", "0", "--fc", "32,16",
+    job = submit("stream.sbatch", [str(data), str(ckpt), "--stream-timeout", "0", *STREAM_FLAGS,
                                    *layout[1]], env, tmp_path, layout[0])
     log = tmp_path / f"mpips-stream-{job}.out"
     wait_until(job, env, lambda i: i["JobState"] in FINAL or
@@ -246,29 +252,62 @@ def test_stream_job_cancelled_is_not_requeued(slurm_env, layout, tmp_path):
                       "finished, not requeueing" in log.read_text(), "done", log)
     text = log.read_text()
     assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", text
-    assert "SIGTERM (cancelled or preempted)" in text and "requeueing job" not in text, text
+    assert "SIGTERM (cancelled, preempted or requeued)" in text and "requeueing job" not in text
 
 
-def test_stream_job_is_requeued_and_trains_every_pass_once(slurm_env, layout, tmp_path):
-    """mpips itself (not a stand-in): stopped by the time-limit warning, requeued, resumed
-    from its checkpoint; every pass trained exactly once over the two runs."""
-    job, log, env, data, ckpt, names = start_stream(slurm_env, layout, tmp_path)
-    # What Slurm does 60 s before the time limit (--signal=B:USR1@60):
-    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=env, check=True, timeout=30)
+def assert_every_pass_once(text, names):
+    """Each pass completed once, in order, over the runs, and its PASS lines' examples (a
+    stopped part's and the rest's) add up to its 1000 rows."""
+    done = re.findall(r"^PASS (\S+) --> (?!stopped)", text, re.MULTILINE)
+    assert done == names, f"passes completed {done}, expected each of {names} once\n{text}"
+    for name in names:
+        got = re.findall(rf"^PASS {re.escape(name)} --> .*?train examples: (\d+)", text, re.M)
+        assert sum(map(int, got)) == 1000, (name, got, text)
+
+
+@pytest.mark.parametrize("how", ["time-limit", "scontrol-requeue"])
+def test_stream_job_stopped_mid_pass_and_requeued_trains_every_example_once(
+        slurm_env, layout, tmp_path, how):
+    """mpips itself (not a stand-in), sync: stopped inside a pass by what Slurm does before
+    the time limit (SIGUSR1 to the script, which stops the step and requeues the job) or by
+    `scontrol requeue` (SIGTERM, Slurm requeues): a checkpoint of the position in the pass,
+    exit 75; the next run finishes that pass and the rest.  Every example trained once, and
+    the final checkpoint equals the uninterrupted run's (2 servers x 2 workers), every array."""
+    from tests.test_stream import final_state
+    # worker 0 sleeps 0.1 s a step (8 steps a pass), so that the stop surely comes mid-pass
+    job, log, env, data, ckpt, names = start_stream(slurm_env, layout, tmp_path,
+                                                    MPIPS_DEBUG_SLOW_WORKER="0:0.1")
+    if how == "time-limit":
+        cmd = ["scancel", "--batch", "--signal=USR1", job]
+    else:
+        cmd = ["scontrol", "requeue", job]
+    subprocess.run(cmd, env=env, check=True, timeout=30)
     info = wait_until(job, env, lambda i: i["JobState"] in FINAL and i["Restarts"] == "1",
                       "requeued and finished", log)
     text = log.read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text
     assert_clean(text)
     first, _, second = text.partition("restart 1:")
-    assert "restart 0:" in first and "SIGUSR1 (time limit near)" in first, text
-    assert "step ended with exit code 0" in first and f"requeueing job {job}" in first, text
-    assert "finished, not requeueing" in second, text
-    assert f"--resume {ckpt}" in second, text
-    trained = re.findall(r"^PASS (\S+) -->", text, re.MULTILINE)
-    assert trained == names, f"passes trained {trained}, expected each of {names} once\n{text}"
-    assert re.search(r"^PASS ", second, re.MULTILINE), f"the stop came after the last pass:\n{text}"
-    assert list(ckpt.rglob("MANIFEST.json")), sorted(tmp_path.rglob("*"))
+    assert "restart 0:" in first and "step ended with exit code 75" in first, text
+    assert re.search(r"^mpips: stopped by SIGTERM in pass \S+ after batch \d+ \(all 4 "
+                     r"ranks\): checkpoint \S+; continue with --resume auto", first, re.M), text
+    if how == "time-limit":
+        assert "SIGUSR1 (time limit near)" in first and f"requeueing job {job}" in first, text
+    assert "finished, not requeueing" in second and f"--resume {ckpt}" in second, text
+    assert re.search(r"^RESUME --> \S+ \(pass \S+, \d+ batches done: stopped inside it",
+                     second, re.M), text
+    assert_every_pass_once(text, names)
+    ref = tmp_path / "ref"                     # the uninterrupted run, 2x2 outside Slurm
+    p = run([str(Path(sys.executable).parent / "mpiexec"), "-n", "4", sys.executable, "-m",
+             "mpips.train", "--stream", str(data), "--save-dir", str(ref), "--stream-timeout",
+             "0", "--servers", "2", *STREAM_FLAGS],
+            dict(os.environ, **MPI_ENV), timeout=300, cwd=str(ROOT))
+    assert p.returncode == 0, p.stderr[-2000:]
+    name_r, want = final_state(ref)
+    name, got = final_state(ckpt)
+    assert name == name_r == names[-1] and sorted(got) == sorted(want)
+    for k, v in want.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
 
 
 def requeue_flags(cache):

@@ -220,10 +220,14 @@ def is_stream_checkpoint(manifest):
 
 
 def where(manifest):
-    """Where a checkpoint's run stood: 'after pass P', 'after epoch E' or 'epoch E, N
-    batches done'."""
+    """Where a checkpoint's run stood: 'after pass P', 'pass P, N batches done: stopped
+    inside it, ...', 'after epoch E' or 'epoch E, N batches done'."""
     meta = manifest.get("meta") or {}
     if is_stream_checkpoint(manifest):
+        if meta.get("in_pass"):
+            after = f", after pass {meta['pass']}" if meta["pass"] else ""
+            return (f"pass {meta['in_pass']}, {meta.get('steps', 0)} batches done: stopped "
+                    f"inside it{after}")
         return f"after pass {meta['pass']}"
     if meta.get("complete", True):
         return f"after epoch {meta.get('epoch', '?')}"

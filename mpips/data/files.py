@@ -19,6 +19,7 @@ always ends a line, also inside a CSV quote (the readers never join lines), so t
 points agree with how the file is parsed.  Gzip files, binary parts and a pipe
 command's input are not cut: with any of those, a worker reads whole files.
 """
+import errno
 import glob
 import os
 import stat
@@ -110,7 +111,7 @@ def resolve_paths(spec) -> list[str]:
             continue
         hits = _resolve_one(part)
         if not hits:
-            what = "no such file, directory or glob match"
+            what = _missing(part)
             if os.path.isdir(part):
                 what = "directory has no data files"
             elif os.path.exists(part):
@@ -124,6 +125,20 @@ def resolve_paths(spec) -> list[str]:
                 seen.add(key)
                 files.append(h)
     return files
+
+
+def _missing(part):
+    """Why ``part`` names nothing to read: a symbolic link loop, a broken link, or nothing."""
+    try:
+        os.stat(part)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return ("a symbolic link loop (a link that leads, through links, back to itself): "
+                    "point it at the data file")
+        if os.path.islink(part):
+            return (f"a broken symbolic link (to {os.readlink(part)!r}, which does not "
+                    f"exist): point it at the data file")
+    return "no such file, directory or glob match"
 
 
 def split_files(files: list[str], n_workers: int, index: int) -> list[str]:

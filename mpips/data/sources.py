@@ -34,7 +34,7 @@ PIPE_AHEAD = 2  # processes started ahead of the file being read
 PIPE_BLOCK = 1 << 20  # bytes per read from a command's stdout
 PIPE_QUEUE = 16  # blocks buffered per command (so at most ~16 MiB ahead each)
 PUT_POLL_SECONDS = 0.1
-PIPE_TIMEOUT = 90.0  # default --pipe-timeout (below --peer-timeout's 120 s: see docs/reliability.md)
+PIPE_TIMEOUT = 90.0  # a reader's default (a run's: mpips.config.pipe_timeout, below --peer-timeout)
 JOIN_SECONDS = 1.0  # wait for a drain thread after its command was killed
 
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 import os
 
-from mpips.config import AUTO_K, COWCLIP, parse_large_batch
+from mpips.config import AUTO_K, COWCLIP, parse_large_batch, pipe_timeout
 from mpips.data.synth import ensure_default_dataset
 from mpips.data.files import resolve_paths
 from mpips.data.reader import DataReader
@@ -62,7 +62,7 @@ def make_reader(cfg, files, batch_size, warn, shuffle=None, norm=None, schema=No
                       hash_bucket=cfg.hash_bucket, prefetch=cfg.prefetch, warn=warn,
                       cont_min=cont_min, cont_diff=cont_diff, shuffle_window=window,
                       shuffle_seed=seed, max_bad_fraction=cfg.max_bad_fraction,
-                      schema=schema, has_label=has_label, pipe_timeout=cfg.pipe_timeout)
+                      schema=schema, has_label=has_label, pipe_timeout=pipe_timeout(cfg))
 
 
 @dataclass(frozen=True)

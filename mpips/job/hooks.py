@@ -10,8 +10,9 @@ the parts that act on it.  Each aid is off unless its variable is set:
                                         after its N-th batch of stream pass PASS (tests)
     MPIPS_DEBUG_PROGRESS_STEPS=N        a PROGRESS line every N steps, not seconds (tests)
     MPIPS_DEBUG_JIT=1                   each rank lists the kernels compiled after warm-up
-    MPIPS_DEBUG_SIGNAL_AT=SIG:E:N[:launcher]  send SIGSIG after batch N of epoch E
-                                        (mpips.job.stop; tests)
+    MPIPS_DEBUG_SIGNAL_AT=SIG:E:N[:launcher]  send SIGSIG after batch N of epoch E (a
+                                        stream: pass number E), or N a stream's phase:
+                                        shrink, eval, save, wait (mpips.job.stop; tests)
 """
 import os
 import signal
@@ -77,6 +78,11 @@ class Hooks:
     def signaller(self, epoch):
         """The step hook that sends the MPIPS_DEBUG_SIGNAL_AT signal in ``epoch``, or None."""
         return stop.debug_hook(epoch, self.signal_at)
+
+    def signal_phase(self, epoch, phase):
+        """Send the MPIPS_DEBUG_SIGNAL_AT signal if it names ``phase`` of stream pass
+        number ``epoch`` (mpips.job.stop.debug_phase)."""
+        stop.debug_phase(epoch, phase, self.signal_at)
 
 
 NONE = Hooks()

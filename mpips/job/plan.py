@@ -20,7 +20,8 @@ from mpips.data.files import resolve_paths
 from mpips.job.build import (CowClip, auto_batch, auto_rule_off, dense_lr, large_batch_rule, make_model,
                              make_schema, resolve_data)
 from mpips.job.hooks import NONE, Hooks
-from mpips.job.resume import checked_meta, choose_at_start, first_rank_decides, pin, start_point
+from mpips.job.resume import (StreamAt, checked_meta, choose_at_start, first_rank_decides, pin,
+                              start_point, stream_at)
 from mpips.schema import Schema
 from mpips.tables.ownership import plan_keys
 from mpips.tables.staleness import STALE_AUTO_W, counts_staleness, stale_rule
@@ -101,7 +102,8 @@ class RunPlan:
     resume: str = None            # the checkpoint directory to continue from, or None
     manifest: dict = field(default=None, compare=False, repr=False)   # its manifest
     start: tuple = (0, 0)         # batch run: (epoch, batches of it already trained)
-    last_pass: str = None         # stream: the last pass the checkpoint holds
+    stream_at: StreamAt = StreamAt()   # stream: where the checkpoint left it (the last pass
+                                  # it holds; the pass it stopped in, and how far)
     train_files: list = None      # None until with_data (a stream: none)
     test_files: list = None
     hooks: Hooks = NONE
@@ -218,16 +220,16 @@ def make_plan(cfg, comm=None, hooks=NONE):
     if comm is not None and comm.size > 1:
         workers = comm.size - (cfg.servers or default_servers(comm.size))
     batches = split_batches(cfg, workers)          # G < W: the one-line error, here
-    start, last_pass = (0, 0), None
+    start, at = (0, 0), StreamAt()
     if cfg.resume:
         check_resume(elements, cfg, schema)
-        last_pass = checked_meta(path, manifest, cfg).get("pass")
+        at = stream_at(checked_meta(path, manifest, cfg))
         start = start_point(cfg, path, manifest, train, workers, piped=bool(schema.pipe_command))
     hidden = cfg.hidden
     return RunPlan(cfg=cfg, schema=schema, hidden=hidden,
                    model=make_model(cfg, schema, hidden),
                    width=width, workers=workers, batches=batches, sync=is_sync(cfg),
-                   resume=path, manifest=manifest, start=start, last_pass=last_pass,
+                   resume=path, manifest=manifest, start=start, stream_at=at,
                    train_files=train, test_files=test, hooks=hooks,
                    cowclip=large_batch_rule(cfg, batches))
 

@@ -45,12 +45,18 @@ def epoch_record(cfg, epoch, st, test_m):
         rec["geo_steps"] = cfg.geo_steps
     if cfg.mode == "ssp":
         rec["staleness"] = cfg.staleness
-    if test_m is not None:
-        rec.update(test_examples=int(test_m.count), test_auc=test_m.auc(),
-                   test_logloss=test_m.logloss(), test_mean_pred=test_m.mean_pred(),
-                   test_ctr=test_m.observed_ctr())
+    rec.update(test_fields(test_m))
     rec.update(st.extra)
     return rec
+
+
+def test_fields(test_m):
+    """The record's test fields of evaluation metrics ``test_m`` ({} for None)."""
+    if test_m is None:
+        return {}
+    return dict(test_examples=int(test_m.count), test_auc=test_m.auc(),
+                test_logloss=test_m.logloss(), test_mean_pred=test_m.mean_pred(),
+                test_ctr=test_m.observed_ctr())
 
 
 def noise_scale(blocks):
@@ -105,6 +111,10 @@ def noise_line(rec, batch, by_global=False):
     return s
 
 
+def _or(x, default):
+    return default if x is None else x
+
+
 def write_metrics(path, rec):
     if path:
         with open(path, "a") as fh:
@@ -122,10 +132,19 @@ def summary_line(rec):
 
 
 def pass_line(rec):
-    s = (f"PASS {rec['pass']} --> eval auc: {rec.get('test_auc', float('nan')):.6f} "
-         f"logloss: {rec.get('test_logloss', float('nan')):.6f} | train examples: "
-         f"{rec['train_examples']} loss: {rec['train_loss']:.6f} examples/s: "
-         f"{rec['examples_per_sec']:.0f}")
+    """The PASS line of a stream pass's record; a pass stopped by a signal says where (its
+    record has no test fields: the pass's record after the resume has them)."""
+    nan = float("nan")
+    if "stopped_at_batch" in rec:
+        head = (f"stopped after batch {rec['stopped_at_batch']} of the pass (the rest "
+                f"after --resume auto)")
+    else:
+        head = (f"eval auc: {_or(rec.get('test_auc'), nan):.6f} logloss: "
+                f"{_or(rec.get('test_logloss'), nan):.6f}")
+    since = (f" (batches {rec['resumed_at_batch'] + 1} on)" if rec.get("resumed_at_batch")
+             else "")
+    s = (f"PASS {rec['pass']} --> {head} | train examples: {rec['train_examples']}{since} "
+         f"loss: {rec['train_loss']:.6f} examples/s: {rec['examples_per_sec']:.0f}")
     if "table_rows" in rec:
         s += (f" | table rows: {rec['table_rows']} bytes: {rec['table_bytes']} admitted: "
               f"{rec['ids_admitted']} waiting: {rec['ids_waiting']} evicted: {rec['ids_evicted']}")

@@ -3,7 +3,8 @@
 ``choose`` picks the checkpoint once (``--resume``: a checkpoint directory, or the newest
 one of a root whose whole chain verifies; else a stream's own latest one in
 ``--save-dir``) and ``pin`` makes ``--resume`` name it, so every later call and every rank
-loads that one.  ``checked_meta`` gives its position (a stream: the last pass it holds);
+loads that one.  ``checked_meta`` gives its position (a stream: ``stream_at``, the last pass
+it holds and, when a signal stopped it inside the next one, that pass and its batches done);
 ``start_point`` turns a batch run's checkpoint into the epoch and the batches of it already
 trained.  The position (``meta``) is checked against the run before it is used: a value out
 of range is an error naming it, never a run that silently trains nothing or skips forever.
@@ -12,6 +13,7 @@ of range is an error naming it, never a run that silently trains nothing or skip
 """
 import dataclasses
 import os
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -87,6 +89,13 @@ def checked_meta(path, m, cfg):
     need(_is_int(meta.get("epoch", -1)) and meta.get("epoch", -1) >= -1, "epoch is not >= -1")
     need(_is_int(meta.get("steps", 0)) and meta.get("steps", 0) >= 0, "steps is not >= 0")
     need(isinstance(meta.get("complete", True), bool), "complete is not true/false")
+    need(_is_int(meta.get("passes", 0)) and meta.get("passes", 0) >= 0, "passes is not >= 0")
+    need(meta.get("in_pass") is None or isinstance(meta["in_pass"], str),
+         "in_pass is not a pass name")
+    need(meta.get("pass_test") is None or isinstance(meta["pass_test"], dict),
+         "pass_test is not an object")
+    need(_is_int(meta.get("pass_evicted", 0)) and meta.get("pass_evicted", 0) >= 0,
+         "pass_evicted is not >= 0")
     if cfg.stream or not cfg.resume:
         return meta
     epoch, complete = meta.get("epoch", -1), meta.get("complete", True)
@@ -98,6 +107,33 @@ def checked_meta(path, m, cfg):
             f"before epoch {first}: nothing left to train (epochs count from 0; give "
             f"--epochs {first + 1} or more to train on from it)")
     return meta
+
+
+@dataclass(frozen=True)
+class StreamAt:
+    """Where a stream continues: after pass ``last`` (None: before its first), with
+    ``passes`` passes trained before; when a signal stopped it inside a pass, ``in_pass``
+    names it, ``steps`` of its batches (per worker) are trained, ``test`` holds its
+    evaluation's record fields (None: not evaluated yet) and ``evicted`` the rows its shrink
+    evicted, when no record of the stopped run reported them.  The stream's first pass ever is
+    number 0; ``passes`` numbers the next (its shuffle seed and its TRAIN lines)."""
+    last: str = None
+    passes: int = 0
+    in_pass: str = None
+    steps: int = 0
+    test: dict = None
+    evicted: int = 0
+
+
+def stream_at(meta):
+    """The :class:`StreamAt` of a stream checkpoint's checked meta (None: a fresh start)."""
+    if meta is None:
+        return StreamAt()
+    inside = meta.get("in_pass")
+    return StreamAt(last=meta.get("pass"), passes=meta.get("passes", 0), in_pass=inside,
+                    steps=meta.get("steps", 0) if inside else 0,
+                    test=meta.get("pass_test") if inside else None,
+                    evicted=meta.get("pass_evicted", 0) if inside else 0)
 
 
 def max_batches(files, batch_size):

@@ -10,7 +10,11 @@ reads it where stopping is safe:
   next round), the job saves a checkpoint there (``--save-mode``, into ``--save-dir``) and
   every rank exits with :data:`EXIT_STOPPED` after one line;
   ``--resume auto`` continues from it exactly as from any mid-epoch save;
-* a stream after its current pass (which it saves), exiting 0 (``mpips.job.stream``).
+* a stream the same way, inside its pass: at a step boundary, with a checkpoint recording the
+  pass and the batches of it trained (or before the pass's training, when the signal came
+  during its shrink or evaluation; or between passes, where the pass's own checkpoint is
+  the position), exiting :data:`EXIT_STOPPED`; ``--resume auto`` (or the same command)
+  continues inside that pass (``mpips.job.stream``).
 
 Without ``--save-dir`` nothing can be saved: the run stops the same way and exits with 128 +
 the signal's number (130 for SIGINT), as a process killed by it would.  A second SIGINT
@@ -21,7 +25,10 @@ every rank; Slurm's ``--signal=B:USR1@T`` signals the batch script, which passes
 
 Test aid: ``MPIPS_DEBUG_SIGNAL_AT="SIG:EPOCH:BATCH[:launcher]"`` makes the logging worker
 (or the local process) send itself SIGSIG (TERM, INT or USR1) after batch BATCH of epoch
-EPOCH; with ``:launcher``, to the mpiexec/mpirun above it instead (which passes it on).
+EPOCH (a stream: of its pass number EPOCH, counted from 0 over the whole stream); with
+``:launcher``, to the mpiexec/mpirun above it instead (which passes it on).  A stream also
+takes a phase for BATCH: ``shrink``, ``eval``, ``save`` (the pass's save) or ``wait`` (when
+it asks for the next pass): the signal is sent as that phase of pass EPOCH begins.
 """
 import os
 import signal
@@ -37,11 +44,12 @@ LAUNCHERS = ("mpiexec", "mpirun", "mpiexec.hydra", "srun")
 
 @dataclass
 class Stopped:
-    """Where a batch run stopped, and the checkpoint it saved there (None: no --save-dir)."""
+    """Where a run stopped, and the checkpoint it saved there (None: no --save-dir)."""
     signal: str
     epoch: int
     steps: int              # batches of the epoch done (per worker)
     path: str | None
+    where: str = ""         # a stream's position ("in pass P after batch N"); "": the epoch's
 
     def exit_code(self):
         if self.path:
@@ -49,7 +57,8 @@ class Stopped:
         return 128 + int(getattr(signal, self.signal, signal.SIGTERM))
 
     def line(self, ranks=""):
-        where = f"{self.signal} at epoch {self.epoch} after batch {self.steps}{ranks}"
+        at = self.where or f"at epoch {self.epoch} after batch {self.steps}"
+        where = f"{self.signal} {at}{ranks}"
         if self.path:
             return (f"mpips: stopped by {where}: checkpoint {self.path}; continue with "
                     f"--resume auto (exit code {EXIT_STOPPED})")
@@ -89,7 +98,7 @@ def debug_hook(epoch, spec):
     """The MPIPS_DEBUG_SIGNAL_AT hook for ``epoch`` (a trainer's on_step), or None; ``spec``:
     the variable's value split at ':' (read at the entry point: ``mpips.job.hooks``)."""
     spec = list(spec)
-    if len(spec) < 3 or int(spec[1]) != epoch:
+    if len(spec) < 3 or not spec[2].isdigit() or int(spec[1]) != epoch:
         return None
     sig, at = getattr(signal, "SIG" + spec[0]), int(spec[2])
     target = _launcher() if spec[3:] == ["launcher"] else os.getpid()
@@ -98,6 +107,16 @@ def debug_hook(epoch, spec):
         if done == at:
             os.kill(target, sig)
     return hook
+
+
+def debug_phase(epoch, phase, spec):
+    """The MPIPS_DEBUG_SIGNAL_AT signal when ``phase`` (shrink, eval, save, wait) of stream
+    pass number ``epoch`` begins and ``spec`` names them; else nothing."""
+    spec = list(spec)
+    if len(spec) < 3 or spec[2] != phase or int(spec[1]) != epoch:
+        return
+    target = _launcher() if spec[3:] == ["launcher"] else os.getpid()
+    os.kill(target, getattr(signal, "SIG" + spec[0]))
 
 
 def _launcher():
