@@ -424,3 +424,51 @@ def count_int_values(raw, missing, lo, hist, tails):
             if v > tails[j, 3]:
                 tails[j, 3] = v
     return total
+
+
+BYTES_OK = 0  # bytes_column_ids: every element read
+BYTES_PAST_END = 1  # an element's 4-byte length (or the length itself) runs past the end
+BYTES_FORBIDDEN = 2  # an element holds a TAB, LF, CR or NUL (a TSV field cannot)
+BYTES_TRAILING = 3  # bytes left after the n-th element
+
+
+@njit(cache=True, nogil=True)
+def bytes_column_ids(blob, n, slot, bucket, out, filled):
+    """Hash a V2 BYTES tensor of ``n`` elements as Criteo field ``slot`` (``hash_bytes``).
+
+    The layout is the KServe V2 binary one: each element is a little-endian uint32 length
+    followed by that many bytes, with nothing between or after the elements.
+
+    Parameters
+    ----------
+    blob : (nbytes,) uint8
+    n : int, elements
+    slot : int, 0..255
+    bucket : int, hash_bucket (0 = full int64 range)
+    out : (n,) int64, out (a column view is fine)
+    filled : (n,) uint8, out: 1 where the element is not empty
+
+    Returns
+    -------
+    (status, element): BYTES_OK and n, or a BYTES_* code and the element it concerns
+    """
+    pos = 0
+    size = blob.shape[0]
+    for k in range(n):
+        if pos + 4 > size:
+            return BYTES_PAST_END, k
+        ln = (np.int64(blob[pos]) | (np.int64(blob[pos + 1]) << 8)
+              | (np.int64(blob[pos + 2]) << 16) | (np.int64(blob[pos + 3]) << 24))
+        pos += 4
+        if pos + ln > size:
+            return BYTES_PAST_END, k
+        for i in range(pos, pos + ln):
+            c = blob[i]
+            if c == 9 or c == 10 or c == 13 or c == 0:
+                return BYTES_FORBIDDEN, k
+        out[k] = hash_to_id(splitmix64_finalise(fnv1a_slot(blob, pos, pos + ln, slot)), bucket)
+        filled[k] = 1 if ln > 0 else 0
+        pos += ln
+    if pos != size:
+        return BYTES_TRAILING, n
+    return BYTES_OK, n

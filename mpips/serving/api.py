@@ -5,7 +5,10 @@ Routes (``{name}`` is the served model's name, ``--name``)::
     GET  /v2/health/live | /v2/health/ready            Open Inference Protocol (KServe V2)
     GET  /v2/models/{name}                             metadata: inputs, versions
     GET  /v2/models/{name}/ready
-    POST /v2/models/{name}/infer                       tensors by input name
+    POST /v2/models/{name}/infer                       tensors by input name (JSON, or the
+                                                       binary tensor data extension: v2.py)
+    GET  /v2/models/{name}/config                      Triton's model configuration (minimal)
+    .../v2/models/{name}/versions/{version}/...        the same, when {version} is served
     GET  /v1/models/{name}                             TF-Serving status
     POST /v1/models/{name}:predict                     {"instances": [...]} or {"inputs": {...}}
     POST /v1/models/{name}:lines                       raw lines -> one score per line
@@ -26,13 +29,15 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                Histogram, disable_created_metrics, generate_latest)
 
 from mpips.serving.http import Response, error_response
-from mpips.serving.instances import BadInput, columns_to_instances, v2_instances
+from mpips.serving import v2
+from mpips.serving.instances import BadInput, columns_to_instances
 from mpips.serving.predictor import LineError
 
 LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0)
 FORM = "application/x-www-form-urlencoded"     # what curl -d sends unless told
 JSON_TYPES = ("application/json", "", FORM)
+V2_TYPES = JSON_TYPES + ("application/octet-stream",)   # the binary extension
 LINE_TYPES = ("text/plain", "text/csv", "text/tab-separated-values", "application/octet-stream",
               "", FORM)
 
@@ -120,7 +125,7 @@ class Api:
         serving = self.live.current
         endpoint, resp = "unknown", None
         try:
-            endpoint, fn, methods = self._route(req.path)
+            endpoint, fn, methods = self._route(req.path, serving)
             if fn is None:
                 raise BadInput(f"no such endpoint {req.path[:100]!r} (this server's model is "
                                f"{self.name!r}; see GET /v2/models/{self.name})", 404)
@@ -136,10 +141,17 @@ class Api:
         self.metrics.count(endpoint, resp.status, time.perf_counter() - t0)
         return resp
 
-    def _route(self, path):
+    def _route(self, path, serving):
         GET, POST = ("GET",), ("POST",)
+        if path.startswith(self.v2 + "/versions/"):
+            version, _, rest = path[len(self.v2) + 10:].partition("/")
+            if version != serving.version:
+                return "unknown_model", self._unknown_version, GET + POST
+            path = self.v2 + ("/" + rest if rest else "")
         if path == self.v2 + "/infer":
             return "v2_infer", self.v2_infer, POST
+        if path == self.v2 + "/config":
+            return "metadata", self.v2_config, GET
         if path == self.v1 + ":predict":
             return "v1_predict", self.v1_predict, POST
         if path == self.v1 + ":lines":
@@ -199,6 +211,10 @@ class Api:
         raise BadInput(f"unknown model in {req.path[:100]!r}; this server serves "
                        f"{self.name!r}", 404)
 
+    def _unknown_version(self, req, serving):
+        raise BadInput(f"unknown model version in {req.path[:100]!r}; this server serves "
+                       f"{serving.version!r}", 404)
+
     def health(self, req, serving):
         if req.path.endswith("live"):
             return self._ok({"live": True})
@@ -206,7 +222,7 @@ class Api:
 
     def v2_meta(self, req, serving):
         if req.path == "/v2":
-            return self._ok({"name": "mpips", "version": "1", "extensions": []})
+            return self._ok({"name": "mpips", "version": "1", "extensions": v2.EXTENSIONS})
         if req.path.endswith("/ready"):
             return self._ok({"name": self.name, "ready": True})
         inputs = [{"name": n, "datatype": d, "shape": s}
@@ -222,18 +238,36 @@ class Api:
             "status": {"error_code": "OK", "error_message": ""}}],
             "model_version": serving.version})
 
+    def v2_config(self, req, serving):
+        return self._ok(v2.model_config(self.name, serving, self.max_instances))
+
     def v2_infer(self, req, serving):
-        body = self._json(req)
-        instances = v2_instances(body, serving.encoder, self.max_instances)
-        scores = self._score(serving, instances)
-        out = {"model_name": self.name, "model_version": serving.version,
-               "outputs": [{"name": "probability", "datatype": "FP32",
-                            "shape": [len(scores)], "data": scores.tolist()}]}
-        if "id" in body:
-            if not isinstance(body["id"], str):
-                raise BadInput("id: expected a string")
-            out["id"] = body["id"]
-        return self._ok(out)
+        ctype = req.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype not in V2_TYPES:
+            raise BadInput(f"Content-Type {ctype!r}: send application/json (or "
+                           "application/octet-stream with Inference-Header-Content-Length)", 415)
+        if req.headers.get("content-encoding", "identity").lower() != "identity":
+            raise BadInput("Content-Encoding: send the body uncompressed", 415)
+        head, inputs = v2.split_body(req.body, req.headers.get("inference-header-content-length"))
+        binary = v2.binary_output(head)
+        if "id" in head and not isinstance(head["id"], str):
+            raise BadInput("id: expected a string")
+        scores = v2.score(serving, inputs, self.max_instances)
+        self.metrics.instances.inc(len(scores))
+        out = {"name": v2.OUTPUT, "datatype": "FP32", "shape": [len(scores)]}
+        if binary:
+            data = scores.astype("<f4").tobytes()
+            out["parameters"] = {"binary_data_size": len(data)}
+        else:
+            out["data"] = scores.tolist()
+        answer = {"model_name": self.name, "model_version": serving.version, "outputs": [out]}
+        if "id" in head:
+            answer["id"] = head["id"]
+        if not binary:
+            return self._ok(answer)
+        text = json.dumps(answer).encode()
+        return Response(200, text + data, "application/octet-stream",
+                        (("Inference-Header-Content-Length", str(len(text))),))
 
     def v1_predict(self, req, serving):
         body = self._json(req)
