@@ -12,6 +12,7 @@ from N processes forked after the model is loaded, holding the table once, in sh
 memory (``mpips.serving.shared``).  Needs the ``serve`` extra (prometheus-client).
 """
 import argparse
+import importlib.util
 import os
 import sys
 import traceback
@@ -28,6 +29,8 @@ def build_parser():
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
                    "127.0.0.1)")
     p.add_argument("--port", type=int, default=8500, help="port (0 = a free one; default 8500)")
+    p.add_argument("--grpc-port", type=int, default=None, help="also serve KServe V2 over "
+                   "gRPC on this port (0 = a free one, named in the ready line; needs grpcio)")
     p.add_argument("--name", default="ctr", help="the model's name in the URLs (default ctr)")
     p.add_argument("--processes", type=int, default=1, help="server processes on the port, "
                    "sharing one table (default 1)")
@@ -48,6 +51,8 @@ def check_args(args):
     """One line naming the first bad flag, or ''."""
     if not 0 <= args.port <= 65535:
         return f"--port must be in 0..65535; got {args.port}"
+    if args.grpc_port is not None and not 0 <= args.grpc_port <= 65535:
+        return f"--grpc-port must be in 0..65535; got {args.grpc_port}"
     if args.processes < 1:
         return f"--processes must be >= 1; got {args.processes}"
     for flag in ("max_instances", "max_body_bytes"):
@@ -74,6 +79,10 @@ def main(argv=None):
             os.environ.setdefault(k, "1")
     try:
         from mpips.serving import server
+        if args.grpc_port is not None:   # (grpc itself is imported after any fork)
+            from mpips.serving.proto import kserve_v2_pb2  # noqa: F401
+            if importlib.util.find_spec("grpc") is None:
+                raise ImportError("--grpc-port needs grpcio")
     except ImportError as e:
         print(f"mpips.serve: error: {e}; install the serve extra: pip install 'mpips[serve]'",
               file=sys.stderr)

@@ -52,7 +52,8 @@ class Metrics:
     def __init__(self, live, process=0):
         disable_created_metrics()
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("mpips_requests", "HTTP requests by endpoint and status code",
+        self.requests = Counter("mpips_requests", "requests by endpoint and status code (gRPC: "
+                                "grpc_* endpoints, status names)",
                                 ["endpoint", "code"], registry=r)
         self.errors = Counter("mpips_request_errors", "requests answered 4xx or 5xx",
                               ["endpoint"], registry=r)
@@ -87,13 +88,15 @@ class Metrics:
         self.version.set(serving.seq)
         self.rows.set(len(serving.model))
 
-    def count(self, endpoint, code, seconds):
-        """One request answered (the labelled children are looked up once)."""
+    def count(self, endpoint, code, seconds, error=None):
+        """One request answered (the labelled children are looked up once); ``code``: the
+        HTTP status (an error from 400), or a gRPC status name with ``error``."""
         key = (endpoint, code)
         kids = self._kids.get(key)
         if kids is None:
+            error = code >= 400 if error is None else error
             kids = self._kids[key] = (self.requests.labels(endpoint, str(code)),
-                                      self.errors.labels(endpoint) if code >= 400 else None,
+                                      self.errors.labels(endpoint) if error else None,
                                       self.latency.labels(endpoint))
         kids[0].inc()
         if kids[1] is not None:

@@ -21,7 +21,8 @@ from mpips.serving.live import Live
 
 def ready_line(args, port, serving, processes):
     m = serving.model
-    return (f"mpips.serve: ready http://{args.host}:{port} model {args.name} version "
+    grpc = "" if args.grpc_port is None else f" grpc {args.host}:{args.grpc_port}"
+    return (f"mpips.serve: ready http://{args.host}:{port}{grpc} model {args.name} version "
             f"{serving.version} rows {len(m)} processes {processes} "
             f"{m.schema.describe()}")
 
@@ -36,6 +37,12 @@ async def _serve(args, live, child, log):
                      idle_timeout=args.idle_timeout, on_refused=metrics.refused,
                      sock=child.sock if child else None)
     await srv.start()
+    rpc = None
+    if args.grpc_port is not None:        # (imported here: no gRPC state before a fork)
+        from mpips.serving.grpc_v2 import GrpcV2
+        rpc = GrpcV2(api)
+        args.grpc_port = await rpc.start(args.host, args.grpc_port, args.max_body_bytes,
+                                         shared_port=child is not None)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -57,7 +64,10 @@ async def _serve(args, live, child, log):
     else:
         log(ready_line(args, srv.port, live.current, 1))
     await stop.wait()
-    await srv.stop()
+    if rpc is not None:
+        await asyncio.gather(srv.stop(), rpc.stop())
+    else:
+        await srv.stop()
     if child is not None:
         loop.remove_reader(child.conn.fileno())
     return 0

@@ -161,6 +161,11 @@ class Pool:
         self.sock.bind(info[4])
         self.sock.listen(1024)
         self.port = self.sock.getsockname()[1]
+        if a.grpc_port is not None:      # held (bound, not listening) so every process
+            self.grpc_sock = socket.socket(info[0], socket.SOCK_STREAM)   # binds one port
+            self.grpc_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            self.grpc_sock.bind((info[4][0], a.grpc_port))
+            a.grpc_port = self.grpc_sock.getsockname()[1]
         self.serve_child, self.ready_line = serve_child, ready_line
         wake_r, wake_w = socket.socketpair()
         wake_r.setblocking(False)

@@ -6,7 +6,7 @@ JSON head, then each input's raw bytes, ``parameters.binary_data_size`` long) an
 one (``raw_input_contents``, or typed ``contents``).  An input is a dict
 ``{name, datatype, shape, data}`` (JSON) or ``{name, datatype, shape, raw}`` (its bytes in
 the extension's layout: little-endian, row-major; BYTES as a 4-byte length before each
-element); a missing dense value is ``null`` in JSON and NaN in a float tensor.
+element); a missing dense value is ``null`` (or ``NaN``) in JSON and NaN in a float tensor.
 
 Scoring (:func:`score`): a Criteo TSV model given raw tensors (FP32/FP64 dense, BYTES
 sparse, one value per row) takes the **array path**: the dense values are normalised and
@@ -98,7 +98,23 @@ def _loads(data):
 
 
 def _reject(name):
-    raise BadInput(f"{name} is not a number JSON allows (NaN and infinities are refused)")
+    """JSON's constants: NaN is a missing value (what a float tensor holds for one, and
+    what tritonclient's JSON mode writes for it); the infinities are refused."""
+    if name == "NaN":
+        return _NAN
+    raise BadInput(f"{name} is not a finite number (a missing value is null or NaN)")
+
+
+class _Nan(float):
+    """The NaN of a JSON body: a float that ``_null`` turns into None."""
+
+
+_NAN = _Nan("nan")
+
+
+def _null(data):
+    """``data`` (a tensor's JSON list) with each NaN of the body as None."""
+    return [None if x is _NAN else (_null(x) if type(x) is list else x) for x in data]
 
 
 def binary_output(head):
@@ -263,8 +279,13 @@ def score(serving, inputs, max_instances):
     fast = _fast_columns(serving, inputs, max_instances)
     if fast is not None:
         return _fast_score(serving, *fast)
-    tensors = [_as_json(t, k, max_instances) if isinstance(t, dict) and "raw" in t else t
-               for k, t in enumerate(inputs)]
+    tensors = []
+    for k, t in enumerate(inputs):
+        if isinstance(t, dict) and "raw" in t:
+            t = _as_json(t, k, max_instances)
+        elif isinstance(t, dict) and isinstance(t.get("data"), list):
+            t = {**t, "data": _null(t["data"])}
+        tensors.append(t)
     instances = v2_instances({"inputs": tensors}, serving.encoder, max_instances)
     if not instances:
         return np.empty(0, np.float32)
