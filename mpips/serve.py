@@ -14,7 +14,9 @@ memory (``mpips.serving.shared``).  Needs the ``serve`` extra (prometheus-client
 import argparse
 import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 import traceback
 
 PROG = "python -m mpips.serve"
@@ -42,6 +44,9 @@ def build_parser():
                    "(default 16 MiB)")
     p.add_argument("--poll-seconds", type=float, default=0.25, help="--follow: how often the "
                    "export index is checked (default 0.25)")
+    p.add_argument("--http-parser", default="llhttp", choices=("llhttp", "builtin"),
+                   help="the HTTP request parser: llhttp (httptools; default) or the "
+                   "builtin one")
     p.add_argument("--idle-timeout", type=float, default=30.0, help="close a connection idle "
                    "or stalled this long (seconds; default 30)")
     return p
@@ -73,10 +78,25 @@ def main(argv=None):
     if bad:
         print(f"mpips.serve: error: {bad}", file=sys.stderr)
         return 2
+    metrics_dir, master = None, os.getpid()
+    for k in ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir"):
+        os.environ.pop(k, None)             # (this server's own, below, or none)
     if args.processes > 1 or args.follow:   # forked processes (mpips.serving.shared): one
         # BLAS/OpenMP thread each, set before numpy loads (no BLAS thread pool across a fork)
         for k in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             os.environ.setdefault(k, "1")
+        # and metrics summed over them: prometheus-client's multiprocess mode, chosen
+        # before it is imported, in a directory of this server's (removed at the end)
+        metrics_dir = tempfile.mkdtemp(prefix="mpips-serve-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    try:
+        return _run(args)
+    finally:
+        if metrics_dir is not None and os.getpid() == master:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _run(args):
     try:
         from mpips.serving import server
         if args.grpc_port is not None:   # (grpc itself is imported after any fork)

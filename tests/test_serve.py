@@ -491,6 +491,7 @@ def test_processes_share_the_table_each_swaps_and_a_crash_is_restarted(criteo, t
         seen = {}
         for _ in range(n):                 # new connections: either process may take one
             text = srv.call("GET", "/metrics")[2].decode()
+            assert "\nmpips_process_index " in text, text[-3000:]
             idx = int(float(text.split("\nmpips_process_index ")[1].split()[0]))
             seen[idx] = text.split('mpips_model_info{version="')[1].split('"')[0]
             if len(seen) == 2 and len(set(seen.values())) == 1:

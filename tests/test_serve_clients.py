@@ -302,3 +302,89 @@ def test_grpc_fuzz_answers_statuses_and_stays_ready(server, model):
     assert codes.get(grpc.StatusCode.OK, 0) > 5 and len(codes) > 1, codes
     resp, code, _, _ = grpc_call(server, "ServerReady", b"", pb.ServerReadyResponse)
     assert code == grpc.StatusCode.OK and resp.ready
+
+
+def scrape(port):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("GET", "/metrics")
+    text = c.getresponse().read().decode()
+    c.close()
+    return text
+
+
+def sample(text, name):
+    """The value of the sample line starting with ``name`` (0 when there is none)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_metrics_are_summed_over_two_processes(model):
+    """--processes 2: every scrape, whichever process answers it, counts every request
+    sent to either (HTTP, each on a new connection, and gRPC), and shows both processes'
+    gauges."""
+    srv = Server("--bundle", model["bundle"], "--grpc-port", "0", "--processes", "2")
+    try:
+        grpc_port = int(srv.ready.split(" grpc 127.0.0.1:")[1].split()[0])
+        body = {"instances": [{"I1": 3, "C1": "68fd1e64"}, {"C2": "80e26c9b"}]}
+        n_http, n_grpc, n_bad = 40, 15, 5
+        for _ in range(n_http):
+            assert srv.call("POST", "/v1/models/ctr:predict", body)[0] == 200
+        for _ in range(n_bad):
+            assert srv.call("POST", "/v1/models/ctr:predict", {"rows": 1})[0] == 400
+        c = tg.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        for _ in range(n_grpc):
+            c.infer("ctr", triton_inputs(tg, model["lines"][:3]))
+        c.close()
+        answered = set()
+        for _ in range(40):
+            text = scrape(srv.port)
+            answered.add(int(sample(text, "mpips_process_index")))
+            assert sample(text, 'mpips_requests_total{code="200",endpoint="v1_predict"}') == \
+                n_http, text
+            assert sample(text, 'mpips_requests_total{code="400",endpoint="v1_predict"}') == n_bad
+            assert sample(text, 'mpips_requests_total{code="OK",endpoint="grpc_infer"}') == n_grpc
+            assert sample(text, "mpips_instances_total") == 2 * n_http + 3 * n_grpc
+            assert sample(text, 'mpips_request_seconds_count{endpoint="v1_predict"}') == \
+                n_http + n_bad
+            seqs = [x for x in text.splitlines() if x.startswith("mpips_model_version_seq{")]
+            assert len(seqs) == 2 and {'process="0"' in x for x in seqs} == {True, False}, seqs
+            if answered == {0, 1}:
+                break
+        assert answered == {0, 1}        # both processes answered a scrape, each the sum
+    finally:
+        assert srv.stop() == 0
+
+
+@pytest.mark.parametrize("raw,code", [
+    (b"POST /v2/health/live HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd", 400),
+    (b"POST /v2/health/live HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n"
+     b"0\r\n\r\n", 400),
+    (b"GET /v2/health/live HTTP/1.1\r\nHost : x\r\n\r\n", 400),
+    (b"GET /v2/health/live HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
+    (b"GET http://other/v2/health/live HTTP/1.1\r\n\r\n", 400),
+    (b"GET /v2/health/live HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 411),
+    (b"GET /v2/health/live HTTP/1.1\r\nX: " + b"a" * 40000, 431),
+])
+def test_hostile_heads_on_llhttp(server, raw, code):
+    """Requests read two ways by two parsers (the smuggling kind) are refused, the
+    connection closed, and the server stays ready."""
+    import socket
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(raw)
+        head = sock.recv(65536)
+        assert head.startswith(b"HTTP/1.1 %d" % code), head[:200]
+        assert b"Connection: close" in head
+    assert server.call("GET", "/v2/health/ready")[0] == 200
+
+
+def test_builtin_parser_still_serves(model):
+    srv = Server("--bundle", model["bundle"], "--http-parser", "builtin")
+    try:
+        part = model["lines"][:BATCH]
+        s, v, body = srv.call("POST", "/v1/models/ctr:lines", "\n".join(part), "text/plain")
+        assert s == 200 and v == VERSION
+        assert np.array_equal(np.array(body.decode().split(), np.float32), model["ref"][:BATCH])
+    finally:
+        assert srv.stop() == 0

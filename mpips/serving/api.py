@@ -20,13 +20,17 @@ once at its start (``Live.current``): all of its scores come from one version.  
 is a 4xx with ``{"error": "..."}`` naming the field; nothing a client sends stops the
 server (an unexpected error is a 500 and is counted).
 """
+import glob
 import json
 import math
+import os
 import time
 
 import numpy as np
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, disable_created_metrics, generate_latest)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from mpips.serving.http import Response, error_response
 from mpips.serving import v2
@@ -46,12 +50,79 @@ def _reject_constant(name):
     raise BadInput(f"{name} is not a number JSON allows (NaN and infinities are refused)")
 
 
-class Metrics:
-    """The server's Prometheus metrics (one registry per process)."""
+class ReloadMetrics:
+    """Reload attempts: counted where the reload is done (the master, with processes)."""
 
-    def __init__(self, live, process=0):
+    def __init__(self, registry=None):
+        kw = {} if registry is None else {"registry": registry}
+        self.reloads = Counter("mpips_reloads", "reload attempts by result (ok, refused)",
+                               ["result"], **kw)
+        self.time = Gauge("mpips_last_reload_timestamp_seconds", "when the last reload "
+                          "attempt ended (Unix time)", multiprocess_mode="max", **kw)
+        self.seconds = Gauge("mpips_last_reload_duration_seconds", "how long the last reload "
+                             "attempt took", multiprocess_mode="mostrecent", **kw)
+
+    def reloaded(self, ok, seconds, serving=None):
+        self.reloads.labels("ok" if ok else "refused").inc()
+        self.time.set(time.time())
+        self.seconds.set(seconds)
+
+
+class _Summed(MultiProcessCollector):
+    """The sum over the processes' files, but a file a process is creating (still empty,
+    not yet sized) is left out rather than failing the scrape."""
+
+    def collect(self):
+        files = []
+        for f in glob.glob(os.path.join(self._path, "*.db")):
+            try:
+                if os.path.getsize(f) > 0:
+                    files.append(f)
+            except OSError:              # removed meanwhile (a process that ended)
+                pass
+        return self.merge(files, accumulate=True)
+
+
+class _Here:
+    """The answering process's own gauges, read at the scrape."""
+
+    def __init__(self, live, process):
+        self.live, self.process = live, process
+
+    def collect(self):
+        cur = self.live.current
+        yield GaugeMetricFamily("mpips_process_index", "index of the server process that "
+                                "answered this scrape (--processes)", value=self.process)
+        info = GaugeMetricFamily("mpips_model_info", "1 for the version the answering "
+                                 "process serves", labels=["version"])
+        info.add_metric([cur.version], 1)
+        yield info
+        yield GaugeMetricFamily("mpips_freshness_lag_seconds", "age of the newest export the "
+                                "answering process's version is made of",
+                                value=self.live.freshness_lag())
+
+
+class Metrics:
+    """The server's Prometheus metrics.
+
+    One process: its own registry.  ``multiprocess`` (the directory of prometheus-client's
+    multiprocess mode, ``--processes``/``--follow``): each process writes its counters and
+    histograms to its own files there and a scrape, whichever process answers it, reads
+    the sum over every process that has served (a process restarted keeps its counts);
+    the per-process gauges carry ``process`` and ``pid`` labels (the live processes'
+    only); the reloads are the master's (``ReloadMetrics``).  ``mpips_process_index``,
+    ``mpips_model_info`` and ``mpips_freshness_lag_seconds`` are the answering process's.
+    """
+
+    def __init__(self, live, process=0, multiprocess=None):
         disable_created_metrics()
-        self.registry = r = CollectorRegistry()
+        r = CollectorRegistry()          # where the metrics live (scraped in one process)
+        if multiprocess:
+            self.registry = CollectorRegistry()
+            _Summed(self.registry, path=multiprocess)
+        else:
+            self.registry = r
+            self.reload = ReloadMetrics(r)
         self.requests = Counter("mpips_requests", "requests by endpoint and status code (gRPC: "
                                 "grpc_* endpoints, status names)",
                                 ["endpoint", "code"], registry=r)
@@ -60,33 +131,24 @@ class Metrics:
         self.latency = Histogram("mpips_request_seconds", "time to answer a request",
                                  ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
         self.instances = Counter("mpips_instances", "instances (rows) scored", registry=r)
+        p = str(process)
         self.version = Gauge("mpips_model_version_seq", "checkpoint sequence number of the "
-                             "served version", registry=r)
-        self.info = Gauge("mpips_model_info", "1 for the served version", ["version"],
-                          registry=r)
-        self.rows = Gauge("mpips_table_rows", "embedding rows of the served version", registry=r)
-        self.reloads = Counter("mpips_reloads", "reload attempts by result (ok, refused)",
-                               ["result"], registry=r)
-        self.reload_time = Gauge("mpips_last_reload_timestamp_seconds", "when the last reload "
-                                 "attempt ended (Unix time)", registry=r)
-        self.reload_seconds = Gauge("mpips_last_reload_duration_seconds", "how long the last "
-                                    "reload attempt took", registry=r)
-        lag = Gauge("mpips_freshness_lag_seconds", "age of the newest export the served "
-                    "version is made of", registry=r)
-        lag.set_function(live.freshness_lag)
-        Gauge("mpips_process_index", "index of this server process (--processes)",
-              registry=r).set(process)
-        self._shown = None
+                             "version a process serves", ["process"], registry=r,
+                             multiprocess_mode="liveall").labels(p)
+        self.rows = Gauge("mpips_table_rows", "embedding rows of the version a process "
+                          "serves", ["process"], registry=r,
+                          multiprocess_mode="liveall").labels(p)
+        self.here = _Here(live, process)
+        self.registry.register(self.here)
         self._kids = {}
         self.show(live.current)
 
     def show(self, serving):
-        if self._shown is not None:
-            self.info.remove(self._shown)
-        self._shown = serving.version
-        self.info.labels(serving.version).set(1)
         self.version.set(serving.seq)
         self.rows.set(len(serving.model))
+
+    def reloaded(self, ok, seconds, serving):
+        self.reload.reloaded(ok, seconds, serving)
 
     def count(self, endpoint, code, seconds, error=None):
         """One request answered (the labelled children are looked up once); ``code``: the
@@ -102,11 +164,6 @@ class Metrics:
         if kids[1] is not None:
             kids[1].inc()
         kids[2].observe(seconds)
-
-    def reloaded(self, ok, seconds, serving):
-        self.reloads.labels("ok" if ok else "refused").inc()
-        self.reload_time.set(time.time())
-        self.reload_seconds.set(seconds)
 
     def refused(self, status):
         """A request refused by the HTTP layer (bad head, too large, too slow)."""

@@ -33,6 +33,7 @@ import threading
 import time
 
 import numpy as np
+from prometheus_client.multiprocess import mark_process_dead
 
 from mpips.schema import Schema
 from mpips.serving.live import Live, Serving
@@ -153,7 +154,11 @@ class Pool:
         log ``ready_line(port, serving)`` when all are ready, follow, supervise; the exit
         code of the server."""
         a = self.args
-        self.live = Live(a.bundle, a.follow, a.header, self.log, share=self.share)
+        from prometheus_client import CollectorRegistry
+
+        from mpips.serving.api import ReloadMetrics
+        self.live = Live(a.bundle, a.follow, a.header, self.log, share=self.share,
+                         on_reload=ReloadMetrics(CollectorRegistry()).reloaded)
         info = socket.getaddrinfo(a.host, a.port, type=socket.SOCK_STREAM,
                                   flags=socket.AI_PASSIVE)[0]
         self.sock = socket.socket(info[0], socket.SOCK_STREAM)
@@ -302,6 +307,7 @@ class Pool:
         self.sel.unregister(conn)
         conn.close()
         _, status = os.waitpid(pid, 0)
+        mark_process_dead(pid)               # its gauges go; its counts stay in the sums
         code = os.waitstatus_to_exitcode(status)
         why = f"signal {-code}" if code < 0 else f"exit {code}"
         now = time.monotonic()
