@@ -402,7 +402,7 @@ def summary(lat, fails, issued, wall, batch):
 
 
 # ---------------------------------------------------------------------- server
-def floor_server():
+def floor_server(parser="llhttp"):
     """``--floor-server``: mpips' HTTP layer (``HttpServer``) answering every request with
     a constant score: the generator, loopback and HTTP floor under the server's figures."""
     import asyncio
@@ -410,7 +410,7 @@ def floor_server():
     body = json.dumps({"predictions": [0.5], "model_version": "floor"}).encode()
 
     async def serve():
-        srv = HttpServer(lambda req: Response(200, body), "127.0.0.1", 0)
+        srv = HttpServer(lambda req: Response(200, body), "127.0.0.1", 0, parser=parser)
         await srv.start()
         print(f"floor ready http://127.0.0.1:{srv.port}", flush=True)
         await asyncio.Event().wait()              # until terminated
@@ -445,9 +445,13 @@ def _ready(proc, what, timeout=300, line=False):
 
 
 def start_floor():
-    return _ready(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--floor-server"],
+    return _ready(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--floor-server",
+                                    "--http-parser", HTTP_PARSER[0]],
                                    stdout=subprocess.PIPE, text=True, cwd=ROOT,
                                    env=dict(os.environ, PYTHONPATH=ROOT)), "floor server", 60)
+
+
+HTTP_PARSER = ["llhttp"]      # --http-parser
 
 
 def start(folder, processes, name, grpc=False):
@@ -456,8 +460,8 @@ def start(folder, processes, name, grpc=False):
                OPENBLAS_NUM_THREADS="1", PYTHONPATH=ROOT)
     proc, port, line = _ready(subprocess.Popen(
         [sys.executable, "-m", "mpips.serve", "--follow", folder, "--port", "0", "--processes",
-         str(processes), "--name", name, "--poll-seconds", "0.1", "--max-instances", "100000"]
-        + (["--grpc-port", "0"] if grpc else []),
+         str(processes), "--name", name, "--poll-seconds", "0.1", "--max-instances", "100000",
+         "--http-parser", HTTP_PARSER[0]] + (["--grpc-port", "0"] if grpc else []),
         stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT), "server", line=True)
     return proc, port, (int(line.split(" grpc 127.0.0.1:")[1].split()[0]) if grpc else None)
 
@@ -555,11 +559,14 @@ def main(argv=None):
                     "wake-up) and select (sleeps between answers); the patch run uses the first")
     ap.add_argument("--floor", type=int, default=1, help="1: first the open loop against the "
                     "HTTP layer alone (a constant answer): the floor of the latency figures")
+    ap.add_argument("--http-parser", default="llhttp", choices=("llhttp", "builtin"),
+                    help="the server's HTTP parser (mpips.serve --http-parser)")
     ap.add_argument("--floor-server", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help="write the results as JSON")
     a = ap.parse_args(argv)
+    HTTP_PARSER[0] = a.http_parser
     if a.floor_server:
-        return floor_server()
+        return floor_server(a.http_parser)
     clients = [c for c in a.clients.split(",") if c]
     if not clients or set(clients) - {"spin", "select"}:
         ap.error(f"--clients: spin and/or select; got {a.clients!r}")

@@ -223,8 +223,10 @@ class _LlConn(_Conn):
         self.msg[0] += url
 
     def on_header(self, name, value):
-        self._grow(len(name) + len(value) + 4)
-        self.msg[1][name.decode("latin-1").lower()] = value.decode("latin-1")
+        self.head_size += len(name) + len(value) + 4
+        if self.head_size > self.server.max_head:
+            self._grow(0)
+        self.msg[1][name.lower().decode("latin-1")] = value.decode("latin-1")
 
     def on_headers_complete(self):
         self.in_head = False
