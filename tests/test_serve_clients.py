@@ -225,6 +225,12 @@ def test_binary_floats_and_missing_values_equal_the_lines_path(server, model):
     want = json.loads(c.getresponse().read())["outputs"][0]["data"]
     c.close()
     assert len(got) == n and np.array_equal(got, np.array(want, np.float32))
+    tail64 = b"".join(dense[:, j].astype("<f8").tobytes() for j in range(13)) + tail[13 * 4 * n:]
+    inputs64 = [dict(t, datatype="FP64", parameters={"binary_data_size": 8 * n})
+                for t in inputs[:13]] + inputs[13:]
+    body, status, _, hl = post_binary(
+        server, {"inputs": inputs64, "parameters": {"binary_data_output": True}}, tail64)
+    assert status == 200 and np.array_equal(np.frombuffer(body[int(hl):], "<f4"), got)
 
 
 @pytest.mark.parametrize("case,words", [

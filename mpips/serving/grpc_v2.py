@@ -43,26 +43,27 @@ def bytes_blob(values):
 def request_inputs(req):
     """The V2 input dicts (``v2.score``) of a ModelInferRequest; every one raw."""
     raw = req.raw_input_contents
-    if raw and len(raw) != len(req.inputs):
-        raise BadInput(f"raw_input_contents: {len(raw)} entries for {len(req.inputs)} inputs "
-                       "(one per input, in order)")
-    out = []
-    for k, t in enumerate(req.inputs):
-        d = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
-        if raw:
+    if raw:
+        if len(raw) != len(req.inputs):
+            raise BadInput(f"raw_input_contents: {len(raw)} entries for {len(req.inputs)} "
+                           "inputs (one per input, in order)")
+        out = [{"name": t.name, "datatype": t.datatype, "shape": t.shape[:], "raw": r}
+               for t, r in zip(req.inputs, raw)]          # (a slice: a list, and fast)
+        for k, t in enumerate(req.inputs):
             if t.HasField("contents"):
                 raise BadInput(f"inputs[{k}] ({t.name}): contents and raw_input_contents "
                                "both given")
-            d["raw"] = raw[k]
-        else:
-            field = CONTENTS.get(t.datatype)
-            if field is None:
-                raise BadInput(f"inputs[{k}] ({t.name}).datatype: {t.datatype[:40]!r} has no "
-                               "typed contents: send raw_input_contents")
-            vals = getattr(t.contents, field)
-            d["raw"] = bytes_blob(vals) if field == "bytes_contents" else \
-                np.array(vals, v2.RAW_DTYPES[t.datatype]).tobytes()
-        out.append(d)
+        return out
+    out = []
+    for k, t in enumerate(req.inputs):
+        field = CONTENTS.get(t.datatype)
+        if field is None:
+            raise BadInput(f"inputs[{k}] ({t.name}).datatype: {t.datatype[:40]!r} has no "
+                           "typed contents: send raw_input_contents")
+        vals = getattr(t.contents, field)
+        out.append({"name": t.name, "datatype": t.datatype, "shape": list(t.shape),
+                    "raw": bytes_blob(vals) if field == "bytes_contents" else
+                    np.array(vals, v2.RAW_DTYPES[t.datatype]).tobytes()})
     return out
 
 

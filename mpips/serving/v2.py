@@ -212,66 +212,87 @@ def _as_json(t, k, max_instances):
 
 
 # ---------------------------------------------------------------------- scoring
+_FAST_DENSE = {"FP32": (4, "<f4"), "FP64": (8, "<f8")}
+
+
 def _fast_columns(serving, inputs, max_instances):
-    """{name: (k, tensor, array)} when the array path applies (module doc), else None."""
+    """({name: (k, tensor, array or bytes)}, rows) when the array path applies (module
+    doc), else None: then the lines path reads the request and names what is wrong."""
     enc = serving.encoder
     if enc.kind != "tsv":
         return None
+    dense, sparse = enc.dense, enc.sparse
     cols, n = {}, None
     for k, t in enumerate(inputs):
-        if not isinstance(t, dict) or "raw" not in t:
+        try:
+            name, dtype, shape, raw = t["name"], t["datatype"], t["shape"], t["raw"]
+        except (KeyError, TypeError):
             return None
-        name, dtype, shape = t.get("name"), t.get("datatype"), t.get("shape")
-        dense = name in enc.dense
-        if name in cols or not (dense or name in enc.sparse) or \
-                dtype not in (("FP32", "FP64") if dense else ("BYTES",)):
+        if type(shape) is not list or not 1 <= len(shape) <= 2 or shape[1:] not in ([], [1]):
             return None
-        if not (isinstance(shape, list) and len(shape) in (1, 2) and _int(shape[0])
-                and shape[1:] in ([], [1])):
+        b = shape[0]
+        if type(b) is not int or b < 0 or (n is not None and b != n) or name in cols:
             return None
-        if n is not None and shape[0] != n:
+        n = b
+        if name in dense:
+            fmt = _FAST_DENSE.get(dtype)
+            if fmt is None or dense[name] != 1 or len(raw) != b * fmt[0]:
+                return None
+            cols[name] = (k, t, np.frombuffer(raw, fmt[1]))
+        elif name in sparse and dtype == "BYTES":
+            cols[name] = (k, t, raw)
+        else:
             return None
-        n = shape[0]
-        cols[name] = (k, t, raw_array(t, _where(k, t), max_instances))
+    if n is None or n > max_instances:
+        return None
     return cols, n
 
 
 def _fast_score(serving, cols, n):
     enc, model = serving.encoder, serving.model
-    norm = criteo.make_norm(model.data.get("cont_min"), model.data.get("cont_diff"))
-    dense = np.zeros((n, enc.n_dense), np.float32)
-    filled = np.zeros(n, np.uint8)
-    for j, name in enumerate(list(enc.dense)):
-        if name not in cols:
-            continue
-        k, t, x = cols[name]
-        x = x.astype(np.float64)
-        bad = np.isinf(x)
-        if bad.any():
-            raise BadInput(f"{_where(k, t)}: element {int(np.argmax(bad))} is not a finite "
-                           "number")
-        have = ~np.isnan(x)
-        dense[:, j] = np.where(have, (x - norm[0, j]) / norm[1, j], 0.0)
-        filled |= have
-    ids = np.empty((n, len(enc.sparse)), np.int64)
+    if not n:
+        return np.empty(0, np.float32)
+    norm = serving.__dict__.get("_v2_norm")
+    if norm is None:                  # (once per version)
+        norm = serving._v2_norm = criteo.make_norm(model.data.get("cont_min"),
+                                                   model.data.get("cont_diff"))
+    got = [cols.get(name) for name in enc.dense]
+    if all(c is not None and c[2].dtype == np.float32 for c in got):    # the usual request
+        x = np.frombuffer(b"".join([c[1]["raw"] for c in got]), "<f4").reshape(len(got), n)
+    else:
+        x = np.full((len(got), n), np.nan)          # (D, B), NaN: not given
+        for j, c in enumerate(got):
+            if c is not None:
+                x[j] = c[2]
+    dense = np.empty((n, len(got)), np.float32)
+    filled = np.empty(n, np.uint8)
+    j, e = K.dense_columns(x, norm, dense, filled)
+    if j >= 0:
+        k, t, _ = got[j]
+        raise BadInput(f"{_where(k, t)}: element {e} is not a finite number")
+    starts, ends, parts, pos = [], [], [], 0
+    for name in enc.sparse:
+        c = cols.get(name)
+        if c is None:
+            starts.append(-1)
+            ends.append(0)
+        else:
+            starts.append(pos)
+            pos += len(c[2])
+            ends.append(pos)
+            parts.append(c[2])
+    blob = np.frombuffer(b"".join(parts), np.uint8)
+    ids = np.empty((n, len(starts)), np.int64)
     bucket = int(model.data.get("hash_bucket", 0) or 0)
-    empty = np.zeros(1, np.uint8)
-    some = np.empty(n, np.uint8)
-    for s, name in enumerate(list(enc.sparse)):
-        if name not in cols:
-            K.bytes_column_ids(np.frombuffer(b"\0\0\0\0", np.uint8), 1, s, bucket,
-                               ids[:1, s], empty)
-            ids[:, s] = ids[0, s]
-            continue
-        k, t, blob = cols[name]
-        status, e = K.bytes_column_ids(blob, n, s, bucket, ids[:, s], some)
-        if status != K.BYTES_OK:
-            raise BadInput(f"{_where(k, t)}: {BYTES_ERRORS[status].format(k=e)}")
-        filled |= some
-    if n and not filled.all():
+    status, s, e = K.bytes_columns_ids(blob, np.array(starts, np.int64),
+                                       np.array(ends, np.int64), n, bucket, ids, filled)
+    if status != K.BYTES_OK:
+        k, t, _ = cols[list(enc.sparse)[s]]
+        raise BadInput(f"{_where(k, t)}: {BYTES_ERRORS[status].format(k=e)}")
+    if not filled.all():
         raise BadInput(f"instances[{int(np.argmin(filled))}]: no input has a value (an empty "
                        "row is not scored)")
-    return serving.instances.predict_arrays(dense, ids) if n else np.empty(0, np.float32)
+    return serving.instances.predict_arrays(dense, ids)
 
 
 def score(serving, inputs, max_instances):
