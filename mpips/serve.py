@@ -58,6 +58,8 @@ def check_args(args):
         return f"--port must be in 0..65535; got {args.port}"
     if args.grpc_port is not None and not 0 <= args.grpc_port <= 65535:
         return f"--grpc-port must be in 0..65535; got {args.grpc_port}"
+    if args.grpc_port and args.grpc_port == args.port:
+        return f"--grpc-port must differ from --port ({args.port})"
     if args.processes < 1:
         return f"--processes must be >= 1; got {args.processes}"
     for flag in ("max_instances", "max_body_bytes"):
