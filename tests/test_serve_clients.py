@@ -1,6 +1,6 @@
 """`python -m mpips.serve` spoken to by real clients (issue 49): Triton's own client over
 HTTP (its defaults: the binary tensor data extension) and gRPC, raw binary requests and
-their edge cases, and the gRPC port's own fuzz.
+their edge cases, and the gRPC port's own fuzz; servers are subprocesses (``Server``).
 
 The reference is ``Predictor.predict_lines`` on the same rows in the same batches (a
 row's last bit can move with the batch's shape): the binary tensors score through the
