@@ -331,7 +331,8 @@ def load(port, reqs, mode, rate, concurrency, seconds, max_requests, spin=False)
 def load_grpc(port, reqs, mode, rate, concurrency, seconds, max_requests, spin=False):
     """``load`` over gRPC (grpcio's client: its own threads take the answers): the same
     open and closed loops, bounds and failures (a status other than OK, or no answer by
-    the hard deadline).  ``spin``: the scheduling loop polls instead of sleeping."""
+    the hard deadline).  ``spin``: the scheduling loop polls instead of sleeping (giving
+    up the GIL each turn: the answers come in on grpcio's threads)."""
     import grpc
     ch = grpc.insecure_channel(f"127.0.0.1:{port}")
     fn = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
@@ -378,8 +379,8 @@ def load_grpc(port, reqs, mode, rate, concurrency, seconds, max_requests, spin=F
             if now >= next_t:
                 send(next_t)
                 next_t += 1.0 / rate
-            elif not spin:
-                time.sleep(min(next_t - now, 0.05))
+            else:                         # spin: poll, but let grpcio's threads run
+                time.sleep(0.0 if spin else min(next_t - now, 0.05))
     while time.perf_counter() < hard:
         with lock:
             if state["inflight"] == 0:
