@@ -9,7 +9,9 @@ patches in the background and swaps them in atomically.  Prints one ``mpips.serv
 ready`` line (URL, model, version, rows, schema) when it answers, and exits 0 on
 SIGTERM/SIGINT after finishing the requests in flight.  ``--processes N`` serves one port
 from N processes forked after the model is loaded, holding the table once, in shared
-memory (``mpips.serving.shared``).  Needs the ``serve`` extra (prometheus-client).
+memory (``mpips.serving.shared``); ``/metrics`` then sums over them.  ``--grpc-port P``
+also serves KServe V2 over gRPC.  Needs the ``serve`` extra (prometheus-client, httptools,
+grpcio, protobuf).
 """
 import argparse
 import importlib.util
@@ -23,7 +25,8 @@ PROG = "python -m mpips.serve"
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog=PROG, description="Serve a mpips model over HTTP.")
+    p = argparse.ArgumentParser(prog=PROG, description="Serve a mpips model over HTTP "
+                                "(and gRPC).")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--bundle", help="a full bundle (python -m mpips.export)")
     src.add_argument("--follow", metavar="EXPORT_DIR", help="a stream's --export-dir: serve "
