@@ -19,7 +19,9 @@ protocol and server processes, while patches land, against the in-process limit.
    ``--concurrency`` connections (peak rate), and open loop at ``--rate`` requests/s
    (latency from each request's scheduled time, so a stalled server is not hidden), each
    for ``--seconds`` and at most ``--max-requests``; batch 1, 32, 256; TF ``:predict``
-   instances (the wide shape's: slots as lists of integer feasigns) and raw ``:lines``.
+   instances (the wide shape's: slots as lists of integer feasigns), raw ``:lines``, and
+   (``--protocols``) the V2 binary tensor data extension over HTTP (``binary``) and V2
+   over gRPC (``grpc``: grpcio's client, raw_input_contents), Criteo shape.
    Reported: requests/s, instances/s, p50, p99, p99.9,
    failed requests (non-2xx or no answer), the server's CPU time per request (user +
    system of its processes: the cost a busy machine does not hide), and the server's
@@ -127,20 +129,68 @@ def instances(lines, schema):
     return out
 
 
-def bodies(lines, insts, batch, proto, name, k=16):
-    """k distinct raw HTTP requests of ``batch`` rows."""
+def v2_tensors(lines):
+    """[(name, datatype, raw bytes)] of Criteo TSV lines: the V2 binary layout (FP32 with
+    NaN for an empty I field; BYTES with a 4-byte length before each value)."""
+    fields = [x.split("\t")[1:] for x in lines]
+    out = []
+    for k in range(39):
+        col = [f[k] for f in fields]
+        if k < 13:
+            raw = np.array([float(v) if v else np.nan for v in col], "<f4").tobytes()
+            out.append((f"I{k + 1}", "FP32", raw))
+        else:
+            raw = b"".join(len(v).to_bytes(4, "little") + v.encode() for v in col)
+            out.append((f"C{k - 12}", "BYTES", raw))
+    return out
+
+
+def binary_body(lines):
+    """(body, header length) of a V2 infer request in the binary tensor data extension,
+    the answer asked in binary too (what tritonclient.http sends by default)."""
+    tensors = v2_tensors(lines)
+    head = json.dumps({"inputs": [{"name": n, "datatype": d, "shape": [len(lines)],
+                                   "parameters": {"binary_data_size": len(r)}}
+                                  for n, d, r in tensors],
+                       "parameters": {"binary_data_output": True}}).encode()
+    return head + b"".join(r for *_, r in tensors), len(head)
+
+
+def grpc_bodies(lines, batch, name, k=16):
+    """k distinct serialized ModelInferRequests of ``batch`` rows (raw_input_contents)."""
+    from mpips.serving.proto import kserve_v2_pb2 as pb
+    T = pb.ModelInferRequest.InferInputTensor
     out = []
     for j in range(k):
         lo = (j * batch) % max(1, len(lines) - batch)
-        if proto == "lines":
+        tensors = v2_tensors(lines[lo:lo + batch])
+        out.append(pb.ModelInferRequest(
+            model_name=name, inputs=[T(name=n, datatype=d, shape=[batch]) for n, d, _ in tensors],
+            raw_input_contents=[r for *_, r in tensors]).SerializeToString())
+    return out
+
+
+def bodies(lines, insts, batch, proto, name, k=16):
+    """k distinct raw HTTP requests of ``batch`` rows (gRPC: serialized messages)."""
+    if proto == "grpc":
+        return grpc_bodies(lines, batch, name, k)
+    out = []
+    for j in range(k):
+        lo = (j * batch) % max(1, len(lines) - batch)
+        extra = b""
+        if proto == "binary":
+            body, hl = binary_body(lines[lo:lo + batch])
+            path, ctype = f"/v2/models/{name}/infer", "application/octet-stream"
+            extra = b"Inference-Header-Content-Length: %d\r\n" % hl
+        elif proto == "lines":
             body, path, ctype = ("\n".join(lines[lo:lo + batch]) + "\n").encode(), \
                 f"/v1/models/{name}:lines", "text/plain"
         else:
             body, path, ctype = json.dumps({"instances": insts[lo:lo + batch]}).encode(), \
                 f"/v1/models/{name}:predict", "application/json"
-        out.append(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: %s\r\n"
-                   b"Content-Length: %d\r\n\r\n" % (path.encode(), ctype.encode(), len(body))
-                   + body)
+        out.append(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: %s\r\n%s"
+                   b"Content-Length: %d\r\n\r\n" % (path.encode(), ctype.encode(), extra,
+                                                    len(body)) + body)
     return out
 
 
@@ -278,6 +328,71 @@ def load(port, reqs, mode, rate, concurrency, seconds, max_requests, spin=False)
     return np.array(lat), fails, issued, wall
 
 
+def load_grpc(port, reqs, mode, rate, concurrency, seconds, max_requests, spin=False):
+    """``load`` over gRPC (grpcio's client: its own threads take the answers): the same
+    open and closed loops, bounds and failures (a status other than OK, or no answer by
+    the hard deadline).  ``spin``: the scheduling loop polls instead of sleeping (giving
+    up the GIL each turn: the answers come in on grpcio's threads)."""
+    import grpc
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+    fn = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                        request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    grpc.channel_ready_future(ch).result(timeout=30)
+    lat, done, lock = [], queue.Queue(), threading.Lock()
+    state = {"fails": 0, "inflight": 0}
+
+    def finished(fut, at):
+        t = time.perf_counter()
+        code = fut.code()
+        with lock:
+            state["inflight"] -= 1
+            if code == grpc.StatusCode.OK:
+                lat.append(t - at)
+            else:
+                state["fails"] += 1
+                ERRORS[f"{code.name} {fut.details()[:120]}"] += 1
+        done.put(1)
+
+    issued, t0 = 0, time.perf_counter()
+    end, hard = t0 + seconds, t0 + seconds + 30
+
+    def send(at):
+        nonlocal issued
+        with lock:
+            state["inflight"] += 1
+        f = fn.future(reqs[issued % len(reqs)], timeout=max(1.0, hard - time.perf_counter()))
+        f.add_done_callback(lambda fut, at=at: finished(fut, at))
+        issued += 1
+    if mode == "closed":
+        for _ in range(min(concurrency, max_requests)):
+            send(time.perf_counter())
+        while time.perf_counter() < end and issued < max_requests:
+            try:
+                done.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            send(time.perf_counter())
+    else:
+        next_t = t0
+        while next_t < end and issued < max_requests:
+            now = time.perf_counter()
+            if now >= next_t:
+                send(next_t)
+                next_t += 1.0 / rate
+            else:                         # spin: poll, but let grpcio's threads run
+                time.sleep(0.0 if spin else min(next_t - now, 0.05))
+    while time.perf_counter() < hard:
+        with lock:
+            if state["inflight"] == 0:
+                break
+        time.sleep(0.001)                 # waiting out the answers, bounded by the deadline
+    wall = time.perf_counter() - t0
+    with lock:
+        fails = state["fails"] + state["inflight"]
+    ch.close()
+    return np.array(lat), fails, issued, wall
+
+
 def summary(lat, fails, issued, wall, batch):
     q = (lambda p: float(np.percentile(lat, p) * 1e3)) if len(lat) else (lambda p: float("nan"))
     errors = dict(ERRORS)
@@ -288,7 +403,7 @@ def summary(lat, fails, issued, wall, batch):
 
 
 # ---------------------------------------------------------------------- server
-def floor_server():
+def floor_server(parser="llhttp"):
     """``--floor-server``: mpips' HTTP layer (``HttpServer``) answering every request with
     a constant score: the generator, loopback and HTTP floor under the server's figures."""
     import asyncio
@@ -296,18 +411,18 @@ def floor_server():
     body = json.dumps({"predictions": [0.5], "model_version": "floor"}).encode()
 
     async def serve():
-        srv = HttpServer(lambda req: Response(200, body), "127.0.0.1", 0)
+        srv = HttpServer(lambda req: Response(200, body), "127.0.0.1", 0, parser=parser)
         await srv.start()
         print(f"floor ready http://127.0.0.1:{srv.port}", flush=True)
         await asyncio.Event().wait()              # until terminated
     asyncio.run(serve())
 
 
-def _ready(proc, what, timeout=300):
+def _ready(proc, what, timeout=300, line=False):
     """(proc, port) once ``proc`` prints its ready line (``... http://127.0.0.1:PORT ...``),
     within ``timeout`` s, however quiet it is; else kill it and raise.  A thread reads all
     of its output (so it never blocks on a full pipe) and hands the lines over."""
-    lines = queue.Queue()
+    lines, want_line = queue.Queue(), line
 
     def read():
         for line in proc.stdout:
@@ -323,26 +438,33 @@ def _ready(proc, what, timeout=300):
         if not line:
             break
         if "ready" in line:
-            return proc, int(line.split("127.0.0.1:")[1].split()[0])
+            port = int(line.split("127.0.0.1:")[1].split()[0])
+            return (proc, port, line) if want_line else (proc, port)
     proc.kill()
     proc.wait()
     raise RuntimeError(f"{what} did not start within {timeout} s")
 
 
 def start_floor():
-    return _ready(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--floor-server"],
+    return _ready(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--floor-server",
+                                    "--http-parser", HTTP_PARSER[0]],
                                    stdout=subprocess.PIPE, text=True, cwd=ROOT,
                                    env=dict(os.environ, PYTHONPATH=ROOT)), "floor server", 60)
 
 
-def start(folder, processes, name):
+HTTP_PARSER = ["llhttp"]      # --http-parser
+
+
+def start(folder, processes, name, grpc=False):
+    """(proc, HTTP port, gRPC port or None) of a server following ``folder``."""
     env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
                OPENBLAS_NUM_THREADS="1", PYTHONPATH=ROOT)
-    return _ready(subprocess.Popen([sys.executable, "-m", "mpips.serve", "--follow", folder,
-                                    "--port", "0", "--processes", str(processes), "--name",
-                                    name, "--poll-seconds", "0.1", "--max-instances", "100000"],
-                                   stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT),
-                  "server")
+    proc, port, line = _ready(subprocess.Popen(
+        [sys.executable, "-m", "mpips.serve", "--follow", folder, "--port", "0", "--processes",
+         str(processes), "--name", name, "--poll-seconds", "0.1", "--max-instances", "100000",
+         "--http-parser", HTTP_PARSER[0]] + (["--grpc-port", "0"] if grpc else []),
+        stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT), "server", line=True)
+    return proc, port, (int(line.split(" grpc 127.0.0.1:")[1].split()[0]) if grpc else None)
 
 
 def tree(root_pid):
@@ -423,7 +545,9 @@ def main(argv=None):
     ap.add_argument("--lines", type=int, default=4096, help="generated request rows")
     ap.add_argument("--processes", default="1,2", help="server processes to run, comma list")
     ap.add_argument("--batches", default="1,32,256")
-    ap.add_argument("--protocols", default="predict,lines")
+    ap.add_argument("--protocols", default="predict,lines", help="comma list of predict (TF "
+                    "instances), lines (raw), binary (V2 binary tensors over HTTP; Criteo "
+                    "shape), grpc (V2 over gRPC, raw_input_contents; Criteo shape)")
     ap.add_argument("--rate", type=float, default=500, help="open loop requests/s (batch 1)")
     ap.add_argument("--concurrency", type=int, default=8, help="closed loop connections")
     ap.add_argument("--seconds", type=float, default=10)
@@ -436,11 +560,14 @@ def main(argv=None):
                     "wake-up) and select (sleeps between answers); the patch run uses the first")
     ap.add_argument("--floor", type=int, default=1, help="1: first the open loop against the "
                     "HTTP layer alone (a constant answer): the floor of the latency figures")
+    ap.add_argument("--http-parser", default="llhttp", choices=("llhttp", "builtin"),
+                    help="the server's HTTP parser (mpips.serve --http-parser)")
     ap.add_argument("--floor-server", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help="write the results as JSON")
     a = ap.parse_args(argv)
+    HTTP_PARSER[0] = a.http_parser
     if a.floor_server:
-        return floor_server()
+        return floor_server(a.http_parser)
     clients = [c for c in a.clients.split(",") if c]
     if not clients or set(clients) - {"spin", "select"}:
         ap.error(f"--clients: spin and/or select; got {a.clients!r}")
@@ -451,6 +578,7 @@ def main(argv=None):
         folder, lines, schema, m, keys = make_model(a, tmp)
         insts = instances(lines, schema)
         protos = a.protocols.split(",")
+        http_proto = next((x for x in protos if x != "grpc"), "lines")   # floor, patches
         batches = [int(b) for b in a.batches.split(",")]
         for b in batches:
             arr, arr_cpu, lin, lin_cpu = in_process(os.path.join(folder, "full-000001.h5"),
@@ -464,7 +592,7 @@ def main(argv=None):
         if a.floor:
             proc, port = start_floor()
             try:
-                reqs = bodies(lines, insts, 1, protos[0], "ctr")
+                reqs = bodies(lines, insts, 1, http_proto, "ctr")
                 for client in clients:
                     out = load(port, reqs, "open", a.rate, 32, a.seconds, a.max_requests,
                                spin=client == "spin")
@@ -477,7 +605,7 @@ def main(argv=None):
                 proc.terminate()
                 proc.wait(60)
         for procs in [int(x) for x in a.processes.split(",") if x]:
-            proc, port = start(folder, procs, "ctr")
+            proc, port, gport = start(folder, procs, "ctr", grpc="grpc" in protos)
             try:
                 res.setdefault("pss_mb", {})[procs] = pss_mb(proc.pid)
                 print(f"server processes {procs}: PSS {res['pss_mb'][procs]} MB", flush=True)
@@ -488,9 +616,10 @@ def main(argv=None):
                             ([("open", a.rate, c) for c in clients] if b == 1 else [])
                         for mode, rate, client in runs:
                             c0 = cpu_seconds(proc.pid)
-                            out = load(port, reqs, mode, rate or 0, a.concurrency if
-                                       mode == "closed" else 32, a.seconds, a.max_requests,
-                                       spin=client == "spin")
+                            fn = load_grpc if proto == "grpc" else load
+                            out = fn(gport if proto == "grpc" else port, reqs, mode, rate or 0,
+                                     a.concurrency if mode == "closed" else 32, a.seconds,
+                                     a.max_requests, spin=client == "spin")
                             cpu = cpu_seconds(proc.pid) - c0
                             r = summary(*out, b)
                             r.update(processes=procs, protocol=proto, batch=b, mode=mode,
@@ -505,9 +634,9 @@ def main(argv=None):
                 proc.terminate()
                 res.setdefault("exit_codes", {})[procs] = proc.wait(60)
         if a.patch_seconds > 0:                 # last: it moves the folder on
-            proc, port = start(folder, a.patch_processes, "ctr")
+            proc, port, _ = start(folder, a.patch_processes, "ctr")
             try:
-                reqs = bodies(lines, insts, 1, protos[0], "ctr")
+                reqs = bodies(lines, insts, 1, http_proto, "ctr")
                 ctx = multiprocessing.get_context("fork")
                 staging = os.path.join(tmp, "staging")
                 staged = stage_patches(folder, staging, m, keys, int(a.patch_seconds) + 5)
@@ -525,7 +654,7 @@ def main(argv=None):
                     stop.set()
                     if mode == "open+patches":
                         t.join()
-                    r.update(processes=a.patch_processes, protocol=protos[0], batch=1,
+                    r.update(processes=a.patch_processes, protocol=http_proto, batch=1,
                              mode=mode, rate=a.rate, client=clients[0], patches=count.value,
                              server_cpu_us_per_request=round(cpu / max(1, len(out[0])) * 1e6))
                     res["runs"].append(r)

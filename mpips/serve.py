@@ -9,18 +9,24 @@ patches in the background and swaps them in atomically.  Prints one ``mpips.serv
 ready`` line (URL, model, version, rows, schema) when it answers, and exits 0 on
 SIGTERM/SIGINT after finishing the requests in flight.  ``--processes N`` serves one port
 from N processes forked after the model is loaded, holding the table once, in shared
-memory (``mpips.serving.shared``).  Needs the ``serve`` extra (prometheus-client).
+memory (``mpips.serving.shared``); ``/metrics`` then sums over them.  ``--grpc-port P``
+also serves KServe V2 over gRPC.  Needs the ``serve`` extra (prometheus-client, httptools,
+grpcio, protobuf).
 """
 import argparse
+import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 import traceback
 
 PROG = "python -m mpips.serve"
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog=PROG, description="Serve a mpips model over HTTP.")
+    p = argparse.ArgumentParser(prog=PROG, description="Serve a mpips model over HTTP "
+                                "(and gRPC).")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--bundle", help="a full bundle (python -m mpips.export)")
     src.add_argument("--follow", metavar="EXPORT_DIR", help="a stream's --export-dir: serve "
@@ -28,6 +34,8 @@ def build_parser():
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
                    "127.0.0.1)")
     p.add_argument("--port", type=int, default=8500, help="port (0 = a free one; default 8500)")
+    p.add_argument("--grpc-port", type=int, default=None, help="also serve KServe V2 over "
+                   "gRPC on this port (0 = a free one, named in the ready line; needs grpcio)")
     p.add_argument("--name", default="ctr", help="the model's name in the URLs (default ctr)")
     p.add_argument("--processes", type=int, default=1, help="server processes on the port, "
                    "sharing one table (default 1)")
@@ -39,6 +47,9 @@ def build_parser():
                    "(default 16 MiB)")
     p.add_argument("--poll-seconds", type=float, default=0.25, help="--follow: how often the "
                    "export index is checked (default 0.25)")
+    p.add_argument("--http-parser", default="llhttp", choices=("llhttp", "builtin"),
+                   help="the HTTP request parser: llhttp (httptools; default) or the "
+                   "builtin one")
     p.add_argument("--idle-timeout", type=float, default=30.0, help="close a connection idle "
                    "or stalled this long (seconds; default 30)")
     return p
@@ -48,6 +59,10 @@ def check_args(args):
     """One line naming the first bad flag, or ''."""
     if not 0 <= args.port <= 65535:
         return f"--port must be in 0..65535; got {args.port}"
+    if args.grpc_port is not None and not 0 <= args.grpc_port <= 65535:
+        return f"--grpc-port must be in 0..65535; got {args.grpc_port}"
+    if args.grpc_port and args.grpc_port == args.port:
+        return f"--grpc-port must differ from --port ({args.port})"
     if args.processes < 1:
         return f"--processes must be >= 1; got {args.processes}"
     for flag in ("max_instances", "max_body_bytes"):
@@ -68,12 +83,31 @@ def main(argv=None):
     if bad:
         print(f"mpips.serve: error: {bad}", file=sys.stderr)
         return 2
+    metrics_dir, master = None, os.getpid()
+    for k in ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir"):
+        os.environ.pop(k, None)             # (this server's own, below, or none)
     if args.processes > 1 or args.follow:   # forked processes (mpips.serving.shared): one
         # BLAS/OpenMP thread each, set before numpy loads (no BLAS thread pool across a fork)
         for k in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             os.environ.setdefault(k, "1")
+        # and metrics summed over them: prometheus-client's multiprocess mode, chosen
+        # before it is imported, in a directory of this server's (removed at the end)
+        metrics_dir = tempfile.mkdtemp(prefix="mpips-serve-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    try:
+        return _run(args)
+    finally:
+        if metrics_dir is not None and os.getpid() == master:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _run(args):
     try:
         from mpips.serving import server
+        if args.grpc_port is not None:   # (grpc itself is imported after any fork)
+            from mpips.serving.proto import kserve_v2_pb2  # noqa: F401
+            if importlib.util.find_spec("grpc") is None:
+                raise ImportError("--grpc-port needs grpcio")
     except ImportError as e:
         print(f"mpips.serve: error: {e}; install the serve extra: pip install 'mpips[serve]'",
               file=sys.stderr)

@@ -424,3 +424,90 @@ def count_int_values(raw, missing, lo, hist, tails):
             if v > tails[j, 3]:
                 tails[j, 3] = v
     return total
+
+
+BYTES_OK = 0  # bytes_column_ids: every element read
+BYTES_PAST_END = 1  # an element's 4-byte length (or the length itself) runs past the end
+BYTES_FORBIDDEN = 2  # an element holds a TAB, LF, CR or NUL (a TSV field cannot)
+BYTES_TRAILING = 3  # bytes left after the n-th element
+
+
+@njit(cache=True, nogil=True)
+def bytes_columns_ids(blob, starts, ends, n, bucket, out, filled):
+    """Hash V2 BYTES tensors of ``n`` elements each as Criteo fields: column s is
+    ``blob[starts[s]:ends[s]]`` (``starts[s] < 0``: not given, every element empty) and
+    hashes as field s (``hash_bytes``).
+
+    The layout is the KServe V2 binary one: each element is a little-endian uint32 length
+    followed by that many bytes, with nothing between or after the elements.
+
+    Parameters
+    ----------
+    blob : (nbytes,) uint8, the columns one after the other
+    starts, ends : (S,) int64, each column's byte range in ``blob``
+    n : int, elements per column (rows)
+    bucket : int, hash_bucket (0 = full int64 range)
+    out : (n, S) int64, out
+    filled : (n,) uint8, in/out: set to 1 where an element is not empty
+
+    Returns
+    -------
+    (status, column, element): BYTES_OK, or a BYTES_* code and where
+    """
+    for s in range(starts.shape[0]):
+        if starts[s] < 0:
+            h = hash_to_id(splitmix64_finalise(fnv1a_slot(blob, 0, 0, s)), bucket)
+            for k in range(n):
+                out[k, s] = h
+            continue
+        pos, size = starts[s], ends[s]
+        for k in range(n):
+            if pos + 4 > size:
+                return BYTES_PAST_END, s, k
+            ln = (np.int64(blob[pos]) | (np.int64(blob[pos + 1]) << 8)
+                  | (np.int64(blob[pos + 2]) << 16) | (np.int64(blob[pos + 3]) << 24))
+            pos += 4
+            if pos + ln > size:
+                return BYTES_PAST_END, s, k
+            for i in range(pos, pos + ln):
+                c = blob[i]
+                if c == 9 or c == 10 or c == 13 or c == 0:
+                    return BYTES_FORBIDDEN, s, k
+            out[k, s] = hash_to_id(splitmix64_finalise(fnv1a_slot(blob, pos, pos + ln, s)),
+                                   bucket)
+            if ln > 0:
+                filled[k] = 1
+            pos += ln
+        if pos != size:
+            return BYTES_TRAILING, s, n
+    return BYTES_OK, -1, n
+
+
+@njit(cache=True, nogil=True)
+def dense_columns(x, norm, out, filled):
+    """Normalise V2 dense tensors as the TSV parser does a field holding each value.
+
+    Parameters
+    ----------
+    x : (D, n) float32 or float64, one row per dense input; NaN: missing (empty field)
+    norm : (2, D) float64, [cont_min, cont_diff]
+    out : (n, D) float32, out: (x - min) / diff in float64, stored float32; missing -> 0
+    filled : (n,) uint8, out: 1 where a row has a value (0 where every one is missing)
+
+    Returns
+    -------
+    (input, element) of the first infinite value, or (-1, -1)
+    """
+    for k in range(x.shape[1]):
+        filled[k] = 0
+    for d in range(x.shape[0]):
+        for k in range(x.shape[1]):
+            v = np.float64(x[d, k])
+            if np.isnan(v):
+                out[k, d] = 0.0
+            elif np.isinf(v):
+                return d, k
+            else:
+                out[k, d] = (v - norm[0, d]) / norm[1, d]
+                filled[k] = 1
+    return -1, -1

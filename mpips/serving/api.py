@@ -5,7 +5,10 @@ Routes (``{name}`` is the served model's name, ``--name``)::
     GET  /v2/health/live | /v2/health/ready            Open Inference Protocol (KServe V2)
     GET  /v2/models/{name}                             metadata: inputs, versions
     GET  /v2/models/{name}/ready
-    POST /v2/models/{name}/infer                       tensors by input name
+    POST /v2/models/{name}/infer                       tensors by input name (JSON, or the
+                                                       binary tensor data extension: v2.py)
+    GET  /v2/models/{name}/config                      Triton's model configuration (minimal)
+    .../v2/models/{name}/versions/{version}/...        the same, when {version} is served
     GET  /v1/models/{name}                             TF-Serving status
     POST /v1/models/{name}:predict                     {"instances": [...]} or {"inputs": {...}}
     POST /v1/models/{name}:lines                       raw lines -> one score per line
@@ -17,22 +20,28 @@ once at its start (``Live.current``): all of its scores come from one version.  
 is a 4xx with ``{"error": "..."}`` naming the field; nothing a client sends stops the
 server (an unexpected error is a 500 and is counted).
 """
+import glob
 import json
 import math
+import os
 import time
 
 import numpy as np
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, disable_created_metrics, generate_latest)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from mpips.serving.http import Response, error_response
-from mpips.serving.instances import BadInput, columns_to_instances, v2_instances
+from mpips.serving import v2
+from mpips.serving.instances import BadInput, columns_to_instances
 from mpips.serving.predictor import LineError
 
 LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0)
 FORM = "application/x-www-form-urlencoded"     # what curl -d sends unless told
 JSON_TYPES = ("application/json", "", FORM)
+V2_TYPES = JSON_TYPES + ("application/octet-stream",)   # the binary extension
 LINE_TYPES = ("text/plain", "text/csv", "text/tab-separated-values", "application/octet-stream",
               "", FORM)
 
@@ -41,64 +50,120 @@ def _reject_constant(name):
     raise BadInput(f"{name} is not a number JSON allows (NaN and infinities are refused)")
 
 
-class Metrics:
-    """The server's Prometheus metrics (one registry per process)."""
+class ReloadMetrics:
+    """Reload attempts: counted where the reload is done (the master, with processes)."""
 
-    def __init__(self, live, process=0):
+    def __init__(self, registry=None):
+        kw = {} if registry is None else {"registry": registry}
+        self.reloads = Counter("mpips_reloads", "reload attempts by result (ok, refused)",
+                               ["result"], **kw)
+        self.time = Gauge("mpips_last_reload_timestamp_seconds", "when the last reload "
+                          "attempt ended (Unix time)", multiprocess_mode="max", **kw)
+        self.seconds = Gauge("mpips_last_reload_duration_seconds", "how long the last reload "
+                             "attempt took", multiprocess_mode="mostrecent", **kw)
+
+    def reloaded(self, ok, seconds, serving=None):
+        self.reloads.labels("ok" if ok else "refused").inc()
+        self.time.set(time.time())
+        self.seconds.set(seconds)
+
+
+class _Summed(MultiProcessCollector):
+    """The sum over the processes' files, but a file a process is creating (still empty,
+    not yet sized) is left out rather than failing the scrape."""
+
+    def collect(self):
+        files = []
+        for f in glob.glob(os.path.join(self._path, "*.db")):
+            try:
+                if os.path.getsize(f) > 0:
+                    files.append(f)
+            except OSError:              # removed meanwhile (a process that ended)
+                pass
+        return self.merge(files, accumulate=True)
+
+
+class _Here:
+    """The answering process's own gauges, read at the scrape."""
+
+    def __init__(self, live, process):
+        self.live, self.process = live, process
+
+    def collect(self):
+        cur = self.live.current
+        yield GaugeMetricFamily("mpips_process_index", "index of the server process that "
+                                "answered this scrape (--processes)", value=self.process)
+        info = GaugeMetricFamily("mpips_model_info", "1 for the version the answering "
+                                 "process serves", labels=["version"])
+        info.add_metric([cur.version], 1)
+        yield info
+        yield GaugeMetricFamily("mpips_freshness_lag_seconds", "age of the newest export the "
+                                "answering process's version is made of",
+                                value=self.live.freshness_lag())
+
+
+class Metrics:
+    """The server's Prometheus metrics.
+
+    One process: its own registry.  ``multiprocess`` (the directory of prometheus-client's
+    multiprocess mode, ``--processes``/``--follow``): each process writes its counters and
+    histograms to its own files there and a scrape, whichever process answers it, reads
+    the sum over every process that has served (a process restarted keeps its counts);
+    the per-process gauges carry ``process`` and ``pid`` labels (the live processes'
+    only); the reloads are the master's (``ReloadMetrics``).  ``mpips_process_index``,
+    ``mpips_model_info`` and ``mpips_freshness_lag_seconds`` are the answering process's.
+    """
+
+    def __init__(self, live, process=0, multiprocess=None):
         disable_created_metrics()
-        self.registry = r = CollectorRegistry()
-        self.requests = Counter("mpips_requests", "HTTP requests by endpoint and status code",
+        r = CollectorRegistry()          # where the metrics live (scraped in one process)
+        if multiprocess:
+            self.registry = CollectorRegistry()
+            _Summed(self.registry, path=multiprocess)
+        else:
+            self.registry = r
+            self.reload = ReloadMetrics(r)
+        self.requests = Counter("mpips_requests", "requests by endpoint and status code (gRPC: "
+                                "grpc_* endpoints, status names)",
                                 ["endpoint", "code"], registry=r)
         self.errors = Counter("mpips_request_errors", "requests answered 4xx or 5xx",
                               ["endpoint"], registry=r)
         self.latency = Histogram("mpips_request_seconds", "time to answer a request",
                                  ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
         self.instances = Counter("mpips_instances", "instances (rows) scored", registry=r)
+        p = str(process)
         self.version = Gauge("mpips_model_version_seq", "checkpoint sequence number of the "
-                             "served version", registry=r)
-        self.info = Gauge("mpips_model_info", "1 for the served version", ["version"],
-                          registry=r)
-        self.rows = Gauge("mpips_table_rows", "embedding rows of the served version", registry=r)
-        self.reloads = Counter("mpips_reloads", "reload attempts by result (ok, refused)",
-                               ["result"], registry=r)
-        self.reload_time = Gauge("mpips_last_reload_timestamp_seconds", "when the last reload "
-                                 "attempt ended (Unix time)", registry=r)
-        self.reload_seconds = Gauge("mpips_last_reload_duration_seconds", "how long the last "
-                                    "reload attempt took", registry=r)
-        lag = Gauge("mpips_freshness_lag_seconds", "age of the newest export the served "
-                    "version is made of", registry=r)
-        lag.set_function(live.freshness_lag)
-        Gauge("mpips_process_index", "index of this server process (--processes)",
-              registry=r).set(process)
-        self._shown = None
+                             "version a process serves", ["process"], registry=r,
+                             multiprocess_mode="liveall").labels(p)
+        self.rows = Gauge("mpips_table_rows", "embedding rows of the version a process "
+                          "serves", ["process"], registry=r,
+                          multiprocess_mode="liveall").labels(p)
+        self.here = _Here(live, process)
+        self.registry.register(self.here)
         self._kids = {}
         self.show(live.current)
 
     def show(self, serving):
-        if self._shown is not None:
-            self.info.remove(self._shown)
-        self._shown = serving.version
-        self.info.labels(serving.version).set(1)
         self.version.set(serving.seq)
         self.rows.set(len(serving.model))
 
-    def count(self, endpoint, code, seconds):
-        """One request answered (the labelled children are looked up once)."""
+    def reloaded(self, ok, seconds, serving):
+        self.reload.reloaded(ok, seconds, serving)
+
+    def count(self, endpoint, code, seconds, error=None):
+        """One request answered (the labelled children are looked up once); ``code``: the
+        HTTP status (an error from 400), or a gRPC status name with ``error``."""
         key = (endpoint, code)
         kids = self._kids.get(key)
         if kids is None:
+            error = code >= 400 if error is None else error
             kids = self._kids[key] = (self.requests.labels(endpoint, str(code)),
-                                      self.errors.labels(endpoint) if code >= 400 else None,
+                                      self.errors.labels(endpoint) if error else None,
                                       self.latency.labels(endpoint))
         kids[0].inc()
         if kids[1] is not None:
             kids[1].inc()
         kids[2].observe(seconds)
-
-    def reloaded(self, ok, seconds, serving):
-        self.reloads.labels("ok" if ok else "refused").inc()
-        self.reload_time.set(time.time())
-        self.reload_seconds.set(seconds)
 
     def refused(self, status):
         """A request refused by the HTTP layer (bad head, too large, too slow)."""
@@ -120,7 +185,7 @@ class Api:
         serving = self.live.current
         endpoint, resp = "unknown", None
         try:
-            endpoint, fn, methods = self._route(req.path)
+            endpoint, fn, methods = self._route(req.path, serving)
             if fn is None:
                 raise BadInput(f"no such endpoint {req.path[:100]!r} (this server's model is "
                                f"{self.name!r}; see GET /v2/models/{self.name})", 404)
@@ -136,10 +201,17 @@ class Api:
         self.metrics.count(endpoint, resp.status, time.perf_counter() - t0)
         return resp
 
-    def _route(self, path):
+    def _route(self, path, serving):
         GET, POST = ("GET",), ("POST",)
+        if path.startswith(self.v2 + "/versions/"):
+            version, _, rest = path[len(self.v2) + 10:].partition("/")
+            if version != serving.version:
+                return "unknown_model", self._unknown_version, GET + POST
+            path = self.v2 + ("/" + rest if rest else "")
         if path == self.v2 + "/infer":
             return "v2_infer", self.v2_infer, POST
+        if path == self.v2 + "/config":
+            return "metadata", self.v2_config, GET
         if path == self.v1 + ":predict":
             return "v1_predict", self.v1_predict, POST
         if path == self.v1 + ":lines":
@@ -199,6 +271,10 @@ class Api:
         raise BadInput(f"unknown model in {req.path[:100]!r}; this server serves "
                        f"{self.name!r}", 404)
 
+    def _unknown_version(self, req, serving):
+        raise BadInput(f"unknown model version in {req.path[:100]!r}; this server serves "
+                       f"{serving.version!r}", 404)
+
     def health(self, req, serving):
         if req.path.endswith("live"):
             return self._ok({"live": True})
@@ -206,7 +282,7 @@ class Api:
 
     def v2_meta(self, req, serving):
         if req.path == "/v2":
-            return self._ok({"name": "mpips", "version": "1", "extensions": []})
+            return self._ok({"name": "mpips", "version": "1", "extensions": v2.EXTENSIONS})
         if req.path.endswith("/ready"):
             return self._ok({"name": self.name, "ready": True})
         inputs = [{"name": n, "datatype": d, "shape": s}
@@ -222,18 +298,36 @@ class Api:
             "status": {"error_code": "OK", "error_message": ""}}],
             "model_version": serving.version})
 
+    def v2_config(self, req, serving):
+        return self._ok(v2.model_config(self.name, serving, self.max_instances))
+
     def v2_infer(self, req, serving):
-        body = self._json(req)
-        instances = v2_instances(body, serving.encoder, self.max_instances)
-        scores = self._score(serving, instances)
-        out = {"model_name": self.name, "model_version": serving.version,
-               "outputs": [{"name": "probability", "datatype": "FP32",
-                            "shape": [len(scores)], "data": scores.tolist()}]}
-        if "id" in body:
-            if not isinstance(body["id"], str):
-                raise BadInput("id: expected a string")
-            out["id"] = body["id"]
-        return self._ok(out)
+        ctype = req.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype not in V2_TYPES:
+            raise BadInput(f"Content-Type {ctype!r}: send application/json (or "
+                           "application/octet-stream with Inference-Header-Content-Length)", 415)
+        if req.headers.get("content-encoding", "identity").lower() != "identity":
+            raise BadInput("Content-Encoding: send the body uncompressed", 415)
+        head, inputs = v2.split_body(req.body, req.headers.get("inference-header-content-length"))
+        binary = v2.binary_output(head)
+        if "id" in head and not isinstance(head["id"], str):
+            raise BadInput("id: expected a string")
+        scores = v2.score(serving, inputs, self.max_instances)
+        self.metrics.instances.inc(len(scores))
+        out = {"name": v2.OUTPUT, "datatype": "FP32", "shape": [len(scores)]}
+        if binary:
+            data = scores.astype("<f4").tobytes()
+            out["parameters"] = {"binary_data_size": len(data)}
+        else:
+            out["data"] = scores.tolist()
+        answer = {"model_name": self.name, "model_version": serving.version, "outputs": [out]}
+        if "id" in head:
+            answer["id"] = head["id"]
+        if not binary:
+            return self._ok(answer)
+        text = json.dumps(answer).encode()
+        return Response(200, text + data, "application/octet-stream",
+                        (("Inference-Header-Content-Length", str(len(text))),))
 
     def v1_predict(self, req, serving):
         body = self._json(req)

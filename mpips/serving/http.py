@@ -3,8 +3,11 @@
 Chosen over uvicorn (+httptools) and aiohttp by measurement (bench/bench_serve.py and
 docs/serving.md): scoring one instance takes tens of microseconds, so the framework's own
 cost per request is what sets the latency and the peak rate, and a protocol object that
-parses the request head itself and calls the handler inline does about 3x fewer CPU
-cycles per request than either.  It speaks what the inference protocols need and no more:
+calls the handler inline does about 3x fewer CPU cycles per request than either.  The
+request is parsed by llhttp (``httptools``, Node's parser, maintained against request
+smuggling: ``_LlConn``, the default) or, with ``parser="builtin"``, by the hand-written
+parser this server began with (``_Conn``); docs/serving.md has the cost of each.  It
+speaks what the inference protocols need and no more:
 
 * requests with a ``Content-Length`` body (or none); ``Transfer-Encoding`` is refused
   (411), ``Expect: 100-continue`` is answered;
@@ -20,9 +23,15 @@ that answers it.  ``stop()`` closes the listening socket, lets every connection 
 the request it has begun, answers it with ``Connection: close`` and then closes.
 """
 import asyncio
+import collections
 import json
 import socket
 import time
+
+try:
+    import httptools
+except ImportError:            # the builtin parser only (--http-parser builtin)
+    httptools = None
 
 REASONS = {200: "OK", 100: "Continue", 400: "Bad Request", 404: "Not Found",
            405: "Method Not Allowed", 408: "Request Timeout", 411: "Length Required",
@@ -176,13 +185,122 @@ class _Conn(asyncio.Protocol):
             self._close()
 
 
+class _Stop(Exception):
+    """Raised in a parser callback to stop parsing (the reason is in ``_LlConn.fail``)."""
+
+
+class _LlConn(_Conn):
+    """The same connection, its requests parsed by llhttp (``httptools``: Node's parser,
+    what uvicorn uses), the default.  llhttp frames the messages (request line, headers,
+    ``Content-Length``: strict, so an ambiguous request is refused rather than read two
+    ways); this class keeps the limits and answers of ``_Conn``."""
+
+    def __init__(self, server):
+        super().__init__(server)
+        self.parser = httptools.HttpRequestParser(self)
+        self.msg = None            # [url, headers, body] of the request being read
+        self.in_head, self.head_raw, self.head_size = False, 0, 0
+        self.done = collections.deque()       # (Request, keep) complete, not yet answered
+        self.fail = None                      # (status, message) that ends the connection
+
+    @property
+    def busy(self):
+        return self.msg is not None or bool(self.done)
+
+    # ------------------------------------------------------------ llhttp callbacks
+    def on_message_begin(self):
+        self.msg = [b"", {}, bytearray()]
+        self.in_head, self.head_raw, self.head_size = True, 0, 0
+
+    def _grow(self, n):
+        self.head_size += n
+        if self.head_size > self.server.max_head:
+            self.fail = (431, f"request head over {self.server.max_head} bytes")
+            raise _Stop
+
+    def on_url(self, url):
+        self._grow(len(url))
+        self.msg[0] += url
+
+    def on_header(self, name, value):
+        self.head_size += len(name) + len(value) + 4
+        if self.head_size > self.server.max_head:
+            self._grow(0)
+        self.msg[1][name.lower().decode("latin-1")] = value.decode("latin-1")
+
+    def on_headers_complete(self):
+        self.in_head = False
+        srv, headers = self.server, self.msg[1]
+        if self.parser.get_http_version() not in ("1.0", "1.1") or not self.msg[0].startswith(b"/"):
+            self.fail = (400, "malformed request head (HTTP/1.1 request line and headers)")
+        elif "transfer-encoding" in headers:
+            self.fail = (411, "chunked bodies are not supported: send Content-Length")
+        elif int(headers.get("content-length", "0") or 0) > srv.max_body:
+            self.fail = (413, f"body of {headers['content-length']} bytes is over the limit "
+                              f"of {srv.max_body} (--max-body-bytes)")
+        if self.fail is not None:
+            raise _Stop
+        if headers.get("expect", "").lower() == "100-continue" and \
+                headers.get("content-length", "0") not in ("0", ""):
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body):
+        self.msg[2] += body
+
+    def on_message_complete(self):
+        url, headers, body = self.msg
+        self.msg = None
+        path, _, query = url.decode("latin-1").partition("?")
+        method = self.parser.get_method().decode("latin-1")
+        self.done.append((Request(method, path, query, headers, bytes(body)),
+                          self.parser.should_keep_alive()))
+
+    # ------------------------------------------------------------ bytes in, answers out
+    def data_received(self, data):
+        if self.closing:
+            return
+        self.last = time.monotonic()
+        srv = self.server
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.fail = self.fail or (400, "protocol upgrades are not supported")
+        except httptools.HttpParserError:
+            self.fail = self.fail or (400, "malformed request (HTTP/1.1 request line, "
+                                           "headers, Content-Length)")
+        if self.in_head and self.fail is None:   # a head still not whole after these bytes:
+            self.head_raw += len(data)           # they are all head (bar a request before)
+            if self.head_raw > srv.max_head:
+                self.fail = (431, f"request head over {srv.max_head} bytes")
+        while self.done and not self.closing:
+            req, keep = self.done.popleft()
+            resp = srv.call(req)
+            keep = keep and not srv.stopping
+            self.transport.write(encode(resp, not keep))
+            if not keep:
+                self._close()
+        if self.fail is not None and not self.closing:
+            self._fail(*self.fail)
+
+    def _close(self):
+        self.done.clear()
+        self.msg = None
+        super()._close()
+
+
 class HttpServer:
     """``await start()``, then ``await stop()``; ``port`` is the bound port.  ``sock``: a
     listening socket to accept from instead of binding ``host:port`` (inherited from the
     process that forked this one; closing it here leaves the others' copies open)."""
 
     def __init__(self, handler, host="127.0.0.1", port=8500, *, max_body=16 << 20,
-                 max_head=16 << 10, idle_timeout=30.0, on_refused=None, sock=None):
+                 max_head=16 << 10, idle_timeout=30.0, on_refused=None, sock=None,
+                 parser="llhttp"):
+        if parser not in PARSERS:
+            raise ValueError(f"parser must be one of {', '.join(PARSERS)}; got {parser!r}")
+        if PARSERS[parser] is None:
+            raise ValueError("the llhttp parser needs httptools: pip install httptools")
+        self.conn_class = PARSERS[parser]
         self.handler, self.host, self.port, self.sock = handler, host, port, sock
         self.max_body, self.max_head, self.idle_timeout = max_body, max_head, idle_timeout
         self.on_refused = on_refused
@@ -206,10 +324,10 @@ class HttpServer:
         loop = asyncio.get_running_loop()
         self._event = asyncio.Event()
         if self.sock is not None:               # a listening socket shared with other processes
-            self._srv = await loop.create_server(lambda: _Conn(self), sock=self.sock,
+            self._srv = await loop.create_server(lambda: self.conn_class(self), sock=self.sock,
                                                  backlog=1024)
         else:
-            self._srv = await loop.create_server(lambda: _Conn(self), self.host, self.port,
+            self._srv = await loop.create_server(lambda: self.conn_class(self), self.host, self.port,
                                                  backlog=1024)
         self.port = self._srv.sockets[0].getsockname()[1]
         self._sweeper = loop.create_task(self._sweep())
@@ -244,3 +362,6 @@ class HttpServer:
                 pass
         self._sweeper.cancel()
         await self._srv.wait_closed()
+
+
+PARSERS = {"llhttp": _LlConn if httptools is not None else None, "builtin": _Conn}

@@ -11,6 +11,7 @@ serves a fixed ``--bundle`` alone.
 """
 import asyncio
 import gc
+import os
 import signal
 
 from mpips.serving import shared
@@ -21,7 +22,8 @@ from mpips.serving.live import Live
 
 def ready_line(args, port, serving, processes):
     m = serving.model
-    return (f"mpips.serve: ready http://{args.host}:{port} model {args.name} version "
+    grpc = "" if args.grpc_port is None else f" grpc {args.host}:{args.grpc_port}"
+    return (f"mpips.serve: ready http://{args.host}:{port}{grpc} model {args.name} version "
             f"{serving.version} rows {len(m)} processes {processes} "
             f"{m.schema.describe()}")
 
@@ -29,13 +31,22 @@ def ready_line(args, port, serving, processes):
 async def _serve(args, live, child, log):
     """Serve until SIGTERM/SIGINT (or, for a forked process, the master's end); 0."""
     loop = asyncio.get_running_loop()
-    metrics = Metrics(live, child.index if child else 0)
-    live.on_reload = metrics.reloaded
+    if child is not None:                 # counts summed over the processes (api.Metrics)
+        metrics = Metrics(live, child.index, os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    else:
+        metrics = Metrics(live)
+        live.on_reload = metrics.reloaded
     api = Api(live, args.name, metrics, args.max_instances)
     srv = HttpServer(api, args.host, args.port, max_body=args.max_body_bytes,
                      idle_timeout=args.idle_timeout, on_refused=metrics.refused,
-                     sock=child.sock if child else None)
+                     sock=child.sock if child else None, parser=args.http_parser)
     await srv.start()
+    rpc = None
+    if args.grpc_port is not None:        # (imported here: no gRPC state before a fork)
+        from mpips.serving.grpc_v2 import GrpcV2
+        rpc = GrpcV2(api)
+        args.grpc_port = await rpc.start(args.host, args.grpc_port, args.max_body_bytes,
+                                         shared_port=child is not None)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -47,17 +58,18 @@ async def _serve(args, live, child, log):
             if reload is None:
                 stop.set()                    # the master is gone
                 return
-            if new is not None:
+            if new is not None:              # (the master counts the reloads)
                 live.current = new
                 metrics.show(new)
-            if isinstance(reload, list):
-                metrics.reloaded(reload[0], reload[1], live.current)
         loop.add_reader(child.conn.fileno(), on_message)
         child.said_ready()
     else:
         log(ready_line(args, srv.port, live.current, 1))
     await stop.wait()
-    await srv.stop()
+    if rpc is not None:
+        await asyncio.gather(srv.stop(), rpc.stop())
+    else:
+        await srv.stop()
     if child is not None:
         loop.remove_reader(child.conn.fileno())
     return 0

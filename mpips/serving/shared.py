@@ -33,6 +33,7 @@ import threading
 import time
 
 import numpy as np
+from prometheus_client.multiprocess import mark_process_dead
 
 from mpips.schema import Schema
 from mpips.serving.live import Live, Serving
@@ -153,7 +154,11 @@ class Pool:
         log ``ready_line(port, serving)`` when all are ready, follow, supervise; the exit
         code of the server."""
         a = self.args
-        self.live = Live(a.bundle, a.follow, a.header, self.log, share=self.share)
+        from prometheus_client import CollectorRegistry
+
+        from mpips.serving.api import ReloadMetrics
+        self.live = Live(a.bundle, a.follow, a.header, self.log, share=self.share,
+                         on_reload=ReloadMetrics(CollectorRegistry()).reloaded)
         info = socket.getaddrinfo(a.host, a.port, type=socket.SOCK_STREAM,
                                   flags=socket.AI_PASSIVE)[0]
         self.sock = socket.socket(info[0], socket.SOCK_STREAM)
@@ -161,6 +166,11 @@ class Pool:
         self.sock.bind(info[4])
         self.sock.listen(1024)
         self.port = self.sock.getsockname()[1]
+        if a.grpc_port is not None:      # held (bound, not listening) so every process
+            self.grpc_sock = socket.socket(info[0], socket.SOCK_STREAM)   # binds one port
+            self.grpc_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            self.grpc_sock.bind((info[4][0], a.grpc_port))
+            a.grpc_port = self.grpc_sock.getsockname()[1]
         self.serve_child, self.ready_line = serve_child, ready_line
         wake_r, wake_w = socket.socketpair()
         wake_r.setblocking(False)
@@ -297,6 +307,7 @@ class Pool:
         self.sel.unregister(conn)
         conn.close()
         _, status = os.waitpid(pid, 0)
+        mark_process_dead(pid)               # its gauges go; its counts stay in the sums
         code = os.waitstatus_to_exitcode(status)
         why = f"signal {-code}" if code < 0 else f"exit {code}"
         now = time.monotonic()

@@ -1,0 +1,188 @@
+"""KServe V2 over gRPC (``--grpc-port``): the Open Inference Protocol's other transport.
+
+Served by ``grpc.aio`` in the same event loop as the HTTP server, over the same scoring
+core (``mpips.serving.v2.score``), the same model reference (``Live.current``, read once
+per call: hot reload swaps it between two calls) and the same metrics.  Methods of
+``inference.GRPCInferenceService``: ServerLive, ServerReady, ModelReady, ServerMetadata,
+ModelMetadata, ModelInfer (inputs as ``raw_input_contents`` or typed ``contents``; the
+output ``probability`` FP32 in ``raw_output_contents``, as Triton answers).  Every answer
+carries the version that made it: ``model_version`` in the infer answer, and the trailing
+metadata ``model-version`` on every call, errors included.  A bad request is an
+INVALID_ARGUMENT (NOT_FOUND for another model or version, RESOURCE_EXHAUSTED over
+``--max-instances``) whose details name the field, as the HTTP 4xx does.
+
+The messages are generated from ``proto/kserve_v2.proto`` (the command is in that file);
+the service is registered by hand (``grpc.method_handlers_generic_handler``).
+"""
+import time
+
+import grpc
+import numpy as np
+from google.protobuf.message import DecodeError
+from grpc import aio
+
+from mpips.serving import v2
+from mpips.serving.instances import BadInput
+from mpips.serving.predictor import LineError
+from mpips.serving.proto import kserve_v2_pb2 as pb
+
+SERVICE = "inference.GRPCInferenceService"
+STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+          413: grpc.StatusCode.RESOURCE_EXHAUSTED}
+CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
+            "INT32": "int_contents", "INT64": "int64_contents", "UINT8": "uint_contents",
+            "UINT16": "uint_contents", "UINT32": "uint_contents", "UINT64": "uint64_contents",
+            "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents"}
+
+
+def bytes_blob(values):
+    """BYTES elements in the raw layout (a 4-byte little-endian length before each)."""
+    return b"".join(len(b).to_bytes(4, "little") + b for b in values)
+
+
+def request_inputs(req):
+    """The V2 input dicts (``v2.score``) of a ModelInferRequest; every one raw."""
+    raw = req.raw_input_contents
+    if raw:
+        if len(raw) != len(req.inputs):
+            raise BadInput(f"raw_input_contents: {len(raw)} entries for {len(req.inputs)} "
+                           "inputs (one per input, in order)")
+        out = [{"name": t.name, "datatype": t.datatype, "shape": t.shape[:], "raw": r}
+               for t, r in zip(req.inputs, raw)]          # (a slice: a list, and fast)
+        for k, t in enumerate(req.inputs):
+            if t.HasField("contents"):
+                raise BadInput(f"inputs[{k}] ({t.name}): contents and raw_input_contents "
+                               "both given")
+        return out
+    out = []
+    for k, t in enumerate(req.inputs):
+        field = CONTENTS.get(t.datatype)
+        if field is None:
+            raise BadInput(f"inputs[{k}] ({t.name}).datatype: {t.datatype[:40]!r} has no "
+                           "typed contents: send raw_input_contents")
+        vals = getattr(t.contents, field)
+        out.append({"name": t.name, "datatype": t.datatype, "shape": list(t.shape),
+                    "raw": bytes_blob(vals) if field == "bytes_contents" else
+                    np.array(vals, v2.RAW_DTYPES[t.datatype]).tobytes()})
+    return out
+
+
+class GrpcV2:
+    """The servicer: ``server(host, port)`` builds the ``grpc.aio`` server."""
+
+    def __init__(self, api):
+        self.api = api                      # the HTTP Api: live, name, metrics, limits
+
+    def _answer(self, endpoint, context, fn, req):
+        t0 = time.perf_counter()
+        serving = self.api.live.current
+        code = "OK"
+        try:
+            if req is None:
+                raise BadInput(f"the request is not a valid {endpoint} message of the protocol")
+            return fn(req, serving)
+        except (BadInput, LineError) as e:
+            code = STATUS.get(getattr(e, "status", 400), grpc.StatusCode.INVALID_ARGUMENT)
+            context.set_code(code)
+            context.set_details(str(e))
+            code = code.name
+            return None
+        except Exception as e:  # noqa: BLE001 - a bug answers INTERNAL, the server keeps serving
+            context.set_code(grpc.StatusCode.INTERNAL)
+            context.set_details(f"internal error: {type(e).__name__}: {e}")
+            code = "INTERNAL"
+            return None
+        finally:
+            context.set_trailing_metadata((("model-version", serving.version),))
+            self.api.metrics.count("grpc_" + endpoint, code, time.perf_counter() - t0,
+                                   code != "OK")
+
+    def _check_model(self, name, version, serving):
+        if name != self.api.name:
+            raise BadInput(f"unknown model {name[:100]!r}; this server serves "
+                           f"{self.api.name!r}", 404)
+        if version and version != serving.version:
+            raise BadInput(f"unknown model version {version[:100]!r}; this server serves "
+                           f"{serving.version!r}", 404)
+
+    # ------------------------------------------------------------ methods
+    def live(self, req, serving):
+        return pb.ServerLiveResponse(live=True)
+
+    def ready(self, req, serving):
+        return pb.ServerReadyResponse(ready=serving is not None)
+
+    def model_ready(self, req, serving):            # another model or version: not ready
+        return pb.ModelReadyResponse(ready=req.name == self.api.name and (
+            not req.version or req.version == serving.version))
+
+    def server_metadata(self, req, serving):
+        return pb.ServerMetadataResponse(name="mpips", version="1", extensions=v2.EXTENSIONS)
+
+    def model_metadata(self, req, serving):
+        self._check_model(req.name, req.version, serving)
+        T = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=self.api.name, versions=[serving.version], platform="mpips",
+            inputs=[T(name=n, datatype=d, shape=s)
+                    for n, d, s in serving.encoder.describe_inputs()],
+            outputs=[T(name=v2.OUTPUT, datatype="FP32", shape=[-1])])
+
+    def infer(self, req, serving):
+        self._check_model(req.model_name, req.model_version, serving)
+        for k, o in enumerate(req.outputs):
+            if o.name != v2.OUTPUT:
+                raise BadInput(f"outputs[{k}]: unknown output {o.name[:40]!r}; this model's "
+                               f"output is {v2.OUTPUT!r}")
+        if not req.inputs:
+            raise BadInput("inputs: expected a non-empty list of tensors")
+        scores = v2.score(serving, request_inputs(req), self.api.max_instances)
+        self.api.metrics.instances.inc(len(scores))
+        out = pb.ModelInferResponse.InferOutputTensor(name=v2.OUTPUT, datatype="FP32",
+                                                      shape=[len(scores)])
+        return pb.ModelInferResponse(model_name=self.api.name, model_version=serving.version,
+                                     id=req.id, outputs=[out],
+                                     raw_output_contents=[scores.astype("<f4").tobytes()])
+
+    # ------------------------------------------------------------ server
+    def handler(self):
+        def unary(endpoint, fn, req_cls, resp_cls):
+            async def call(req, context):
+                return self._answer(endpoint, context, fn, req)
+            def parse(data):              # None: answered INVALID_ARGUMENT, not INTERNAL
+                try:
+                    return req_cls.FromString(data)
+                except DecodeError:
+                    return None
+            return grpc.unary_unary_rpc_method_handler(
+                call, request_deserializer=parse,
+                response_serializer=resp_cls.SerializeToString)
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "ServerLive": unary("live", self.live, pb.ServerLiveRequest, pb.ServerLiveResponse),
+            "ServerReady": unary("ready", self.ready, pb.ServerReadyRequest,
+                                 pb.ServerReadyResponse),
+            "ModelReady": unary("ready", self.model_ready, pb.ModelReadyRequest,
+                                pb.ModelReadyResponse),
+            "ServerMetadata": unary("metadata", self.server_metadata, pb.ServerMetadataRequest,
+                                    pb.ServerMetadataResponse),
+            "ModelMetadata": unary("metadata", self.model_metadata, pb.ModelMetadataRequest,
+                                   pb.ModelMetadataResponse),
+            "ModelInfer": unary("infer", self.infer, pb.ModelInferRequest,
+                                pb.ModelInferResponse)})
+
+    async def start(self, host, port, max_message, shared_port=False):
+        """Start serving on host:port (0: a free one); the port bound.  ``shared_port``:
+        other processes listen on it too (SO_REUSEPORT; the master holds it)."""
+        opts = [("grpc.so_reuseport", 1 if shared_port else 0),
+                ("grpc.max_receive_message_length", max_message),
+                ("grpc.max_send_message_length", max_message)]
+        self.server = aio.server(options=opts)
+        self.server.add_generic_rpc_handlers((self.handler(),))
+        bound = self.server.add_insecure_port(f"{host}:{port}")
+        if not bound:
+            raise OSError(f"--grpc-port {port}: cannot listen on {host}:{port}")
+        await self.server.start()
+        return bound
+
+    async def stop(self, grace=10.0):
+        await self.server.stop(grace)
