@@ -35,6 +35,9 @@ LAZY_OK = {
     ("mpips.serving.shared", "mpi4py"),    # one server process runs without MPI
     ("mpips.serve", "mpips.serving"),      # without the serve extra: one line naming it
     ("mpips.job.tracking", "tensorboardX"),  # optional extra, ~0.5 s: only with --tensorboard
+    ("mpips.serving.server", "mpips.serving.grpc_v2"),   # only with --grpc-port, after a fork
+    ("mpips.serving.shared", "prometheus_client"),       # reads PROMETHEUS_MULTIPROC_DIR on
+    ("mpips.serving.shared", "mpips.serving.api"),       # import: after the master sets it
 }
 
 
