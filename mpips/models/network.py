@@ -156,6 +156,8 @@ class Network:
         self._fuse()
         self._fuse_relu()
         self._layout(sorted(self.layers, key=lambda L: L.file_index))
+        self._split = {L.name for L in self.layers if isinstance(L, Concat)   # read by one:
+                       and len(L.out.consumers) == 1}             # its parts get their columns
 
     def _check_output(self, spec, where):
         logit = spec["logits"][0]
@@ -185,8 +187,8 @@ class Network:
                                f"(add it to one, or use \"all\")")
 
     def _fuse(self):
-        """(first_order, fm2) names folded together, if any: fold an fm2 over fields and a first_order that feed only the same add/sum into
-        one float64 pass (the FM and first-order sums of DeepFM)."""
+        """Fold an fm2 and a first_order that feed only the same add/sum into one float64
+        pass (the FM and first-order sums of DeepFM); ``fused``: their names, or None."""
         self.fused = None
         for s in [L for L in self.layers if isinstance(L, Sum)]:
             fos = [L for L in (t.producer for t in s.ins) if isinstance(L, FirstOrder)
@@ -223,8 +225,6 @@ class Network:
         self.n_params = off
         if off == 0:
             raise NetworkError("a network needs at least one layer with weights")
-        self._split = {L.name for L in self.layers if isinstance(L, Concat)
-                       and len(L.out.consumers) == 1}
 
     # ------------------------------------------------------------------ parameters
     def init_params(self, seed: int) -> np.ndarray:
