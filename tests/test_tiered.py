@@ -10,7 +10,8 @@ import pytest
 from mpips import checkpoint as ck
 from mpips.tables.admission import AdmittedTable
 from mpips.tables.dense import DenseTable
-from mpips.tables.disk import RowStore, check_dir
+from mpips.tables.disk import RowStore
+from mpips.tiering import check_dir
 from mpips.tables.optim import OptimizerConfig
 from mpips.tables.sparse import SparseTable
 from mpips.tables.tiered import TieredTable

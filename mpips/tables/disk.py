@@ -27,6 +27,8 @@ from operator import itemgetter
 
 import numpy as np
 
+from mpips.tiering import check_dir
+
 MAP_SIZE = 1 << 40          # LMDB's address space reservation (a sparse file; not memory)
 SIGN = np.uint64(1 << 63)
 KEY = np.dtype(">u8")
@@ -48,20 +50,6 @@ def decode_keys(raw):
     return (np.frombuffer(raw, KEY).astype(np.uint64) ^ SIGN).view(np.int64)
 
 
-def check_dir(path):
-    """The tier's parent directory, made if missing; one-line error when unusable."""
-    path = os.path.abspath(os.path.expanduser(path))
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = tempfile.mkdtemp(prefix=".mpips-probe-", dir=path)
-        os.rmdir(probe)
-    except OSError as e:
-        raise OSError(e.errno or errno.EACCES,
-                      f"--table-dir {path}: not a writable directory ({e.strerror or e}); "
-                      f"give a writable local directory") from None
-    return path
-
-
 class RowStore:
     """Table rows on disk (LMDB) in a fresh folder under ``parent``; see the module doc.
 
@@ -70,7 +58,7 @@ class RowStore:
     """
 
     def __init__(self, parent, template, tag="table"):
-        import lmdb
+        import lmdb             # the disk extra: imported only when a tier is made
         self.fields = list(template)
         self.dtype = row_dtype(template)
         self._template = {f: a[:0].copy() for f, a in template.items()}

@@ -300,3 +300,47 @@ class TieredTable:
     def close(self):
         """Remove the store's folder (the tier is live state only)."""
         self.store.close()
+
+
+# ------------------------------------------------------------------ reporting
+TIER_STATS = ("resident_rows", "disk_rows", "disk_bytes", "tier_hits", "tier_misses",
+              "tier_read_us", "tier_write_us")
+
+
+def tier_of(table):
+    """The TieredTable behind a table (an admission filter's), or None."""
+    inner = getattr(table, "table", table)
+    return inner if isinstance(inner, TieredTable) else None
+
+
+def tier_counters(table):
+    """{TIER_STATS name: int} of a table (zeros without a tier), for a STATS record."""
+    t = tier_of(table)
+    if t is None:
+        return dict.fromkeys(TIER_STATS, 0)
+    return {"resident_rows": len(t.cache), "disk_rows": t.store.count,
+            "disk_bytes": t.store.nbytes, "tier_hits": t.hits, "tier_misses": t.misses,
+            "tier_read_us": int(t.read_s * 1e6), "tier_write_us": int(t.write_s * 1e6)}
+
+
+def tier_record(c):
+    """The record's tier fields from counters (a dict, or STATS records of all servers:
+    summed)."""
+    tot = {k: int(np.sum(c[k])) for k in TIER_STATS}
+    looked = tot["tier_hits"] + tot["tier_misses"]
+    return {"tier_resident_rows": tot["resident_rows"], "tier_disk_rows": tot["disk_rows"],
+            "tier_disk_bytes": tot["disk_bytes"],
+            "tier_hit_ratio": round(tot["tier_hits"] / looked, 6) if looked else 1.0,
+            "tier_read_s": round(tot["tier_read_us"] / 1e6, 3),
+            "tier_write_s": round(tot["tier_write_us"] / 1e6, 3)}
+
+
+def tier_note(table):
+    """The SERVER / PROFILE line's tier part ('' without a tier)."""
+    if tier_of(table) is None:
+        return ""
+    r = tier_record(tier_counters(table))
+    return (f" tier: resident_rows: {r['tier_resident_rows']} disk_rows: "
+            f"{r['tier_disk_rows']} disk_MB: {r['tier_disk_bytes'] / 2**20:.1f} hit_ratio: "
+            f"{r['tier_hit_ratio']:.4f} read_s: {r['tier_read_s']:.2f} write_s: "
+            f"{r['tier_write_s']:.2f}")
