@@ -194,7 +194,7 @@ def test_reshard_into_tiers(tmp_path, n_servers):
 def test_store_rows_round_trip_and_scan(tmp_path):
     """The store against a dict: put, get (found and not), delete, scan in id order."""
     t = SparseTable(DIM, OPTS[0], seed=1)
-    store = RowStore(str(tmp_path), t.export_rows(np.empty(0, np.int64)))
+    store = RowStore(str(tmp_path), t.export_rows(np.empty(0, np.int64)), map_budget=20000)
     rng = np.random.default_rng(6)
     keys = np.unique(rng.integers(-2**63, 2**63 - 1, 300, dtype=np.int64))
     out = np.empty((len(keys), DIM), np.float32)
@@ -214,7 +214,7 @@ def test_store_rows_round_trip_and_scan(tmp_path):
         np.testing.assert_array_equal(got[f], rows[f][idx])
     scanned = np.concatenate([c["keys"] for c in store.scan(7)])
     np.testing.assert_array_equal(scanned, np.sort(np.array(list(ref), np.int64)))
-    assert store.count == len(ref)
+    assert store.count == len(ref) and store.reopens >= 3   # the map was dropped, rows kept
     with pytest.raises(OSError, match="were not stored"):
         store.write(delete=gone[:2])
     store.close()
@@ -234,3 +234,37 @@ def test_store_folders_fresh_removed_and_unwritable_refused(tmp_path):
     blocker.write_text("x")
     with pytest.raises(OSError, match="not a writable directory"):
         check_dir(str(blocker / "sub"))
+
+
+def _filled_store(tmp_path, n=2000):
+    t = SparseTable(DIM, OPTS[0], seed=1)
+    t.pull(np.arange(n, dtype=np.int64), np.empty((n, DIM), np.float32), create=True)
+    return RowStore(str(tmp_path), t.export_rows(np.empty(0, np.int64))), t.export_rows()
+
+
+def test_full_disk_is_one_line_and_keeps_the_rows(tmp_path, monkeypatch):
+    """The data file's blocks are allocated before a write; ENOSPC there is one line."""
+    store, rows = _filled_store(tmp_path)
+    half = {f: a[:1000] for f, a in rows.items()}
+    store.write(put=half)
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    store._allocated = 0                     # the next write must allocate
+    with pytest.raises(OSError, match=r"could not grow .*No space left.*--table-dir") as e:
+        store.write(put={f: a[1000:] for f, a in rows.items()})
+    assert "\n" not in str(e.value) and store.count == 1000
+    found, got = store.get(rows["keys"][:1000])
+    assert found.all()
+    np.testing.assert_array_equal(got["values"], rows["values"][:1000])
+    store.close()
+
+
+def test_engine_error_is_one_line(tmp_path, monkeypatch):
+    import mpips.tables.disk as disk
+    monkeypatch.setattr(disk, "MAP_SIZE", 1 << 17)           # a map of 32 pages
+    store, rows = _filled_store(tmp_path)
+    with pytest.raises(OSError, match="the disk tier failed writing rows .*MapFull"):
+        store.write(put=rows)
+    store.close()

@@ -22,6 +22,7 @@ import errno
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from itertools import islice
 from operator import itemgetter
 
@@ -30,6 +31,9 @@ import numpy as np
 from mpips.tiering import check_dir
 
 MAP_SIZE = 1 << 40          # LMDB's address space reservation (a sparse file; not memory)
+MAP_BUDGET = 64 << 20       # bytes of the map touched between reopenings (bounds its RSS)
+PAGE = 4096                 # LMDB's page: what reading or writing a random row touches
+RESERVE_MIN = 16 << 20      # the least the data file is allocated ahead of its use
 SIGN = np.uint64(1 << 63)
 KEY = np.dtype(">u8")
 
@@ -57,16 +61,51 @@ class RowStore:
     tag: folder name prefix (e.g. the rank).
     """
 
-    def __init__(self, parent, template, tag="table"):
-        import lmdb             # the disk extra: imported only when a tier is made
+    def __init__(self, parent, template, tag="table", map_budget=MAP_BUDGET):
         self.fields = list(template)
         self.dtype = row_dtype(template)
         self._template = {f: a[:0].copy() for f, a in template.items()}
         self.path = tempfile.mkdtemp(prefix=f"mpips-tier-{tag}-", dir=check_dir(parent))
+        self.map_budget = int(map_budget)
+        self.env, self._touched, self._allocated, self.reopens = None, 0, 0, 0
+        self._open()
+        self._fd = os.open(os.path.join(self.path, "data.mdb"), os.O_RDWR)
+        self.count = 0                      # rows stored
+
+    def _open(self):
+        import lmdb             # the disk extra: imported only when a tier is made
         self.env = lmdb.open(self.path, map_size=MAP_SIZE, subdir=True, sync=False,
                              metasync=False, writemap=True, readahead=False, lock=False,
                              max_dbs=0, meminit=False)
-        self.count = 0                      # rows stored
+
+    def _touch(self, nbytes):
+        """Count bytes of the map touched; past ``map_budget`` close and reopen the
+        environment, which unmaps its pages (they stay in the page cache, not in this
+        process's RSS)."""
+        self._touched += nbytes
+        if self._touched > self.map_budget:
+            self.env.close()
+            self._open()
+            self._touched = 0
+            self.reopens += 1
+
+    def _reserve(self, n_rows):
+        """Allocate the file's blocks ahead of a write of ``n_rows`` rows.  LMDB writes
+        through its map into a sparse file, where a full disk would be a SIGBUS; written
+        into blocks already allocated it cannot fail, and the allocation fails cleanly."""
+        used = (self.env.info()["last_pgno"] + 1) * PAGE
+        need = used + 4 * n_rows * (self.dtype.itemsize + 24) + RESERVE_MIN
+        if need <= self._allocated:
+            return
+        target = need + max(need // 4, RESERVE_MIN)
+        try:
+            os.posix_fallocate(self._fd, 0, target)
+        except OSError as e:
+            raise OSError(e.errno, f"{self.path}: the disk tier could not grow to "
+                          f"{target / 2**20:.0f} MiB ({os.strerror(e.errno)}): free space "
+                          "under --table-dir or raise --table-memory, then resume from the "
+                          "last checkpoint") from None
+        self._allocated = target
 
     # ----------------------------------------------------------------- codecs
     def _encode(self, rows):
@@ -95,8 +134,9 @@ class RowStore:
         keys = np.ascontiguousarray(keys, np.int64)
         if not len(keys) or not self.count:
             return np.zeros(len(keys), np.bool_), self.empty()
-        with self.env.begin(buffers=False) as txn:
+        with self._errors("reading"), self.env.begin(buffers=False) as txn:
             got = txn.cursor().getmulti(encode_keys(keys))
+        self._touch(len(got) * PAGE)
         rows = self._decode(b"".join(map(itemgetter(0), got)),
                             b"".join(map(itemgetter(1), got)), len(got))
         found = np.isin(keys, rows["keys"])
@@ -108,7 +148,10 @@ class RowStore:
     def write(self, put=None, delete=None):
         """One write transaction: store rows ``put`` (new or replacing) and delete the
         ids ``delete`` (which must be stored)."""
-        with self.env.begin(write=True) as txn:
+        n_put = 0 if put is None else len(put["keys"])
+        n_del = 0 if delete is None else len(delete)
+        self._reserve(n_put + n_del)
+        with self._errors("writing"), self.env.begin(write=True) as txn:
             if delete is not None and len(delete):
                 gone = sum(map(txn.delete, encode_keys(delete)))
                 if gone != len(delete):
@@ -118,13 +161,25 @@ class RowStore:
                 k, v = self._encode(put)
                 txn.cursor().putmulti(zip(k, v), overwrite=True)
         self.count = self.env.stat()["entries"]
+        self._touch((n_put + n_del) * PAGE)
+
+    @contextmanager
+    def _errors(self, doing):
+        """An LMDB error as one OSError line naming the folder."""
+        import lmdb
+        try:
+            yield
+        except lmdb.Error as e:
+            raise OSError(errno.EIO, f"{self.path}: the disk tier failed {doing} rows "
+                          f"({type(e).__name__}: {e}); resume from the last "
+                          "checkpoint") from None
 
     def scan(self, chunk):
         """Every stored row, in id order, at most ``chunk`` at a time; ``write`` may be
         called between chunks (rows after the chunk yielded are read after it)."""
         start = b""
         while True:
-            with self.env.begin(buffers=False) as txn:
+            with self._errors("reading"), self.env.begin(buffers=False) as txn:
                 cur = txn.cursor()
                 if not cur.set_range(start):
                     return
@@ -136,6 +191,7 @@ class RowStore:
             if not got:
                 return
             start = got[-1][0]
+            self._touch(len(got) * (self.dtype.itemsize + 16))
             yield self._decode(b"".join(map(itemgetter(0), got)),
                                b"".join(map(itemgetter(1), got)), len(got))
 
@@ -149,5 +205,6 @@ class RowStore:
         """Close and remove the folder (live state only)."""
         if self.env is not None:
             self.env.close()
+            os.close(self._fd)
             self.env = None
         shutil.rmtree(self.path, ignore_errors=True)
