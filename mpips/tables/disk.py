@@ -145,11 +145,13 @@ class RowStore:
                           "those asked for")
         return found, rows
 
-    def write(self, put=None, delete=None):
-        """One write transaction: store rows ``put`` (new or replacing) and delete the
-        ids ``delete`` (which must be stored)."""
+    def write(self, put=None, delete=None, discard=None):
+        """One write transaction: store rows ``put`` (new or replacing; a field may be a
+        scalar for all rows), delete the ids ``delete`` (which must be stored) and the ids
+        ``discard`` that are."""
         n_put = 0 if put is None else len(put["keys"])
-        n_del = 0 if delete is None else len(delete)
+        n_del = (0 if delete is None else len(delete)) + (0 if discard is None else
+                                                          len(discard))
         self._reserve(n_put + n_del)
         with self._errors("writing"), self.env.begin(write=True) as txn:
             if delete is not None and len(delete):
@@ -157,6 +159,8 @@ class RowStore:
                 if gone != len(delete):
                     raise OSError(errno.EIO, f"{self.path}: {len(delete) - gone} rows to move "
                                   "out were not stored (the tier lost rows)")
+            if discard is not None and len(discard):
+                sum(map(txn.delete, encode_keys(discard)))
             if put is not None and len(put["keys"]):
                 k, v = self._encode(put)
                 txn.cursor().putmulti(zip(k, v), overwrite=True)

@@ -297,6 +297,15 @@ class SparseTable:
         fresh state, missing ``dirty`` gives 1, other missing metadata 0. After loading
         a checkpoint call ``clear_dirty()`` if the table should count as saved.
         """
+        keys, cols = self.checked_rows(data)
+        rows = self._rows_for(keys, True).copy()
+        for name, val in cols.items():
+            if name != 'keys':
+                self._store.scatter(name, rows, val)
+
+    def checked_rows(self, data):
+        """(keys, {field: array, or the scalar of a missing field}) of an ``import_rows``
+        dict, checked (fields, shapes, unique keys); ValueError otherwise."""
         unknown = set(data) - set(self._spec)
         if unknown or 'keys' not in data or 'values' not in data:
             raise ValueError(f'import_rows needs keys and values and accepts only '
@@ -306,21 +315,18 @@ class SparseTable:
         ordered = np.sort(keys)                 # (np.unique is ~50x slower here)
         if n > 1 and (ordered[1:] == ordered[:-1]).any():
             raise ValueError('import_rows: keys must be unique')
-        cols = {}
+        cols = {'keys': keys}
         for name, (dtype, per_el, fill) in self._spec.items():
             shape = (n, self.dim) if per_el else (n,)
-            if name in data:
+            if name in data and name != 'keys':
                 arr = np.asarray(data[name])
                 if arr.shape != shape:
                     raise ValueError(f'import_rows: {name} must have shape {shape}; '
                                      f'got {arr.shape}')
                 cols[name] = arr
-            elif name != 'values':
+            elif name != 'keys':
                 cols[name] = 1 if name == 'dirty' else fill
-        rows = self._rows_for(keys, True).copy()
-        for name, val in cols.items():
-            if name != 'keys':
-                self._store.scatter(name, rows, val)
+        return keys, cols
 
     def count_rows(self, dirty_only=False):
         """Rows ``iter_rows`` yields: all, or those changed since ``clear_dirty``."""

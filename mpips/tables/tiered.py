@@ -189,11 +189,28 @@ class TieredTable:
 
     # ------------------------------------------------------ checkpoint support
     def import_rows(self, data):
-        """As SparseTable.import_rows (an id on disk is read in, then overwritten)."""
-        keys = _as_keys(data["keys"])
-        lo = self._resident(keys, True)
-        self.cache.import_rows(data)
-        self._touch_new(lo)
+        """As SparseTable.import_rows: resident ids and, while the cap allows, new ones are
+        imported into memory; the rest are written to disk as they are (a load streams
+        through the cache without reading the disk)."""
+        keys, cols = self.cache.checked_rows(data)
+        self._clock += 1
+        mem = self.cache.has_rows(keys)
+        room = max(self.cap_rows - len(self.cache), 0)
+        mem[np.flatnonzero(~mem)[:room]] = True
+        if not mem.all():
+            self._timed_write(put=_select(cols, ~mem))
+        if mem.any():
+            part = _select(cols, mem)
+            if self.store.count:      # (exactly one place per id: drop older disk copies)
+                self._timed_write(discard=part["keys"])
+            lo = len(self.cache)
+            self.cache.import_rows({f: a for f, a in part.items() if np.ndim(a)})
+            self._touch_new(lo)
+
+    def _timed_write(self, **kw):
+        t0 = time.perf_counter()
+        self.store.write(**kw)
+        self.write_s += time.perf_counter() - t0
 
     def export_rows(self, rows=None):
         """Fields of cache ``rows``; None: every row, memory and disk (a copy of the whole
@@ -300,6 +317,11 @@ class TieredTable:
     def close(self):
         """Remove the store's folder (the tier is live state only)."""
         self.store.close()
+
+
+def _select(cols, mask):
+    """The rows of ``mask`` of a ``checked_rows`` dict (scalars stay scalars)."""
+    return {f: a[mask] if np.ndim(a) else a for f, a in cols.items()}
 
 
 # ------------------------------------------------------------------ reporting
