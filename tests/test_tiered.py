@@ -14,7 +14,7 @@ from mpips.tables.disk import RowStore
 from mpips.tiering import check_dir
 from mpips.tables.optim import OptimizerConfig
 from mpips.tables.sparse import SparseTable
-from mpips.tables.tiered import TieredTable
+from mpips.tables.tiered import MIN_MAP_BUDGET, TieredTable
 
 DIM, P = 3, 11
 OPTS = [OptimizerConfig(name="adam", lr=0.05), OptimizerConfig(name="adagrad", lr=0.1),
@@ -26,7 +26,9 @@ def pair(tmp_path, opt=OPTS[0], cap_rows=4, seed=7):
     ref = SparseTable(DIM, opt, seed=seed, init_range=0.1)
     cache = SparseTable(DIM, opt, seed=seed, init_range=0.1)
     rb = TieredTable.bytes_per_row(cache.export_rows(np.empty(0, np.int64)))
-    return ref, TieredTable(cache, cap_rows * rb, str(tmp_path / "tier"), tag="t")
+    tier = TieredTable(cache, MIN_MAP_BUDGET + cap_rows * rb, str(tmp_path / "tier"), tag="t")
+    assert tier.cap_rows == cap_rows
+    return ref, tier
 
 
 def by_key(table, skip=()):

@@ -31,7 +31,7 @@ import numpy as np
 from mpips.tiering import check_dir
 
 MAP_SIZE = 1 << 40          # LMDB's address space reservation (a sparse file; not memory)
-MAP_BUDGET = 64 << 20       # bytes of the map touched between reopenings (bounds its RSS)
+MAP_BUDGET = 64 << 20       # default bytes of the map touched between reopenings
 PAGE = 4096                 # LMDB's page: what reading or writing a random row touches
 RESERVE_MIN = 16 << 20      # the least the data file is allocated ahead of its use
 SIGN = np.uint64(1 << 63)
@@ -58,15 +58,16 @@ class RowStore:
     """Table rows on disk (LMDB) in a fresh folder under ``parent``; see the module doc.
 
     template: an ``export_rows`` dict of the table (its fields and their shapes);
-    tag: folder name prefix (e.g. the rank).
+    tag: folder name prefix (e.g. the rank); map_budget: bytes of LMDB's map this process
+    may touch before the map is dropped (what the store adds to the RSS, about).
     """
 
-    def __init__(self, parent, template, tag="table", map_budget=MAP_BUDGET):
+    def __init__(self, parent, template, tag="table", map_budget=None):
         self.fields = list(template)
         self.dtype = row_dtype(template)
         self._template = {f: a[:0].copy() for f, a in template.items()}
         self.path = tempfile.mkdtemp(prefix=f"mpips-tier-{tag}-", dir=check_dir(parent))
-        self.map_budget = int(map_budget)
+        self.map_budget = MAP_BUDGET if map_budget is None else int(map_budget)
         self.env, self._touched, self._allocated, self.reopens = None, 0, 0, 0
         self._open()
         self._fd = os.open(os.path.join(self.path, "data.mdb"), os.O_RDWR)

@@ -34,6 +34,11 @@ from mpips.tables.disk import RowStore
 from mpips.tables.sparse import LOAD_FACTOR, UNSEEN_MAX, SparseTable, _as_keys
 
 EVICT_FRACTION = 0.125      # of the cap moved out when the cache is full
+# The cap covers the resident rows and the pages of LMDB's map this process touches: a
+# share of it is the map's (dropped and re-mapped when used up; bench/bench_disk_table.py:
+# re-mapping every 64 MiB doubled the engine's time against never), the rest the rows'.
+MAP_SHARE = 0.25
+MIN_MAP_BUDGET = 16 << 20
 MIN_CAP_ROWS = 1
 SCAN_ROWS = 1 << 16         # disk rows a chunk while walking the store (shrink, saves)
 STAMP_BYTES = 8
@@ -42,9 +47,10 @@ STAMP_BYTES = 8
 class TieredTable:
     """A SparseTable holding at most ``memory_bytes`` of rows in memory, the rest on disk.
 
-    table: the (empty) SparseTable used as the cache; memory_bytes: the cap (bytes of rows
-    in memory, slots and the LRU stamps included); table_dir: parent of the store's
-    folder; tag: the folder's name prefix (e.g. ``rank3``).
+    table: the (empty) SparseTable used as the cache; memory_bytes: the cap: MAP_SHARE of
+    it (at least MIN_MAP_BUDGET) for the pages of the store's map, the rest for resident
+    rows (their fields, slots and LRU stamps); table_dir: parent of the store's folder;
+    tag: the folder's name prefix (e.g. ``rank3``).
     """
 
     def __init__(self, table, memory_bytes, table_dir, tag="table"):
@@ -54,8 +60,9 @@ class TieredTable:
         template = table.export_rows(np.empty(0, np.int64))
         self.row_bytes = self.bytes_per_row(template)
         self.memory_bytes = int(memory_bytes)
-        self.cap_rows = max(self.memory_bytes // self.row_bytes, MIN_CAP_ROWS)
-        self.store = RowStore(table_dir, template, tag)
+        map_budget = max(int(self.memory_bytes * MAP_SHARE), MIN_MAP_BUDGET)
+        self.cap_rows = max((self.memory_bytes - map_budget) // self.row_bytes, MIN_CAP_ROWS)
+        self.store = RowStore(table_dir, template, tag, map_budget)
         self._stamp = np.zeros(1024, np.int64)
         self._clock = 0
         self.shrinks = 0
