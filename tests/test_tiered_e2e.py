@@ -91,3 +91,31 @@ def test_unwritable_table_dir_refused(tmp_path):
     assert proc.returncode != 0
     err = proc.stderr.strip().splitlines()
     assert "not a writable directory" in err[-1] and len(err[-1]) < 300, proc.stderr[-2000:]
+
+
+# --- a stream (admission, shrink every pass, base and delta saves) killed mid-pass and
+# resumed under the tier equals the uninterrupted in-memory stream (tests/test_stream.py's
+# runs and checks)
+from tests.test_stream import (EXACT, args, assert_same_run, killed,  # noqa: E402
+                               local_ref, small_stream)  # noqa: F401 (fixtures)
+
+
+def test_stream_killed_and_resumed_under_the_tier(small_stream, local_ref, tmp_path):
+    tier = ("--table-memory", "64K", "--table-dir", str(tmp_path / "tierdir"))
+    run = tmp_path / "run"
+    killed(small_stream, run, "--local", *EXACT, *tier)
+    assert os.listdir(tmp_path / "tierdir")       # SIGKILL left its folder: never read again
+    proc = run_cmd(args(small_stream, run, "--local", *EXACT, *tier))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert_same_run(run, local_ref)
+
+
+def test_stream_resumed_into_two_tiered_servers(small_stream, local_ref, tmp_path):
+    """Killed in memory as one process, resumed into 2 servers with tiers (re-shard)."""
+    run = tmp_path / "run"
+    killed(small_stream, run, "--local", *EXACT)
+    proc = run_cmd(args(small_stream, run, *EXACT, "--servers", "2", "--table-memory", "64K",
+                        "--table-dir", str(tmp_path / "tierdir")), n=3)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert_same_run(run, local_ref)
+    assert os.listdir(tmp_path / "tierdir") == []
