@@ -68,6 +68,7 @@ class RowStore:
         self._template = {f: a[:0].copy() for f, a in template.items()}
         self.path = tempfile.mkdtemp(prefix=f"mpips-tier-{tag}-", dir=check_dir(parent))
         self.map_budget = MAP_BUDGET if map_budget is None else int(map_budget)
+        self.txn_rows = max(self.map_budget // (2 * PAGE), 1)   # a row: a page and its copy
         self.env, self._touched, self._allocated, self.reopens = None, 0, 0, 0
         self._open()
         self._fd = os.open(os.path.join(self.path, "data.mdb"), os.O_RDWR)
@@ -130,14 +131,23 @@ class RowStore:
         return {f: a.copy() for f, a in self._template.items()}
 
     # ----------------------------------------------------------------- batches
+    def _pieces(self, n):
+        """Slices of at most ``txn_rows`` of n rows: one transaction each, so that the map's
+        pages one transaction touches stay within the map's budget."""
+        return [slice(lo, lo + self.txn_rows) for lo in range(0, n, self.txn_rows)]
+
     def get(self, keys):
-        """(found bool (n,), rows of the found keys in ``keys``' order) in one multi-get."""
+        """(found bool (n,), rows of the found keys in ``keys``' order): multi-gets of at
+        most ``txn_rows`` ids."""
         keys = np.ascontiguousarray(keys, np.int64)
         if not len(keys) or not self.count:
             return np.zeros(len(keys), np.bool_), self.empty()
-        with self._errors("reading"), self.env.begin(buffers=False) as txn:
-            got = txn.cursor().getmulti(encode_keys(keys))
-        self._touch(len(got) * PAGE)
+        raw, got = encode_keys(keys), []
+        for sl in self._pieces(len(keys)):
+            with self._errors("reading"), self.env.begin(buffers=False) as txn:
+                part = txn.cursor().getmulti(raw[sl])
+            got += part
+            self._touch(len(part) * PAGE)
         rows = self._decode(b"".join(map(itemgetter(0), got)),
                             b"".join(map(itemgetter(1), got)), len(got))
         found = np.isin(keys, rows["keys"])
@@ -147,26 +157,33 @@ class RowStore:
         return found, rows
 
     def write(self, put=None, delete=None, discard=None):
-        """One write transaction: store rows ``put`` (new or replacing; a field may be a
-        scalar for all rows), delete the ids ``delete`` (which must be stored) and the ids
-        ``discard`` that are."""
+        """Store rows ``put`` (new or replacing; a field may be a scalar for all rows),
+        delete the ids ``delete`` (which must be stored) and the ids ``discard`` that are;
+        in transactions of at most ``txn_rows`` rows."""
         n_put = 0 if put is None else len(put["keys"])
         n_del = (0 if delete is None else len(delete)) + (0 if discard is None else
                                                           len(discard))
         self._reserve(n_put + n_del)
-        with self._errors("writing"), self.env.begin(write=True) as txn:
-            if delete is not None and len(delete):
-                gone = sum(map(txn.delete, encode_keys(delete)))
-                if gone != len(delete):
-                    raise OSError(errno.EIO, f"{self.path}: {len(delete) - gone} rows to move "
-                                  "out were not stored (the tier lost rows)")
-            if discard is not None and len(discard):
-                sum(map(txn.delete, encode_keys(discard)))
-            if put is not None and len(put["keys"]):
-                k, v = self._encode(put)
-                txn.cursor().putmulti(zip(k, v), overwrite=True)
+        gone = 0
+        for ids, strict in ((delete, True), (discard, False)):
+            if ids is None or not len(ids):
+                continue
+            raw = encode_keys(ids)
+            for sl in self._pieces(len(raw)):
+                with self._errors("writing"), self.env.begin(write=True) as txn:
+                    n = sum(map(txn.delete, raw[sl]))
+                gone += n if strict else 0
+                self._touch(len(raw[sl]) * PAGE)
+            if strict and gone != len(ids):
+                raise OSError(errno.EIO, f"{self.path}: {len(ids) - gone} rows to move "
+                              "out were not stored (the tier lost rows)")
+        if n_put:
+            k, v = self._encode(put)
+            for sl in self._pieces(n_put):
+                with self._errors("writing"), self.env.begin(write=True) as txn:
+                    txn.cursor().putmulti(zip(k[sl], v[sl]), overwrite=True)
+                self._touch((sl.stop - sl.start) * PAGE)
         self.count = self.env.stat()["entries"]
-        self._touch((n_put + n_del) * PAGE)
 
     @contextmanager
     def _errors(self, doing):
