@@ -211,6 +211,7 @@ def test_store_rows_round_trip_and_scan(tmp_path):
     ask = np.concatenate([keys[:50], np.array([12345], np.int64)])
     found, got = store.get(ask)
     np.testing.assert_array_equal(found, [int(k) in ref for k in ask])
+    np.testing.assert_array_equal(store.contains(ask), found)
     idx = [ref[int(k)] for k in got["keys"]]
     for f in rows:
         np.testing.assert_array_equal(got[f], rows[f][idx])

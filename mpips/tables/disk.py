@@ -156,6 +156,21 @@ class RowStore:
                           "those asked for")
         return found, rows
 
+    def contains(self, keys):
+        """Which ``keys`` are stored (bool (n,)); the rows are not decoded."""
+        keys = np.ascontiguousarray(keys, np.int64)
+        found = np.zeros(len(keys), np.bool_)
+        if not len(keys) or not self.count:
+            return found
+        raw = encode_keys(keys)
+        for sl in self._pieces(len(keys)):
+            with self._errors("reading"), self.env.begin(buffers=True) as txn:
+                part = txn.cursor().getmulti(raw[sl])
+                got = b"".join(map(itemgetter(0), part))
+            self._touch(len(part) * PAGE)
+            found[sl] = np.isin(keys[sl], decode_keys(got))
+        return found
+
     def write(self, put=None, delete=None, discard=None):
         """Store rows ``put`` (new or replacing; a field may be a scalar for all rows),
         delete the ids ``delete`` (which must be stored) and the ids ``discard`` that are;

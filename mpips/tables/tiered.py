@@ -103,7 +103,7 @@ class TieredTable:
         keys = _as_keys(keys)
         have = self.cache.has_rows(keys)
         if not have.all():
-            have[~have] = self.store.get(keys[~have])[0]
+            have[~have] = self.store.contains(keys[~have])
         return have
 
     # ------------------------------------------------------------- residency
