@@ -87,6 +87,11 @@ class TieredTable:
         return len(self.cache) + self.store.count
 
     @property
+    def row_span(self):
+        """Row indices in use (the cache's): what per-row arrays indexed by them need."""
+        return len(self.cache)
+
+    @property
     def nbytes(self):
         """Bytes of the arrays in memory (the cache's and the stamps)."""
         return self.cache.nbytes + self._stamp.nbytes
