@@ -38,7 +38,7 @@ EPOCH = re.compile(r"EPOCH 0 --> examples: (\d+) seconds: ([\d.]+) examples/s: (
 SERVER = re.compile(r"SERVER --> (\d+) .*table rows: (\d+) bytes: (\d+) .*peak_rss_MB: (\d+)"
                     r"(?: tier: resident_rows: (\d+) disk_rows: (\d+) disk_MB: ([\d.]+) "
                     r"hit_ratio: ([\d.]+) read_s: ([\d.]+) write_s: ([\d.]+))?")
-PROFILE = re.compile(r"PROFILE --> (\d+) (server|worker) .* (\d+) (\d+) ([\d.]+)$")
+PROFILE = re.compile(r"PROFILE --> (\d+) (server|worker) .* (\d+) (\d+) ([\d.]+)$", re.M)
 OUT = ROOT / "bench" / "out" / "bench_disk_table.json"
 
 
