@@ -19,6 +19,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from mpips.schema import load_schema
+from mpips.tiering import check_tier
 
 MODES = ("async", "sync", "geo", "ssp")
 OPTIMIZERS = ("adam", "adagrad", "sgd")
@@ -265,6 +266,13 @@ class Config:
     entry: str = _f("", "feature admission: count:N (a row at an id's N-th sighting) or "
                         "probability:P (Paddle's CountFilterEntry / ProbabilityEntry); empty = "
                         "every id gets a row at its first sighting")
+    table_memory: str = _f("", "cap on the bytes of sparse rows each server (or --local's "
+                               "table) holds in memory, e.g. 4G or 512M; the rows beyond it "
+                               "live whole on local disk under --table-dir, results unchanged "
+                               "(docs/disk-tier.md); empty = every row in memory")
+    table_dir: str = _f("", "with --table-memory: where each rank's disk-tier folder is made "
+                            "(fresh, removed at exit); empty = $SLURM_TMPDIR, else $TMPDIR, "
+                            "else /tmp")
     # --- checkpoints
     save_dir: str = _f("", "checkpoint root: checkpoints (HDF5 shards + MANIFEST.json) are "
                            "saved there as --save-every says, a stream's after every pass (and "
@@ -315,6 +323,7 @@ class Config:
 
     def validate(self):
         """Raise ValueError with the fix for impossible values."""
+        check_tier(self.table_memory, self.table_dir)
         if self.save_every != "epoch" and not (self.save_every.isdigit() and
                                                int(self.save_every) > 0):
             raise ValueError(f"--save-every must be 'epoch' or a number of batches >= 1; got "

@@ -34,6 +34,7 @@ from mpips.job.tracking import new_run
 from mpips.job.warmup import report_new, signatures, warm
 from mpips.models.zoo import network_text
 from mpips.tables.staleness import StalenessTracker, stale_rule
+from mpips.tables.tiered import tier_note
 from mpips.worker.local import LocalPS
 
 
@@ -53,7 +54,7 @@ def run_local(plan):
         records = run_epochs(plan, backend)
     log_line(trainer.times_line("local"))
     log_line(f"PROFILE --> local compute_s={trainer.compute_s:.2f} rows={len(ps.sparse)} "
-             f"peak_rss_mb={peak_rss_mb():.0f}")
+             f"peak_rss_mb={peak_rss_mb():.0f}{tier_note(ps.sparse)}")
     report_new(jit0, "local", plan.hooks)
     return records
 

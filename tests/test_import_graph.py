@@ -16,7 +16,7 @@ ENTRY_POINTS = {"mpips.train", "mpips.infer", "mpips.export", "mpips.serve", "mp
 # layer, or from its own folder (or, for a leaf module, nothing of a peer at its own layer).
 LAYERS = {
     "kernels": 0,
-    "schema": 1, "metrics": 1,
+    "schema": 1, "metrics": 1, "tiering": 1,
     "config": 2,
     "data": 3, "models": 3, "tables": 3,
     "comm": 4,
@@ -38,6 +38,7 @@ LAZY_OK = {
     ("mpips.serving.server", "mpips.serving.grpc_v2"),   # only with --grpc-port, after a fork
     ("mpips.serving.shared", "prometheus_client"),       # reads PROMETHEUS_MULTIPROC_DIR on
     ("mpips.serving.shared", "mpips.serving.api"),       # import: after the master sets it
+    ("mpips.tables.disk", "lmdb"),         # the disk extra: only with --table-memory
 }
 
 
@@ -205,7 +206,7 @@ def test_no_arrow_up_the_layers(mpips_graph):
 
 def test_package_top_holds_only_entry_points_and_leaves():
     top = {f[:-3] for f in os.listdir(os.path.join(ROOT, "mpips")) if f.endswith(".py")} - {"__init__"}
-    leaves = {"config", "schema", "metrics"}
+    leaves = {"config", "schema", "metrics", "tiering"}
     assert top <= {e.split(".")[1] for e in ENTRY_POINTS} | leaves
 
 

@@ -26,28 +26,32 @@ FILE_OVERHEAD = 256 << 10              # and per file (superblock, groups, attri
 
 
 def _tracked(table, mode):
-    """(row indices to save or None = all, their count, evicted ids) of a table in mode."""
+    """(whether only changed rows are saved, their count, evicted ids) of a table in mode."""
     if mode != "delta":
-        return None, len(table), np.empty(0, np.int64)
-    rows = table.dirty_rows()
-    return rows, len(rows), table.evicted_keys().astype(np.int64)
+        return False, len(table), np.empty(0, np.int64)
+    return True, table.count_rows(True), table.evicted_keys().astype(np.int64)
 
 
-def _write_rows(group, sparse, rows, n, datasets):
-    """Write the fields of n table rows (``rows`` indices, None = all) in chunks."""
+def _write_rows(group, sparse, dirty_only, n, datasets):
+    """Write the fields of the table's n rows (all, or the changed ones) in chunks of at most
+    CHUNK_ROWS, as the table yields them (a disk tier streams its rows from disk)."""
     template = sparse.export_rows(np.empty(0, np.int64))
     fields = [f for f in template if f not in SKIPPED_FIELDS]
     dsets = {f: group.create_dataset(f, shape=(n,) + template[f].shape[1:],
                                      dtype=template[f].dtype) for f in fields}
     crcs = dict.fromkeys(fields, 0)
-    for lo in range(0, n, CHUNK_ROWS):
-        hi = min(lo + CHUNK_ROWS, n)
-        idx = np.arange(lo, hi, dtype=np.int64) if rows is None else rows[lo:hi]
-        chunk = sparse.export_rows(idx)
+    lo = 0
+    for chunk in sparse.iter_rows(dirty_only, CHUNK_ROWS):
+        hi = lo + len(chunk["keys"])
+        if hi > n:
+            raise RuntimeError(f"the table yielded more than the {n} rows it counted")
         for f in fields:
             arr = np.ascontiguousarray(chunk[f])
             dsets[f].write_direct(arr, dest_sel=np.s_[lo:hi])
             crcs[f] = zlib.crc32(arr, crcs[f])
+        lo = hi
+    if lo != n:
+        raise RuntimeError(f"the table yielded {lo} rows; it counted {n}")
     for f in fields:
         datasets[f"{group.name.strip('/')}/{f}"] = {"shape": list(dsets[f].shape),
                                    "dtype": template[f].dtype.name, "crc32": crcs[f]}

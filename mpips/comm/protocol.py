@@ -76,6 +76,14 @@ STATS_DTYPE = np.dtype([
     ("staleness_sum", np.int64),      # sum of the pushed rows' staleness (exact)
     ("staleness_max", np.int64),      # largest staleness of a pushed row
     ("staleness_unmatched", np.int64),  # pushed keys without a recorded pull of their row
+    # --table-memory's disk tier (mpips.tables.tiered; 0 without one):
+    ("resident_rows", np.int64),      # rows in memory
+    ("disk_rows", np.int64),          # rows on disk
+    ("disk_bytes", np.int64),         # bytes the disk rows take
+    ("tier_hits", np.int64),          # keys found in memory, since the start
+    ("tier_misses", np.int64),        # keys not in memory (read from disk, or new)
+    ("tier_read_us", np.int64),       # microseconds reading rows from disk
+    ("tier_write_us", np.int64),      # microseconds writing rows to disk
 ])
 STATS_LEN = STATS_DTYPE.itemsize // 8   # int64s in a STATS reply
 

@@ -5,6 +5,7 @@ settings), ``make_schema`` (the feature schema), ``make_model`` (the ``--model``
 ``make_tables`` (a sparse table, behind an admission filter when ``--entry`` is set, and a
 dense slice).  Local runs, servers, workers and ``mpips.infer`` build their parts here.
 """
+import atexit
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from mpips.tables.dense import DenseTable
 from mpips.tables.optim import OptimizerConfig
 from mpips.tables.sparse import SparseTable
 from mpips.tables.staleness import SMALL_W
+from mpips.tables.tiered import TieredTable
+from mpips.tiering import parse_size, tier_dir
 
 
 def resolve_data(cfg):
@@ -144,12 +147,17 @@ def dense_lr(cfg, n_batches, cowclip=None):
     return cfg.lr * (n_batches if rule == "linear" else math.sqrt(n_batches))
 
 
-def make_tables(cfg, model, lo=0, hi=None, dense_batches=1, cowclip=None):
+def make_tables(cfg, model, lo=0, hi=None, dense_batches=1, cowclip=None, tag="local"):
     """The sparse table and the dense slice [lo:hi) of the initial parameters, its optimizer
     at :func:`dense_lr` for a dense step over ``dense_batches`` batches (``cowclip``: the
-    plan's --large-batch rule)."""
+    plan's --large-batch rule).  With --table-memory the sparse table is a TieredTable
+    whose store folder (named after ``tag``, e.g. the rank) is removed at exit."""
     opt = OptimizerConfig(name=cfg.optimizer, lr=cfg.lr, initial_accumulator=cfg.adagrad_init)
     sparse = SparseTable(model.row_dim, opt, seed=cfg.seed, init_range=cfg.init_range)
+    if cfg.table_memory:
+        sparse = TieredTable(sparse, parse_size(cfg.table_memory), tier_dir(cfg.table_dir),
+                             tag=tag)
+        atexit.register(sparse.close)
     if cfg.entry:
         sparse = AdmittedTable(sparse, cfg.entry, cfg.seed)
     dense = DenseTable(model.init_params(cfg.seed)[lo:hi].copy(),

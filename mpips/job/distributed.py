@@ -30,6 +30,7 @@ from mpips.job.resume import resume_line
 from mpips.job.loop import admission_of, inner_table, run_epochs, tidy
 from mpips.server.loop import Server
 from mpips.tables.staleness import counts_staleness, stale_rule, summarize
+from mpips.tables.tiered import tier_note, tier_record
 from mpips.job import stop
 from mpips.job.stop import STOP
 from mpips.job.stream import Pass, run_stream
@@ -106,7 +107,8 @@ def run_distributed(plan, comm):
 def serve(plan, cluster, bounds):
     cfg, model, path = plan.cfg, plan.model, plan.resume
     i, S = cluster.index, cluster.n_servers
-    sparse, dense = make_tables(cfg, model, bounds[i], bounds[i + 1], cowclip=plan.cowclip)
+    sparse, dense = make_tables(cfg, model, bounds[i], bounds[i + 1], cowclip=plan.cowclip,
+                                tag=f"rank{cluster.comm.rank}")
     if path:
         ck.load_shard_into(path, inner_table(sparse), dense, i, S, bounds, admission_of(sparse))
     server = Server(cluster.comm, cluster.worker_ranks, sparse, dense, cfg.mode, cfg.staleness,
@@ -122,7 +124,8 @@ def serve(plan, cluster, bounds):
     n = len(sparse)
     log_line(f"SERVER --> {i} (rank {cluster.comm.rank}): table rows: {n} bytes: "
              f"{sparse.nbytes} bytes/row: {sparse.nbytes / max(n, 1):.1f} (sparse rows with "
-             f"optimizer state; the dense slice not counted) peak_rss_MB: {peak_rss_mb():.0f}")
+             f"optimizer state; the dense slice not counted) peak_rss_MB: {peak_rss_mb():.0f}"
+             f"{tier_note(inner_table(sparse))}")
     return profile_row(server=1, server_busy_s=st["busy_s"], requests=st["requests"],
                        mb_sent=st["bytes_out"] / 1e6, mb_recv=st["bytes_in"] / 1e6,
                        peak_rss_mb=peak_rss_mb(), rows=len(sparse))
@@ -333,6 +336,8 @@ class DistBackend:
                "requests_rejected": int(srv["rejected"].sum()),
                "requests_duplicate": int(srv["duplicates"].sum()),
                "replies_in_flight": int(srv["replies_in_flight"].sum())}
+        if self.cfg.table_memory:
+            out |= tier_record(srv)
         if self.cfg.mode == "ssp":
             out["ssp_max_lead"] = int(srv["ssp_max_lead"].max())
         if counts_staleness(self.cfg.mode, self.cfg.staleness):

@@ -22,6 +22,7 @@ from mpips.job.stop import STOP, Stopped
 from mpips.job.tracking import open_tensorboard
 from mpips.models.zoo import network_record
 from mpips.tables.admission import AdmittedTable
+from mpips.tables.tiered import tier_counters, tier_of, tier_record
 from mpips.worker.simulate import Simulator
 
 
@@ -202,6 +203,8 @@ class LocalBackend:
         out = {"table_rows": len(t), "table_bytes": int(t.nbytes + self.ps.dense.nbytes),
                "admitted_total": int(getattr(t, "admitted", 0)),
                "ids_waiting": int(t.waiting()) if hasattr(t, "waiting") else 0}
+        if tier_of(t) is not None:
+            out |= tier_record(tier_counters(t))
         if getattr(self.ps, "tracker", None) is not None:     # a simulator's LocalPS
             out["push_staleness"] = self.ps.tracker.summary()
         return out | self.trainer.clip_summary()      # this worker's pushes

@@ -39,6 +39,7 @@ from mpips.config import parse_args
 from mpips.data.reader import DataError
 from mpips.data.sources import PipeError
 from mpips.tables.staleness import StalenessTracker, counts_staleness, stale_rule
+from mpips.tables.tiered import tier_of
 from mpips.job.stream import ready_passes
 from mpips.worker.local import LocalPS
 
@@ -132,6 +133,8 @@ def _mini_run(mini, plan, files):
         trainer.evaluate(reader, 2)
     finally:
         reader.close()
+        if tier_of(sparse) is not None:         # --table-memory: its folder goes now
+            tier_of(sparse).close()
     return steps
 
 

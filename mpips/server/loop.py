@@ -57,6 +57,7 @@ from mpips.tables.dense import pack_state, unpack_state
 from mpips.tables import push as push_rules
 from mpips.config import stale_power
 from mpips.tables.staleness import StalenessTracker, counts_staleness, lr_factors
+from mpips.tables.tiered import tier_counters
 
 CHECK_EVERY = 0.05  # seconds between liveness checks of an idle server
 MAX_REJECT_LINES = 100  # malformed requests logged one line each; later ones only counted
@@ -333,6 +334,8 @@ class Server(RequestChecks):
         rec["rejected"] = self.rejected
         rec["replies_in_flight"] = len(self.sends)
         rec["duplicates"] = self.duplicates
+        for name, value in tier_counters(self.sparse).items():
+            rec[name] = value
         if self.tracker is not None:
             t = self.tracker
             rec["staleness_hist"] = t.hist

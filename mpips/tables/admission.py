@@ -42,7 +42,7 @@ class AdmittedTable:
     def _admit(self, keys, counts):
         """Count sightings of each id without a row; return which keys have a row or are
         admitted now (their rows are made by the caller's pull, which counts them seen)."""
-        have = self.table.rows_of(keys) >= 0
+        have = self.table.has_rows(keys)
         absent = ~have
         if counts is not None:                  # an id pulled with 0 occurrences (GEO's
             counts = np.asarray(counts, np.float32)     # look-ahead) is not a sighting
@@ -99,4 +99,4 @@ class AdmittedTable:
         if not len(self.counts):
             return 0
         keys = self.counts.export_rows()["keys"]
-        return int((self.table.rows_of(keys) < 0).sum())
+        return int((~self.table.has_rows(keys)).sum())

@@ -276,6 +276,10 @@ class SparseTable:
         """Row index of each key, -1 where the id has no row (int64 (n,), a copy)."""
         return self._rows_for(_as_keys(keys), False).copy()
 
+    def has_rows(self, keys):
+        """Which keys have a row (bool (n,))."""
+        return self._rows_for(_as_keys(keys), False) >= 0
+
     # ------------------------------------------------------ checkpoint support
     def export_rows(self, rows=None):
         """Copy of all fields of ``rows`` (row indices; None = all live rows)."""
@@ -293,6 +297,15 @@ class SparseTable:
         fresh state, missing ``dirty`` gives 1, other missing metadata 0. After loading
         a checkpoint call ``clear_dirty()`` if the table should count as saved.
         """
+        keys, cols = self.checked_rows(data)
+        rows = self._rows_for(keys, True).copy()
+        for name, val in cols.items():
+            if name != 'keys':
+                self._store.scatter(name, rows, val)
+
+    def checked_rows(self, data):
+        """(keys, {field: array, or the scalar of a missing field}) of an ``import_rows``
+        dict, checked (fields, shapes, unique keys); ValueError otherwise."""
         unknown = set(data) - set(self._spec)
         if unknown or 'keys' not in data or 'values' not in data:
             raise ValueError(f'import_rows needs keys and values and accepts only '
@@ -302,21 +315,32 @@ class SparseTable:
         ordered = np.sort(keys)                 # (np.unique is ~50x slower here)
         if n > 1 and (ordered[1:] == ordered[:-1]).any():
             raise ValueError('import_rows: keys must be unique')
-        cols = {}
+        cols = {'keys': keys}
         for name, (dtype, per_el, fill) in self._spec.items():
             shape = (n, self.dim) if per_el else (n,)
-            if name in data:
+            if name in data and name != 'keys':
                 arr = np.asarray(data[name])
                 if arr.shape != shape:
                     raise ValueError(f'import_rows: {name} must have shape {shape}; '
                                      f'got {arr.shape}')
                 cols[name] = arr
-            elif name != 'values':
+            elif name != 'keys':
                 cols[name] = 1 if name == 'dirty' else fill
-        rows = self._rows_for(keys, True).copy()
-        for name, val in cols.items():
-            if name != 'keys':
-                self._store.scatter(name, rows, val)
+        return keys, cols
+
+    def count_rows(self, dirty_only=False):
+        """Rows ``iter_rows`` yields: all, or those changed since ``clear_dirty``."""
+        return len(self.dirty_rows()) if dirty_only else self._n
+
+    def iter_rows(self, dirty_only=False, chunk=1 << 18):
+        """Copies of the rows (all fields, as ``export_rows``), at most ``chunk`` at a time, in
+        row order: all rows, or those changed since ``clear_dirty``."""
+        rows = self.dirty_rows() if dirty_only else None
+        n = self._n if rows is None else len(rows)
+        for lo in range(0, n, chunk):
+            hi = min(lo + chunk, n)
+            yield self.export_rows(np.arange(lo, hi, dtype=np.int64) if rows is None
+                                   else rows[lo:hi])
 
     def dirty_rows(self):
         """Row indices changed since ``clear_dirty`` (int64, ascending)."""
@@ -359,20 +383,36 @@ class SparseTable:
         if int(threshold) != threshold or threshold < 0:
             raise ValueError(f'shrink threshold must be an integer >= 0; got {threshold}')
         self.shrinks += 1
+        keep = self.age_mask(threshold)
         n = self._n
-        keep = np.empty(n, np.bool_)
-        c = self._cols
-        kept = age_rows(c['unseen'], c['seen_flag'], n, int(threshold), keep)
+        kept = int(keep.sum())
         if kept == n:
             return 0
         self._evicted.append(self._store.gather('keys', np.flatnonzero(~keep)))
-        self._store.compact(keep, n)
+        self.drop(keep)
+        return n - kept
+
+    def age_mask(self, threshold):
+        """Age every row by one shrink call (as ``shrink``); return which rows stay (bool (n,)).
+        Removes nothing: ``drop`` does."""
+        keep = np.empty(self._n, np.bool_)
+        c = self._cols
+        age_rows(c['unseen'], c['seen_flag'], self._n, int(threshold), keep)
+        return keep
+
+    def drop(self, keep):
+        """Remove the rows where ``keep`` (bool (len,)) is False, moving the others down in
+        order; not recorded as evicted (the disk tier moves rows out this way)."""
+        n = self._n
+        kept = int(np.count_nonzero(keep))
+        if kept == n:
+            return
+        self._store.compact(np.ascontiguousarray(keep, np.bool_), n)
         self.compactions += 1
         self._n = kept
         small = max(kept + int(kept * SHRINK_SLACK), MIN_CAPACITY)
         self._store.fit(kept, small)
         self._rebuild_index(slots_for(min(small, self.capacity)))
-        return n - kept
 
     def age(self, times):
         """Age every row as ``times`` shrink calls would, evicting none (checkpoint replay)."""

@@ -63,7 +63,12 @@ class StalenessTracker:
     def reset(self):
         """Forget every pull and every row's version (phase end, shrink)."""
         self._pulls = {}    # worker -> {step: (keys, rows, versions, every row existed)}
-        self._version = np.zeros(max(len(self.table), MIN_VERSIONS), np.uint32)
+        self._version = np.zeros(max(self._span(), MIN_VERSIONS), np.uint32)
+
+    def _span(self):
+        """Row indices the versions cover: the table's rows (a disk tier's resident ones)."""
+        span = getattr(self.table, "row_span", None)
+        return len(self.table) if span is None else span
 
     def _moved(self):
         """Reset if a shrink moved rows since the last call."""
@@ -75,7 +80,7 @@ class StalenessTracker:
         """Row of each key (-1: none; a copy of ``rows`` if the caller has them from its
         pull); versions cover every row of the table."""
         rows = self.table.rows_of(keys) if rows is None else np.array(rows, np.int64)
-        n = len(self.table)
+        n = self._span()
         if n > self._version.shape[0]:
             grown = np.zeros(max(n, 2 * self._version.shape[0]), np.uint32)
             grown[:self._version.shape[0]] = self._version

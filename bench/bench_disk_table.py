@@ -1,0 +1,175 @@
+"""The disk tier (--table-memory) against the in-memory table: speed, memory, saves and loads.
+
+    python -m data_prep.criteo_like --out DATA --rows 2000000 --test-rows 100000 --parts 4 --card-scale 1
+    python bench/bench_disk_table.py train --data DATA [--ratio 4] [--rounds 2] [--fc 400,400,400]
+    python bench/bench_disk_table.py saveload [--rows 4000000] [--ratio 4]
+
+``train``: 2 servers x 2 workers, --mode async, one epoch over DATA/train, evaluated on
+DATA/test.  The first run is in memory and gives each server's table bytes (its SERVER
+line); the tier's runs cap each server at that / ``--ratio``.  Then the runs alternate
+(tier, memory, tier, ...) for ``--rounds`` rounds of each kind, the same data every time.
+Per run: examples/s, test AUC, each server's peak RSS and CPU seconds (PROFILE), and the
+tier's hit ratio, disk rows and bytes, read and write-back seconds (SERVER lines).
+
+``saveload``: in one process a table of ``--rows`` rows (Adam, dim 10) is filled, saved
+full and loaded again, in memory or into a tier capped at the table's bytes / ``--ratio``;
+each kind in its own process, so its peak RSS is its own.  Prints seconds and peak RSS.
+
+Results go to bench/out/bench_disk_table.json (appended per invocation).  On a shared
+machine, wall-clock figures move with the other load: compare the CPU seconds too.
+"""
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ENV, ROOT, mpiexec  # noqa: E402
+
+EPOCH = re.compile(r"EPOCH 0 --> examples: (\d+) seconds: ([\d.]+) examples/s: (\d+).*"
+                   r"TEST examples: \d+ auc: ([\d.]+) logloss: ([\d.]+)")
+SERVER = re.compile(r"SERVER --> (\d+) .*table rows: (\d+) bytes: (\d+) .*peak_rss_MB: (\d+)"
+                    r"(?: tier: resident_rows: (\d+) disk_rows: (\d+) disk_MB: ([\d.]+) "
+                    r"hit_ratio: ([\d.]+) read_s: ([\d.]+) write_s: ([\d.]+))?")
+PROFILE = re.compile(r"PROFILE --> (\d+) (server|worker) .* (\d+) (\d+) ([\d.]+)$", re.M)
+OUT = ROOT / "bench" / "out" / "bench_disk_table.json"
+
+
+def train_run(args, cap_bytes, tier_dir):
+    cmd = [mpiexec(), "-n", "4", sys.executable, "-m", "mpips.train", "--mode", "async",
+           "--train", os.path.join(args.data, "train"), "--test", os.path.join(args.data, "test"),
+           "--fc", args.fc, "--print-every", "1000000", "--progress-every", "0"]
+    if cap_bytes:
+        cmd += ["--table-memory", str(cap_bytes), "--table-dir", tier_dir]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **ENV),
+                          cwd=str(ROOT), timeout=args.timeout)
+    text = proc.stdout + proc.stderr
+    if proc.returncode:
+        raise SystemExit(f"run failed ({proc.returncode}): {text[-2000:]}")
+    m = EPOCH.search(text)
+    run = {"kind": "tier" if cap_bytes else "memory", "cap_bytes": cap_bytes,
+           "wall_s": round(time.time() - t0, 1), "examples": int(m[1]),
+           "train_s": float(m[2]), "examples_per_s": int(m[3]), "test_auc": float(m[4]),
+           "test_logloss": float(m[5]), "servers": []}
+    for s in SERVER.finditer(text):
+        srv = {"rows": int(s[2]), "bytes": int(s[3]), "peak_rss_mb": int(s[4])}
+        if s[5]:
+            srv.update(resident_rows=int(s[5]), disk_rows=int(s[6]), disk_mb=float(s[7]),
+                       hit_ratio=float(s[8]), read_s=float(s[9]), write_s=float(s[10]))
+        run["servers"].append(srv)
+    cpu = [float(p[5]) for p in PROFILE.finditer(text) if p[2] == "server"]
+    for srv, c in zip(run["servers"], cpu):
+        srv["cpu_s"] = c
+    print(json.dumps(run), flush=True)
+    return run
+
+
+def train(args):
+    tier_dir = tempfile.mkdtemp(prefix="bench-tier-")
+    try:
+        first = train_run(args, 0, tier_dir)
+        cap = max(s["bytes"] for s in first["servers"]) // args.ratio
+        runs = [first]
+        for _ in range(args.rounds):
+            runs.append(train_run(args, cap, tier_dir))
+            if len([r for r in runs if r["kind"] == "memory"]) < args.rounds:
+                runs.append(train_run(args, 0, tier_dir))
+        assert not os.listdir(tier_dir), "a tier folder was left behind"
+    finally:
+        shutil.rmtree(tier_dir, ignore_errors=True)
+    mem = [r["examples_per_s"] for r in runs if r["kind"] == "memory"]
+    tier = [r["examples_per_s"] for r in runs if r["kind"] == "tier"]
+    summary = {"ratio": args.ratio, "cap_bytes": cap, "fc": args.fc,
+               "memory_ex_s": mem, "tier_ex_s": tier,
+               "speed_ratio": round(sum(tier) / len(tier) / (sum(mem) / len(mem)), 3)}
+    print("SUMMARY", json.dumps(summary), flush=True)
+    return {"bench": "train", "data": args.data, "runs": runs, "summary": summary}
+
+
+def saveload_one(kind, rows, ratio):
+    """Fill, save full and load one table in this process; print a JSON line."""
+    import numpy as np
+    from mpips import checkpoint as ck
+    from mpips.tables.dense import DenseTable
+    from mpips.tables.optim import OptimizerConfig
+    from mpips.tables.sparse import SparseTable
+    from mpips.tables.tiered import TieredTable
+    opt = OptimizerConfig(name="adam", lr=1e-3)
+    work = tempfile.mkdtemp(prefix="bench-saveload-")
+
+    def table():
+        t = SparseTable(10, opt, seed=0)
+        if kind == "memory":
+            return t
+        per = TieredTable.bytes_per_row(t.export_rows(np.empty(0, np.int64)))
+        return TieredTable(t, rows * per // ratio, work, tag="bench")
+    try:
+        t, dense = table(), DenseTable(np.zeros(1000, np.float32), opt)
+        t0 = time.perf_counter()
+        step = 1 << 16
+        for lo in range(0, rows, step):
+            keys = np.arange(lo, min(lo + step, rows), dtype=np.int64) * 7919
+            t.pull(keys, np.empty((len(keys), 10), np.float32), create=True)
+        t1 = time.perf_counter()
+        path = ck.save_local(os.path.join(work, "ckpt"), t, dense, "full")
+        t2 = time.perf_counter()
+        if kind != "memory":
+            t.close()
+        t = table()
+        ck.load_local(path, t, DenseTable(np.zeros(1000, np.float32), opt))
+        t3 = time.perf_counter()
+        assert len(t) == rows
+        out = {"kind": kind, "rows": rows, "fill_s": round(t1 - t0, 2),
+               "save_s": round(t2 - t1, 2), "load_s": round(t3 - t2, 2),
+               "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+        if kind != "memory":
+            out.update(t.stats(), disk_bytes=t.store.nbytes)
+            t.close()
+        print(json.dumps(out), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def saveload(args):
+    runs = []
+    for kind in ("memory", "tier"):
+        proc = subprocess.run([sys.executable, __file__, "saveload-one", kind, str(args.rows),
+                               str(args.ratio)], capture_output=True, text=True,
+                              env=dict(os.environ, **ENV), cwd=str(ROOT), timeout=args.timeout)
+        if proc.returncode:
+            raise SystemExit(proc.stderr[-2000:])
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        print(json.dumps(runs[-1]), flush=True)
+    return {"bench": "saveload", "ratio": args.ratio, "runs": runs}
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "saveload-one":
+        return saveload_one(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("what", choices=("train", "saveload"))
+    p.add_argument("--data", default="", help="a data_prep.criteo_like folder (train)")
+    p.add_argument("--ratio", type=int, default=4, help="table bytes / --table-memory")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--fc", default="400,400,400")
+    p.add_argument("--rows", type=int, default=4_000_000, help="saveload: table rows")
+    p.add_argument("--timeout", type=float, default=3600)
+    args = p.parse_args()
+    if args.what == "train" and not args.data:
+        p.error("train needs --data (see the usage above)")
+    result = train(args) if args.what == "train" else saveload(args)
+    OUT.parent.mkdir(exist_ok=True)
+    with open(OUT, "a") as fh:
+        fh.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()

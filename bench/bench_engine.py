@@ -1,0 +1,143 @@
+"""Choosing the disk tier's engine: LMDB (py-lmdb) against RocksDB (rocksdict) on the tier's
+own access pattern (docs/disk-tier.md, "The engine").
+
+A table of N rows of ROW bytes (Adam, dim 10: 136 B) is written in one batch, then STEPS
+steps each read MISS random ids in one multi-get, delete them (they move into memory;
+"move") or leave their copies ("keep"), and write MISS rows that moved in earlier back in
+one batch -- what a step of a table 4x its cap does.  Prints seconds per phase and bytes
+on disk.
+
+    python bench/bench_engine.py [--rows 1000000] [--steps 200] [--miss 8192]
+"""
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from operator import itemgetter
+
+import numpy as np
+
+ROW = 136
+
+
+def as_bytes(arr, width):
+    """Rows of a C-contiguous array as a list of bytes objects (no Python loop)."""
+    return np.ascontiguousarray(arr).view(f"V{width}").ravel().tolist()
+
+
+class Lmdb:
+    """LMDB as the tier opens it (mpips.tables.disk: no writemap, so a full disk is an
+    error, not a SIGBUS)."""
+    writemap = False
+
+    def __init__(self, path):
+        import lmdb
+        self.env = lmdb.open(path, map_size=1 << 40, subdir=True, sync=False, metasync=False,
+                             writemap=self.writemap, readahead=False, lock=False, max_dbs=0)
+
+    def put(self, k, v):
+        with self.env.begin(write=True) as txn:
+            txn.cursor().putmulti(zip(k, v))
+
+    def get(self, k):
+        with self.env.begin() as txn:
+            got = txn.cursor().getmulti(k)
+        return list(map(itemgetter(1), got))
+
+    def delete(self, k):
+        with self.env.begin(write=True) as txn:
+            sum(map(txn.delete, k))
+
+    def close(self):
+        self.env.close()
+
+
+class LmdbWritemap(Lmdb):
+    """LMDB writing through its memory map."""
+    writemap = True
+
+
+class Rocks:
+    def __init__(self, path):
+        from rocksdict import Options, Rdict, WriteBatch
+        opt = Options(raw_mode=True)
+        opt.create_if_missing(True)
+        opt.set_max_background_jobs(1)
+        opt.increase_parallelism(1)
+        self.db, self.WriteBatch = Rdict(path, opt), WriteBatch
+
+    def put(self, k, v):
+        wb = self.WriteBatch(raw_mode=True)
+        for a, b in zip(k, v):
+            wb.put(a, b)
+        self.db.write(wb)
+
+    def get(self, k):
+        return self.db.get(k)
+
+    def delete(self, k):
+        wb = self.WriteBatch(raw_mode=True)
+        for a in k:
+            wb.delete(a)
+        self.db.write(wb)
+
+    def close(self):
+        self.db.close()
+
+
+def du(path):
+    """Bytes allocated on disk (LMDB's file is sparse: its size is the map's)."""
+    return sum(os.stat(os.path.join(d, f)).st_blocks * 512 for d, _, fs in os.walk(path)
+               for f in fs)
+
+
+def run(engine, rows, steps, miss, seed=0, keep_copies=False):
+    rng = np.random.default_rng(seed)
+    tmp = tempfile.mkdtemp(prefix=f"engine-{engine.__name__}-")
+    try:
+        db = engine(tmp)
+        keys = np.arange(rows, dtype=">i8")
+        vals = rng.integers(0, 255, (rows, ROW), dtype=np.uint8)
+        t0 = time.perf_counter()
+        db.put(as_bytes(keys, 8), as_bytes(vals, ROW))
+        t_load = time.perf_counter() - t0
+        on_disk = np.ones(rows, bool)
+        t_get = t_del = t_put = 0.0
+        for _ in range(steps):
+            out = rng.choice(np.flatnonzero(on_disk), miss, replace=False)
+            back = rng.choice(np.flatnonzero(~on_disk), miss, replace=False) \
+                if (~on_disk).sum() >= miss else np.empty(0, np.int64)
+            k = as_bytes(np.sort(out).astype(">i8"), 8)
+            t0 = time.perf_counter()
+            got = db.get(k)
+            t1 = time.perf_counter()
+            if not keep_copies:
+                db.delete(k)
+            t2 = time.perf_counter()
+            db.put(as_bytes(np.sort(back).astype(">i8"), 8), as_bytes(vals[back], ROW))
+            t3 = time.perf_counter()
+            assert len(got) == miss and all(g is not None for g in got)
+            on_disk[out], on_disk[back] = False, True      # (kept copies: overwritten)
+            t_get, t_del, t_put = t_get + t1 - t0, t_del + t2 - t1, t_put + t3 - t2
+        db.close()
+        print(f"{engine.__name__:12s} {'keep' if keep_copies else 'move'} rows {rows} load {t_load:.2f} s; per step of {miss} misses:"
+              f" get {1e3 * t_get / steps:.1f} ms, delete {1e3 * t_del / steps:.1f} ms, "
+              f"put {1e3 * t_put / steps:.1f} ms; on disk {du(tmp) / 2**20:.0f} MiB")
+    finally:
+        shutil.rmtree(tmp)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", type=int, default=1_000_000)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--miss", type=int, default=8192)
+    a = p.parse_args()
+    for engine in (Lmdb, LmdbWritemap, Rocks) * 2:
+        for keep in (False, True):
+            run(engine, a.rows, a.steps, a.miss, keep_copies=keep)
+
+
+if __name__ == "__main__":
+    main()

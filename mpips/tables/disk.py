@@ -1,0 +1,252 @@
+"""The disk tier's row store: whole table rows in LMDB, as raw bytes of a fixed layout.
+
+A row is stored under its id (8 bytes, big-endian, sign bit flipped, so the byte order is
+the ids' signed order) as one record of every field but the key (``row_dtype``: the
+table's fields in the table's order, packed, native byte order): embedding, optimizer
+state, admission counters and last-seen.  Nothing is pickled; a record that is not
+``row_dtype.itemsize`` bytes is an error.
+
+Every operation takes or returns a batch, as the table's fields in a dict of arrays
+(``export_rows``' layout): ``get`` (one multi-get), ``write`` (rows to put and ids to
+delete, one write transaction) and ``scan`` (every row, in id order, in chunks).  The rows are converted to and from bytes by numpy
+(``view`` / ``frombuffer``); py-lmdb iterates the lists in C, never a Python loop a row.
+
+The store is live state only.  Its folder is made fresh by ``tempfile.mkdtemp`` inside
+the directory given (never an existing one: a folder left by another run is never read)
+and removed by ``close``.  LMDB was chosen over RocksDB (rocksdict) by
+``bench/bench_engine.py`` on this 2-core machine (docs/disk-tier.md): its multi-get of a
+step's misses is about 4x faster, and a B+tree has no background compaction to compete
+with training for the cores (LMDB runs no thread of its own).
+"""
+import errno
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from itertools import islice
+from operator import itemgetter
+
+import numpy as np
+
+from mpips.tiering import check_dir
+
+MAP_SIZE = 1 << 40          # LMDB's address space reservation (a sparse file; not memory)
+MAP_BUDGET = 64 << 20       # default bytes of the map touched between reopenings
+PAGE = 4096                 # LMDB's page
+# Pages of the map a random row touches, as counted against the budget.  Measured on a
+# 2x2 async run (the data file's Rss in /proc/<pid>/smaps): counting one page a row let
+# the map reach 5x its budget; a write copies the leaf and its parents (copy on write) and
+# takes pages from the free list, a read walks branch pages to the leaf.
+READ_PAGES, WRITE_PAGES = 2, 6
+RESERVE_MIN = 16 << 20      # the least the data file is allocated ahead of its use
+SIGN = np.uint64(1 << 63)
+KEY = np.dtype(">u8")
+
+
+def row_dtype(template):
+    """Packed record dtype of every field of ``template`` (an ``export_rows`` dict) but keys."""
+    return np.dtype([(f, a.dtype, a.shape[1:]) for f, a in template.items() if f != "keys"])
+
+
+def encode_keys(keys):
+    """int64 ids -> list of 8-byte keys whose byte order is the ids' order."""
+    k = (np.ascontiguousarray(keys, np.int64).view(np.uint64) ^ SIGN).astype(KEY)
+    return k.view("V8").tolist()
+
+
+def decode_keys(raw):
+    """Concatenated 8-byte keys -> int64 ids."""
+    return (np.frombuffer(raw, KEY).astype(np.uint64) ^ SIGN).view(np.int64)
+
+
+class RowStore:
+    """Table rows on disk (LMDB) in a fresh folder under ``parent``; see the module doc.
+
+    template: an ``export_rows`` dict of the table (its fields and their shapes);
+    tag: folder name prefix (e.g. the rank); map_budget: bytes of LMDB's map this process
+    may touch before the map is dropped (what the store adds to the RSS, about).
+    """
+
+    def __init__(self, parent, template, tag="table", map_budget=None):
+        self.fields = list(template)
+        self.dtype = row_dtype(template)
+        self._template = {f: a[:0].copy() for f, a in template.items()}
+        self.path = tempfile.mkdtemp(prefix=f"mpips-tier-{tag}-", dir=check_dir(parent))
+        self.map_budget = MAP_BUDGET if map_budget is None else int(map_budget)
+        self.txn_rows = max(self.map_budget // (4 * WRITE_PAGES * PAGE), 1)
+        self.env, self._touched, self._allocated, self.reopens = None, 0, 0, 0
+        self._open()
+        self._fd = os.open(os.path.join(self.path, "data.mdb"), os.O_RDWR)
+        self.count = 0                      # rows stored
+
+    def _open(self):
+        import lmdb             # the disk extra: imported only when a tier is made
+        self.env = lmdb.open(self.path, map_size=MAP_SIZE, subdir=True, sync=False,
+                             metasync=False, writemap=True, readahead=False, lock=False,
+                             max_dbs=0, meminit=False)
+
+    def _touch(self, nbytes):
+        """Count bytes of the map touched; past ``map_budget`` close and reopen the
+        environment, which unmaps its pages (they stay in the page cache, not in this
+        process's RSS)."""
+        self._touched += nbytes
+        if self._touched > self.map_budget:
+            self.env.close()
+            self._open()
+            self._touched = 0
+            self.reopens += 1
+
+    def _reserve(self, n_rows):
+        """Allocate the file's blocks ahead of a write of ``n_rows`` rows.  LMDB writes
+        through its map into a sparse file, where a full disk would be a SIGBUS; written
+        into blocks already allocated it cannot fail, and the allocation fails cleanly."""
+        used = (self.env.info()["last_pgno"] + 1) * PAGE
+        need = used + 4 * n_rows * (self.dtype.itemsize + 24) + RESERVE_MIN
+        if need <= self._allocated:
+            return
+        target = need + max(need // 4, RESERVE_MIN)
+        try:
+            os.posix_fallocate(self._fd, 0, target)
+        except OSError as e:
+            raise OSError(e.errno, f"{self.path}: the disk tier could not grow to "
+                          f"{target / 2**20:.0f} MiB ({os.strerror(e.errno)}): free space "
+                          "under --table-dir or raise --table-memory, then resume from the "
+                          "last checkpoint") from None
+        self._allocated = target
+
+    # ----------------------------------------------------------------- codecs
+    def _encode(self, rows):
+        n = len(rows["keys"])
+        rec = np.empty(n, self.dtype)
+        for f in self.dtype.names:
+            rec[f] = rows[f]
+        return encode_keys(rows["keys"]), rec.view(f"V{self.dtype.itemsize}").tolist()
+
+    def _decode(self, raw_keys, raw_vals, n):
+        if len(raw_vals) != n * self.dtype.itemsize:
+            raise OSError(errno.EIO, f"{self.path}: a stored row is not "
+                          f"{self.dtype.itemsize} bytes (the tier's folder was changed)")
+        rec = np.frombuffer(raw_vals, self.dtype, count=n)
+        out = {"keys": decode_keys(raw_keys)}
+        for f in self.dtype.names:
+            out[f] = rec[f].copy()
+        return out
+
+    def empty(self):
+        return {f: a.copy() for f, a in self._template.items()}
+
+    # ----------------------------------------------------------------- batches
+    def _pieces(self, n):
+        """Slices of at most ``txn_rows`` of n rows: one transaction each, so that the map's
+        pages one transaction touches stay within the map's budget."""
+        return [slice(lo, lo + self.txn_rows) for lo in range(0, n, self.txn_rows)]
+
+    def get(self, keys):
+        """(found bool (n,), rows of the found keys in ``keys``' order): multi-gets of at
+        most ``txn_rows`` ids."""
+        keys = np.ascontiguousarray(keys, np.int64)
+        if not len(keys) or not self.count:
+            return np.zeros(len(keys), np.bool_), self.empty()
+        raw, got = encode_keys(keys), []
+        for sl in self._pieces(len(keys)):
+            with self._errors("reading"), self.env.begin(buffers=False) as txn:
+                part = txn.cursor().getmulti(raw[sl])
+            got += part
+            self._touch(len(part) * READ_PAGES * PAGE)
+        rows = self._decode(b"".join(map(itemgetter(0), got)),
+                            b"".join(map(itemgetter(1), got)), len(got))
+        found = np.isin(keys, rows["keys"])
+        if not np.array_equal(keys[found], rows["keys"]):
+            raise OSError(errno.EIO, f"{self.path}: the multi-get returned other rows than "
+                          "those asked for")
+        return found, rows
+
+    def contains(self, keys):
+        """Which ``keys`` are stored (bool (n,)); the rows are not decoded."""
+        keys = np.ascontiguousarray(keys, np.int64)
+        found = np.zeros(len(keys), np.bool_)
+        if not len(keys) or not self.count:
+            return found
+        raw = encode_keys(keys)
+        for sl in self._pieces(len(keys)):
+            with self._errors("reading"), self.env.begin(buffers=True) as txn:
+                part = txn.cursor().getmulti(raw[sl])
+                got = b"".join(map(itemgetter(0), part))
+            self._touch(len(part) * READ_PAGES * PAGE)
+            found[sl] = np.isin(keys[sl], decode_keys(got))
+        return found
+
+    def write(self, put=None, delete=None, discard=None):
+        """Store rows ``put`` (new or replacing; a field may be a scalar for all rows),
+        delete the ids ``delete`` (which must be stored) and the ids ``discard`` that are;
+        in transactions of at most ``txn_rows`` rows."""
+        n_put = 0 if put is None else len(put["keys"])
+        n_del = (0 if delete is None else len(delete)) + (0 if discard is None else
+                                                          len(discard))
+        self._reserve(n_put + n_del)
+        gone = 0
+        for ids, strict in ((delete, True), (discard, False)):
+            if ids is None or not len(ids):
+                continue
+            raw = encode_keys(ids)
+            for sl in self._pieces(len(raw)):
+                with self._errors("writing"), self.env.begin(write=True) as txn:
+                    n = sum(map(txn.delete, raw[sl]))
+                gone += n if strict else 0
+                self._touch(len(raw[sl]) * WRITE_PAGES * PAGE)
+            if strict and gone != len(ids):
+                raise OSError(errno.EIO, f"{self.path}: {len(ids) - gone} rows to move "
+                              "out were not stored (the tier lost rows)")
+        if n_put:
+            k, v = self._encode(put)
+            for sl in self._pieces(n_put):
+                with self._errors("writing"), self.env.begin(write=True) as txn:
+                    txn.cursor().putmulti(zip(k[sl], v[sl]), overwrite=True)
+                self._touch((sl.stop - sl.start) * WRITE_PAGES * PAGE)
+        self.count = self.env.stat()["entries"]
+
+    @contextmanager
+    def _errors(self, doing):
+        """An LMDB error as one OSError line naming the folder."""
+        import lmdb
+        try:
+            yield
+        except lmdb.Error as e:
+            raise OSError(errno.EIO, f"{self.path}: the disk tier failed {doing} rows "
+                          f"({type(e).__name__}: {e}); resume from the last "
+                          "checkpoint") from None
+
+    def scan(self, chunk):
+        """Every stored row, in id order, at most ``chunk`` at a time; ``write`` may be
+        called between chunks (rows after the chunk yielded are read after it)."""
+        start = b""
+        while True:
+            with self._errors("reading"), self.env.begin(buffers=False) as txn:
+                cur = txn.cursor()
+                if not cur.set_range(start):
+                    return
+                got = list(islice(cur.iternext(), chunk + 1))
+            if start and got[0][0] == start:
+                got = got[1:]
+            else:
+                got = got[:chunk]
+            if not got:
+                return
+            start = got[-1][0]
+            self._touch(len(got) * (self.dtype.itemsize + 16))
+            yield self._decode(b"".join(map(itemgetter(0), got)),
+                               b"".join(map(itemgetter(1), got)), len(got))
+
+    @property
+    def nbytes(self):
+        """Bytes the store takes on disk (blocks allocated)."""
+        return sum(os.stat(os.path.join(self.path, f)).st_blocks * 512
+                   for f in os.listdir(self.path))
+
+    def close(self):
+        """Close and remove the folder (live state only)."""
+        if self.env is not None:
+            self.env.close()
+            os.close(self._fd)
+            self.env = None
+        shutil.rmtree(self.path, ignore_errors=True)
