@@ -3,8 +3,8 @@
 The large products of every layer run through BLAS (``np.matmul(..., out=)``); these
 kernels do the memory-bound work between them, one pass each.  ``acc`` arguments say
 whether a kernel adds its result into the output (another consumer wrote there first) or
-overwrites it.  Sums that the float64 references pin down (the first-order and FM terms,
-the pairwise dot products) run in float64 and are cast once, in a fixed order.  Pure
+overwrites it.  Sums that the float64 references pin down (the first-order and FM terms)
+run in float64 and are cast once, in a fixed order.  Pure
 functions: arrays in, preallocated outputs, nothing raised; generic over float32/float64.
 """
 import numpy as np
@@ -239,46 +239,6 @@ def cross_v1_backward_(g, x0, s, ds, gb, gx0, acc):
             else:
                 gx0[i, j] = g[i, j] * s[i]
         ds[i] = t
-    return None
-
-
-@njit(cache=True, nogil=True)
-def dot_forward_(e, n_fields, out):
-    """DLRM's interaction: ``out[i, pair(a, b)] = <e_a, e_b>`` for fields a < b, pairs in
-    row-major order (a, then b), float64 sums; ``e`` (B, F*d), ``out`` (B, F(F-1)/2)."""
-    n = e.shape[0]
-    d = e.shape[1] // n_fields
-    for i in range(n):
-        k = 0
-        for a in range(n_fields):
-            for b in range(a + 1, n_fields):
-                t = 0.0
-                for j in range(d):
-                    t += float(e[i, a * d + j]) * e[i, b * d + j]
-                out[i, k] = t
-                k += 1
-    return None
-
-
-@njit(cache=True, nogil=True)
-def dot_backward_(e, n_fields, g, ge, acc):
-    """``ge_a (+)= sum_{b != a} g[pair(a, b)] * e_b`` (float64 per element, cast once)."""
-    n = e.shape[0]
-    d = e.shape[1] // n_fields
-    for i in range(n):
-        for a in range(n_fields):
-            for j in range(d):
-                t = 0.0
-                for b in range(n_fields):
-                    if b == a:
-                        continue
-                    lo, hi = (a, b) if a < b else (b, a)
-                    k = lo * n_fields - lo * (lo + 1) // 2 + (hi - lo - 1)
-                    t += float(g[i, k]) * e[i, b * d + j]
-                if acc:
-                    ge[i, a * d + j] += t
-                else:
-                    ge[i, a * d + j] = t
     return None
 
 

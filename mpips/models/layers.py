@@ -481,24 +481,45 @@ class Cross(Layer):
 class Dot(Layer):
     """``dot``: DLRM's pairwise interaction over the fields of one input (e.g. a concat of
     a bottom MLP's output of dim and the pooled slots): ``<e_a, e_b>`` for a < b, width
-    F(F-1)/2, pairs in row-major order."""
+    F(F-1)/2, pairs in row-major order.  Both passes are batched products, (F, d) x (d, F)
+    and (F, F) x (F, d) an example, through BLAS."""
     kind = "dot"
 
     def __init__(self, name, ins, opts):
         super().__init__(name, ins, opts)
-        self.n_fields = _field_input(self, ins[0])
-        if self.n_fields < 2:
+        self.n_fields = F = _field_input(self, ins[0])
+        if F < 2:
             raise SpecError("inputs", f"a dot layer needs at least 2 fields; input "
-                                      f"{ins[0].name!r} has {self.n_fields}")
-        self.width = self.n_fields * (self.n_fields - 1) // 2
+                                      f"{ins[0].name!r} has {F}")
+        self.width = F * (F - 1) // 2
+        a, b = np.triu_indices(F, 1)                  # the pairs, row-major
+        self.upper, self.lower = a * F + b, b * F + a  # their places in (F, F)
+        self.diag = np.arange(F) * (F + 1)
+
+    def alloc(self, cap, dtype):
+        F, d = self.n_fields, self.ins[0].field_dim
+        self.m = np.empty((cap, F, F), dtype)         # E E^T, then d out / d(E E^T)
+        self.ge = np.empty((cap, F, d), dtype)
 
     def forward(self, P, xs, out, n):
-        K.dot_forward_(xs[0], self.n_fields, out)
+        F = self.n_fields
+        e = xs[0].reshape(n, F, -1)                                   # (B, F, d)
+        m = self.m[:n]
+        np.matmul(e, e.transpose(0, 2, 1), out=m)                     # (B, F, F)
+        np.take(m.reshape(n, F * F), self.upper, axis=1, out=out)
 
     def backward(self, P, G, xs, out, gout, sinks, n):
-        if sinks[0] is not None:
-            K.dot_backward_(xs[0], self.n_fields, gout, sinks[0].buf, sinks[0].acc)
-            sinks[0].done()
+        if sinks[0] is None:
+            return
+        F = self.n_fields
+        m = self.m[:n].reshape(n, F * F)
+        m[:, self.upper] = gout                        # d out / d(E E^T): symmetric, 0 on
+        m[:, self.lower] = gout                        # the diagonal
+        m[:, self.diag] = 0
+        ge = self.ge[:n]
+        np.matmul(self.m[:n], xs[0].reshape(n, F, -1), out=ge)       # dE = G E
+        K.add_into_(ge.reshape(n, -1), sinks[0].buf, sinks[0].acc)
+        sinks[0].done()
 
 
 def make_layer(kind, name, ins, opts):
