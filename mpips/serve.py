@@ -94,6 +94,7 @@ def main(argv=None):
         # before it is imported, in a directory of this server's (removed at the end)
         metrics_dir = tempfile.mkdtemp(prefix="mpips-serve-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    args.metrics_dir = metrics_dir          # (mpips.serving.server reads it from here)
     try:
         return _run(args)
     finally:

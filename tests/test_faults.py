@@ -217,7 +217,7 @@ def test_stream_leaks_no_fds_threads_or_inflight_replies(tmp_path, ranks):
         _, err = proc.communicate(timeout=60)
     finally:
         _teardown(proc, pids)
-    assert proc.returncode == 0, err[-3000:]
+    assert proc.returncode == 75, err[-3000:]       # stopped while waiting: resumable (75)
     print(f"ranks={ranks} passes={len(passes)} before={before} after={after}")
     for r in pids:
         assert after[r][0] == before[r][0], f"rank {r}: fds {before[r][0]} -> {after[r][0]}"

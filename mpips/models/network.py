@@ -125,9 +125,6 @@ class Network:
             t = Tensor(name, len(slots) * d, len(slots), d)
             t.slots = np.array(slots, np.int64)
             t.cols = (t.slots[:, None] * d + np.arange(d)).reshape(-1)     # columns of p
-        if t.width == 0:
-            raise NetworkError(f"{where}: input {name!r}: source: {src!r} is empty in this "
-                               f"schema; drop the input")
         t.source = src if isinstance(src, str) else "slots"
         return t
 

@@ -11,7 +11,6 @@ serves a fixed ``--bundle`` alone.
 """
 import asyncio
 import gc
-import os
 import signal
 
 from mpips.serving import shared
@@ -32,7 +31,7 @@ async def _serve(args, live, child, log):
     """Serve until SIGTERM/SIGINT (or, for a forked process, the master's end); 0."""
     loop = asyncio.get_running_loop()
     if child is not None:                 # counts summed over the processes (api.Metrics)
-        metrics = Metrics(live, child.index, os.environ["PROMETHEUS_MULTIPROC_DIR"])
+        metrics = Metrics(live, child.index, args.metrics_dir)
     else:
         metrics = Metrics(live)
         live.on_reload = metrics.reloaded
