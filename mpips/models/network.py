@@ -271,7 +271,6 @@ class Network:
         for L in self.layers:
             L.alloc(cap, dt)
         self.probs = np.empty(cap, dt)
-        self.scratch = np.empty((cap, max(t.width for t in self.tensors.values())), dt)
         self._ws_cap = cap
 
     def _check_vec(self, arr, name, n):
