@@ -153,8 +153,10 @@ def test_async_checkpoint_infers_what_training_evaluated(tiny_data, tmp_path):
     from the checkpoint scores the test file as the run's own evaluation did.  The run's two
     workers each evaluate half of the one test file (byte ranges, mpips.data.files.eval_files),
     in batches that start at other rows than infer's, and a float32 GEMM's rounding depends on
-    the rows it is given: the AUC's histogram counts are equal, and the logloss agrees to 1e-9
-    (measured ~1e-10; a wrong dense replica moves it in the third digit)."""
+    the rows it is given (and on the CPU's kernels: AVX2 and AVX-512 OpenBLAS round other rows).
+    One float32 ulp on every row's probability moves the mean logloss by ~1.3e-7 relative, so
+    the logloss must agree to 1e-6 and the AUC to 1e-5 (measured 1e-10 on Zen 3 here and 1e-9 on the
+    CI machine of 2026-12-07); a wrong dense replica moves either in the third digit."""
     one = sorted(glob.glob(f"{tiny_data[1]}/*"))[0]
     out = tmp_path / "rec.jsonl"
     proc = run_cmd(["-m", "mpips.train", "--train", tiny_data[0], "--test", one, "--fc", "32,16",
@@ -168,5 +170,5 @@ def test_async_checkpoint_infers_what_training_evaluated(tiny_data, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(inf.read_text())
     assert got["test_examples"] == rec["test_examples"] > 0
-    assert got["test_auc"] == rec["test_auc"]
-    assert got["test_logloss"] == pytest.approx(rec["test_logloss"], rel=1e-9, abs=0)
+    assert got["test_auc"] == pytest.approx(rec["test_auc"], rel=0, abs=1e-5)
+    assert got["test_logloss"] == pytest.approx(rec["test_logloss"], rel=1e-6, abs=0)
