@@ -232,6 +232,8 @@ class Config:
                                     "workers, sqrt beyond; with --global-batch G: x 1 at any "
                                     "W (a dense step averages G examples, as one process's "
                                     "of batch G)", choices=("auto", "sqrt", "linear"))
+    dense_average: float = _f(0.0, "B in [0, 1): evaluate and serve avg = B avg + (1 - B) w, "
+                                   "updated each dense step (docs/modes.md); 0 = off")
     adagrad_init: float = _f(0.0, "adagrad: initial accumulator (Paddle's default 0; > 0 makes "
                                   "the first steps smooth in the gradient)")
     init_range: float = _f(0.05, "new embedding rows start uniform in [-r, r] from (seed, id)")
@@ -393,11 +395,12 @@ class Config:
                              f"{self.global_batch}")
         if self.global_batch and self.local:
             split_batch(self.global_batch, self.simulate_workers or self.local_workers)
-        if not self.dense_lr_scale >= 0:
-            raise ValueError(f"--dense-lr-scale must be >= 0 (0 = by the workers); got "
-                             f"{self.dense_lr_scale}")
+        if not (self.dense_lr_scale >= 0 and 0 <= self.dense_average < 1):
+            raise ValueError(f"--dense-lr-scale must be >= 0 (0 = by the workers), "
+                             f"--dense-average in [0, 1) (0 = off); got {self.dense_lr_scale}, "
+                             f"{self.dense_average}")
         if not (self.row_clip >= 0 and self.row_clip_floor >= 0):
-            raise ValueError(f"--row-clip and --row-clip-floor must be >= 0 (0 = off); got "
+            raise ValueError(f"--row-clip, --row-clip-floor must be >= 0 (0 = off); got "
                              f"{self.row_clip}, {self.row_clip_floor}")
         if self.row_clip and self.mode == "geo":
             raise ValueError("--row-clip clips pushed row gradients: GEO pushes deltas; use it "
@@ -476,8 +479,7 @@ class _Parser(argparse.ArgumentParser):
             known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
             typos = [a.split("=")[0] for a in message.split(": ", 1)[1].split()
                      if a.startswith("--")]
-            hints = [(t, did_you_mean(t, known)) for t in typos]
-            hints = [(t, h) for t, h in hints if h]
+            hints = [(t, h) for t in typos if (h := did_you_mean(t, known))]
             if len(hints) == 1:
                 message += f" (did you mean {hints[0][1]}?)"
             elif hints:
@@ -495,8 +497,7 @@ class _Flag(argparse.BooleanOptionalAction):
 
 def did_you_mean(name, known):
     """The closest of `known` to a mistyped `name` (difflib), or None."""
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    return close[0] if close else None
+    return next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.6)), None)
 
 
 def _help(f):
@@ -539,8 +540,7 @@ def _from_toml(path):
         name = key.replace("-", "_")
         if name not in names:
             hint = did_you_mean(name, list(names))
-            if hint and "-" in key:
-                hint = hint.replace("_", "-")
+            hint = hint.replace("_", "-") if hint and "-" in key else hint
             raise ValueError(f"--config {path}: unknown key {key!r}" + (
                 f" (did you mean {hint!r}?)" if hint else
                 f" (known: {', '.join(sorted(names))})"))

@@ -50,6 +50,8 @@ DEFAULT_BUCKETS = 1 << 16
 class BinaryMetrics:
     """Bucketed AUC, logloss and calibration for 0/1 labels and predicted probabilities."""
 
+    raw = None       # --dense-average: the trained weights' metrics beside these (or None)
+
     def __init__(self, n_buckets: int = DEFAULT_BUCKETS):
         n_buckets = int(n_buckets)
         if n_buckets < 1:
@@ -96,6 +98,9 @@ class BinaryMetrics:
             raise ValueError(f"cannot merge metrics with {other.n_buckets} buckets into "
                              f"{self.n_buckets} buckets")
         self._state += other._state
+        if other.raw is not None:              # (--dense-average: the trained weights')
+            self.raw = (BinaryMetrics(self.n_buckets) if self.raw is None
+                        else self.raw).merge(other.raw)
         return self
 
     def reset(self) -> None:

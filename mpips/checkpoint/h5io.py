@@ -18,7 +18,7 @@ import h5py
 import numpy as np
 
 from mpips.checkpoint.manifest import MANIFEST, SKIPPED_FIELDS, CheckpointError
-from mpips.tables.dense import DenseTable
+from mpips.tables.dense import DenseTable, dense_fields
 from mpips.tables.optim import OptimizerConfig
 from mpips.tables.ownership import owners
 from mpips.tables.sparse import SparseTable
@@ -26,6 +26,7 @@ from mpips.tables.sparse import SparseTable
 LOAD_ROWS = 1 << 16                    # rows per read + import_rows call (its np.unique
                                        # is ~4x faster per row on cache-sized pieces)
 VERIFY_BYTES = 1 << 24                 # bytes per read while verifying a dataset's CRC
+AVERAGE = "if saved"                   # tables_schema: a dataset read where a shard has it
 
 
 # ------------------------------------------------------------------ files
@@ -63,13 +64,16 @@ def tables_schema(sparse, dense, admission=None):
 
     With ``admission`` (the AdmittedTable loaded into), the ``/admission/`` datasets too;
     shards saved without them (older checkpoints, runs without --entry) are read as
-    holding no waiting counts.
+    holding no waiting counts.  A dense table with a moving average (``--dense-average``)
+    reads ``/dense/average`` where a shard has it (older checkpoints and runs without one
+    do not: the average starts at the values).
     """
     out = rows_schema(sparse, "sparse", "rows", "evicted")
-    out["dense/values"] = (np.dtype(np.float32), lambda e: (e["dense_size"],))
-    for name, per_el in dense.opt.state_arrays():
+    for name, per_el in dense_fields(dense):
         out[f"dense/{name}"] = (np.dtype(np.float32),
                                 (lambda e: (e["dense_size"],)) if per_el else (lambda e: (1,)))
+    if dense.average:
+        out["dense/average"] += (AVERAGE,)
     if admission is not None:
         adm = rows_schema(admission.counts, "admission", "admission_rows", "admission_evicted")
         adm["admission/admitted"] = (np.dtype(np.int64), lambda e: (1,))
@@ -80,7 +84,8 @@ def tables_schema(sparse, dense, admission=None):
 def for_entry(schema, entry):
     """The part of the schema a shard entry has: optional (admission) datasets if saved."""
     has_adm = "admission_rows" in entry
-    return {k: v[:2] for k, v in schema.items() if len(v) == 2 or has_adm}
+    return {k: v[:2] for k, v in schema.items() if len(v) == 2
+            or (has_adm if v[2] is True else k in entry["datasets"])}
 
 
 class Shard:
@@ -220,7 +225,8 @@ def manifest_schema(manifest):
     """The dataset schema of the tables a checkpoint manifest describes (no admission)."""
     opt = OptimizerConfig(**manifest["optimizer"])
     return tables_schema(SparseTable(manifest["embedding_dim"], opt, 0, capacity=16),
-                         DenseTable(np.zeros(1, np.float32), opt))
+                         DenseTable(np.zeros(1, np.float32), opt,
+                                    0.5 if has_average(manifest) else 0.0))
 
 
 def element_rows(ckpt_dir, manifest):
@@ -242,8 +248,9 @@ def element_rows(ckpt_dir, manifest):
 
 
 def dense_slice(ckpt_dir, m, schema, dense, lo, hi):
-    """Dense state of [lo, hi) assembled from the saved slices of the last element."""
-    per_el = dict(dense.opt.state_arrays(), values=True)
+    """Dense state of [lo, hi) assembled from the saved slices of the last element (the
+    ``average`` from the values where a shard has none)."""
+    per_el = dict(dense_fields(dense))
     out = {k: np.empty(hi - lo if p else 1, np.float32) for k, p in per_el.items()}
     covered, have_scalars = 0, False
     for entry in m["shards"]:
@@ -254,7 +261,8 @@ def dense_slice(ckpt_dir, m, schema, dense, lo, hi):
         shard = Shard(ckpt_dir, entry, schema)
         try:
             for k, p in per_el.items():
-                arr = shard.read(f"dense/{k}")
+                arr = shard.read(f"dense/{k}" if f"dense/{k}" in shard.entry["datasets"]
+                                 else "dense/values")
                 if p and b > a:
                     out[k][a - lo:b - lo] = arr[a - slo:b - slo]
                 elif not p and not have_scalars:
@@ -268,8 +276,17 @@ def dense_slice(ckpt_dir, m, schema, dense, lo, hi):
     return out
 
 
-def dense_values(ckpt_dir, manifest):
-    """The whole dense vector (P,) float32 of one checkpoint element."""
-    dense = DenseTable(np.zeros(1, np.float32), OptimizerConfig(**manifest["optimizer"]))
+def has_average(manifest):
+    """Whether a checkpoint element's shards hold the dense weights' moving average."""
+    return all("dense/average" in e["datasets"] for e in manifest["shards"])
+
+
+def dense_values(ckpt_dir, manifest, raw=False):
+    """The whole dense vector (P,) float32 of one checkpoint element: the weights to
+    evaluate and serve, its moving average where it has one (``--dense-average``), else
+    (or with ``raw``) the trained values."""
+    avg = has_average(manifest) and not raw
+    dense = DenseTable(np.zeros(1, np.float32), OptimizerConfig(**manifest["optimizer"]),
+                       0.5 if avg else 0.0)           # (any B: a table that keeps one)
     return dense_slice(ckpt_dir, manifest, manifest_schema(manifest), dense, 0,
-                       manifest["n_params"])["values"]
+                       manifest["n_params"])["average" if avg else "values"]

@@ -161,7 +161,8 @@ def make_tables(cfg, model, lo=0, hi=None, dense_batches=1, cowclip=None, tag="l
     if cfg.entry:
         sparse = AdmittedTable(sparse, cfg.entry, cfg.seed)
     dense = DenseTable(model.init_params(cfg.seed)[lo:hi].copy(),
-                       dataclasses.replace(opt, lr=dense_lr(cfg, dense_batches, cowclip)))
+                       dataclasses.replace(opt, lr=dense_lr(cfg, dense_batches, cowclip)),
+                       cfg.dense_average)
     return sparse, dense
 
 

@@ -283,6 +283,9 @@ class DistBackend:
             return None
         mine = eval_files(files, self.W, self.wi, not self.schema.pipe_command)
         self._replica_ready()
+        averaged = self.trainer.replica is not None and self.trainer.replica.average
+        if averaged:                    # --dense-average: each worker steps its shard's
+            self._replica_whole()       # average; every worker scores with the whole one
         local = BinaryMetrics()
         if mine:
             reader = make_reader(self.cfg, mine, self.batches[self.wi],
@@ -292,7 +295,10 @@ class DistBackend:
                 local = self.trainer.evaluate(reader)
             finally:
                 reader.close()
-        return BinaryMetrics.from_state(self._sum(local.state()))
+        out = BinaryMetrics.from_state(self._sum(local.state()))
+        if averaged:                    # the trained weights' figures beside (a record's _raw)
+            out.raw = BinaryMetrics.from_state(self._sum((local.raw or BinaryMetrics()).state()))
+        return out
 
     def save(self, mode, meta, step=0):
         """Checkpoint now (after a barrier: step 0) or, mid-epoch, at `step` steps done

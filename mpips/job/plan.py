@@ -47,6 +47,7 @@ class TrainerSettings:
     stream: str                 # GEO: rounds end at --save-every points of batch runs
     save_dir: str
     save_steps: int
+    dense_average: float        # --dense-average B (GEO: evaluates the servers' average)
     cowclip: CowClip = None     # --large-batch cowclip as the plan resolved it, or None
 
 

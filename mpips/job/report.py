@@ -54,9 +54,14 @@ def test_fields(test_m):
     """The record's test fields of evaluation metrics ``test_m`` ({} for None)."""
     if test_m is None:
         return {}
-    return dict(test_examples=int(test_m.count), test_auc=test_m.auc(),
-                test_logloss=test_m.logloss(), test_mean_pred=test_m.mean_pred(),
-                test_ctr=test_m.observed_ctr())
+    out = dict(test_examples=int(test_m.count), test_auc=test_m.auc(),
+               test_logloss=test_m.logloss(), test_mean_pred=test_m.mean_pred(),
+               test_ctr=test_m.observed_ctr())
+    if test_m.raw is not None:          # --dense-average: the trained weights' figures
+        raw = test_m.raw
+        out.update(test_auc_raw=raw.auc(), test_logloss_raw=raw.logloss(),
+                   test_mean_pred_raw=raw.mean_pred())
+    return out
 
 
 def noise_scale(blocks):

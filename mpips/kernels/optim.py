@@ -181,3 +181,16 @@ def add_rows(values, rows, deltas):
         w = row(values, rows[i])
         for j in range(w.shape[0]):
             w[j] += deltas[i, j]
+
+
+@njit(cache=True, nogil=True)
+def ema_update(avg, values, decay):
+    """``avg = decay * avg + (1 - decay) * values`` in place, in float32, one pass
+    (--dense-average: the moving average of the dense weights after a dense step).
+
+    avg, values : float32 (n,); decay : float32 in [0, 1).  No fast-math: each element is
+    the same two products and one sum whatever the slice, so a shard's update equals the
+    whole vector's on those elements."""
+    rest = np.float32(1.0) - decay
+    for i in range(avg.shape[0]):
+        avg[i] = decay * avg[i] + rest * values[i]

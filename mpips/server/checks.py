@@ -75,12 +75,12 @@ class RequestChecks:
     def _check_dense_put(self, req, bad):
         if self.mode == "geo":
             bad("in geo mode (the servers train the dense weights there)")
-        opt, want = self.dense.opt, packed_size(self.dense.opt, self.dense.size)
+        opt, want = self.dense.opt, packed_size(self.dense, self.dense.size)
         if req.count or req.dense is None or len(req.dense) != want:
             bad(f"must carry no keys and {want} dense floats (values + optimizer state "
                 f"of this server's slice); got count={req.count} dense="
                 f"{0 if req.dense is None else len(req.dense)}")
-        why = state_violation(opt, unpack_state(opt, req.dense, self.dense.size))
+        why = state_violation(opt, unpack_state(self.dense, req.dense, self.dense.size))
         if why:
             bad(why)
 

@@ -309,7 +309,7 @@ class Server(RequestChecks):
             else:
                 self._save(*save)
         elif req.op == Op.DENSE_PUT:
-            self.dense.import_state(unpack_state(self.dense.opt, req.dense, self.dense.size))
+            self.dense.import_state(unpack_state(self.dense, req.dense, self.dense.size))
         elif req.op == Op.DENSE_GET:
             self._send(pack_state(self.dense, 0, self.dense.size), source, TAG_REPLY_DENSE)
         elif req.op == Op.SHRINK:

@@ -18,7 +18,7 @@ from mpips.comm.protocol import (BARRIER_KEEPALIVE, F_CREATE, F_DENSE, F_MORE, M
                             MAX_REQUEST_BYTES, STATS_DTYPE, STATS_LEN, TAG_CONTROL,
                             TAG_REPLY_DENSE, TAG_REPLY_SPARSE, TAG_REQUEST, Op, ProtocolError,
                             encode, message_nbytes)
-from mpips.tables.dense import pack_state, packed_size, unpack_state
+from mpips.tables.dense import dense_fields, pack_state, packed_size, unpack_state
 
 WORKER_GRACE = 1.0  # s a worker waits beyond --peer-timeout: a server, which knows which
                     # worker holds the others up, gets to report first
@@ -217,8 +217,8 @@ class PSClient:
     def dense_get(self, table):
         """Load the servers' dense slices and their optimizer state into `table` (a
         DenseTable of all the dense weights): a worker's replica at the start."""
-        opt, bounds = table.opt, self.bounds
-        bufs = [np.empty(packed_size(opt, bounds[s + 1] - bounds[s]), np.float32)
+        bounds = self.bounds
+        bufs = [np.empty(packed_size(table, bounds[s + 1] - bounds[s]), np.float32)
                 for s in range(self.n_servers)]
         reqs, expect = [], []
         for b, srv in zip(bufs, self.servers):
@@ -226,12 +226,12 @@ class PSClient:
         sent, peers, sbufs = self._send_all(Op.DENSE_GET)
         Handle(self, reqs + sent, self.servers + peers, sbufs, "DENSE_GET",
                expect=expect + [None] * len(sent)).wait()
-        parts = [unpack_state(opt, b, bounds[s + 1] - bounds[s]) for s, b in enumerate(bufs)]
-        state = {k: np.concatenate([p[k] for p in parts]) for k in ("values",) + tuple(
-            name for name, per_el in opt.state_arrays() if per_el)}
-        for name, per_el in opt.state_arrays():
-            if not per_el:          # per-table state (Adam's beta powers): every slice took
-                state[name] = parts[0][name]        # the same number of steps
+        parts = [unpack_state(table, b, bounds[s + 1] - bounds[s]) for s, b in enumerate(bufs)]
+        state = {}
+        for name, per_el in dense_fields(table):    # values, state, the average if kept
+            state[name] = (np.concatenate([p[name] for p in parts]) if per_el else
+                           parts[0][name])  # per-table state (Adam's beta powers): every
+                                            # slice took the same number of steps
         try:
             table.import_state(state)       # checks the optimizer's invariants
         except ValueError as e:

@@ -33,6 +33,7 @@ from mpi4py import MPI
 
 from mpips.comm.backoff import SPIN
 from mpips.comm.liveness import wait_collective, wait_requests
+from mpips.tables.dense import dense_fields
 
 
 NOISE_BLOCK = 20        # DenseStep: steps a block of noise-scale sums holds
@@ -227,12 +228,17 @@ class DenseExchange:
         return self.finish(acc)
 
     def gather_state(self, table):
-        """Make `table`'s per-weight optimizer state whole from every shard's owner (a
-        collective of all workers: before a checkpoint or a replica check)."""
+        """Make `table`'s per-weight optimizer state (and its moving average, when it keeps
+        one) whole from every shard's owner (a collective of all workers: before a
+        checkpoint or a replica check)."""
         self.wait_shared()
-        for name, per_el in table.opt.state_arrays():
-            if per_el:
-                arr = table._state[name].reshape(-1)
-                wait_collective(self.comm.Iallgatherv(
-                    MPI.IN_PLACE, [arr, (self.counts, self.bounds[:-1]), MPI.FLOAT]),
-                    f"Iallgatherv of the dense optimizer state ({name})")
+        for name, per_el in dense_fields(table):
+            if per_el and name != "values":
+                self.gather(table, name)
+
+    def gather(self, table, name):
+        """Make field `name` of `table` (``mpips.tables.dense.dense_fields``) whole from
+        every shard's owner (a collective of all workers; ``average`` before evaluation)."""
+        wait_collective(self.comm.Iallgatherv(
+            MPI.IN_PLACE, [table.array(name), (self.counts, self.bounds[:-1]), MPI.FLOAT]),
+            f"Iallgatherv of the dense {name}")

@@ -48,6 +48,7 @@ class GeoTrainer(StepMath):
         self.dense_local = None     # DenseTable with the local optimizer state
         self.dense_base = None      # (P,) dense values at the last sync
         self.touched = []           # [(unique keys, occurrences)] of the round's batches
+        self._avg = None            # --dense-average: a DenseTable of the servers' state
         self.save_every = 0 if cfg.stream or not cfg.save_dir else cfg.save_steps
 
     def _round_length(self, done, max_steps):
@@ -159,9 +160,22 @@ class GeoTrainer(StepMath):
         st.loss_sum += loss * n
         st.metrics.update(probs, prep.batch.label)
 
+    def eval_weights(self):
+        """The servers' dense weights; with --dense-average their moving average first
+        (fetched by :meth:`evaluate`)."""
+        return [self.params[0]] if self._avg is None else [self._avg.averaged, self.params[0]]
+
     def evaluate(self, batches, max_steps=0):
-        """Predict with the servers' dense weights (pulled with the first rows) and the
+        """Predict with the servers' dense weights (pulled with the first rows; with
+        --dense-average their moving average, read with their optimizer state) and the
         rows read from the servers; the local dense copy is re-based on those weights."""
+        if self.cfg.dense_average:
+            if self._avg is None:
+                self._avg = DenseTable(self.params[0], self.opt, self.cfg.dense_average)
+            if hasattr(self.ps, "dense_get"):
+                self.ps.dense_get(self._avg)        # every server's slice, with its average
+            else:                                   # one process: the LocalPS's own table
+                self._avg.import_state(self.ps.dense.export_state())
         m = self._evaluate(batches, max_steps, self.params[0])
         if self.dense_local is not None:
             self.dense_base[:] = self.params[0]

@@ -281,19 +281,32 @@ class StepMath:
         return loss, probs, grads
 
     def evaluate(self, batches, max_steps=0):
-        """Predict over an iterable of Batch with the current parameters (no rows created)."""
+        """Predict over an iterable of Batch with the current parameters (no rows created):
+        with --dense-average, the dense weights' moving average, the trained weights'
+        metrics beside them in the result's ``raw``."""
         return self._evaluate(batches, max_steps, None)
+
+    def eval_weights(self):
+        """The dense weights to evaluate: [the moving average (whole on this worker: see
+        ``DistBackend.evaluate``), the trained weights] with --dense-average, else
+        [the trained weights]."""
+        rep = self.replica
+        if rep is None or not rep.average:
+            return [self.params[0]]
+        return [rep.averaged, self.params[0]]
 
     def _evaluate(self, batches, max_steps, dense_out):
         """evaluate(), the first pull also filling ``dense_out`` (the servers' dense
         weights) when it is not None."""
-        m = BinaryMetrics()
-        params = self.params[0]
+        ms = [BinaryMetrics() for _ in self.eval_weights()]
+        if len(ms) > 1:
+            ms[0].raw = ms[1]
         it = iter(batches)
         cur = self._prepare(next(it, None))
         if cur is None:
-            return m
+            return ms[0]
         h = self._pull(cur, 0, dense_out, create=False)
+        weights = self.eval_weights()      # (after the pull: GEO's are the servers')
         step = 0
         while cur is not None:
             step += 1
@@ -305,11 +318,12 @@ class StepMath:
             n = len(b.label)
             emb = np.empty((n * self._slots(b), self.dim), np.float32)
             self._embed(cur, emb)
-            probs = np.empty(n, np.float32)
-            self.model.predict(params, emb.reshape(n, -1), b.dense, probs)
-            m.update(probs, b.label)
+            for params, m in zip(weights, ms):
+                probs = np.empty(n, np.float32)
+                self.model.predict(params, emb.reshape(n, -1), b.dense, probs)
+                m.update(probs, b.label)
             cur = nxt
-        return m
+        return ms[0]
 
 
 class Trainer(StepMath):
