@@ -2,6 +2,7 @@
 
     python bench/bench_step.py                      # Criteo shape, batch 512, one thread
     python bench/bench_step.py --workers 2          # the dense optimizer on a 1/2 shard
+    python bench/bench_step.py --dense-average 0.97 # + the cost of --dense-average
 
 One process, one thread, the model's own code: the dnn network's ``forward_backward`` (the
 layer path, ``mpips.models.network``) runs with its layers' ``np.matmul`` and kernels wrapped
@@ -12,7 +13,9 @@ gather, scatter, metrics, the dense Adam step) are the trainer's calls on the sa
 Printed: microseconds per call site, its share of forward/backward (the sum of the bests),
 the GEMMs' total against it (the share of the GEMM bound that forward/backward reaches:
 ``bench/bound.py``), and the rest of the step.  Bests of many repetitions are the figure
-that holds on a shared machine (the load average is printed).
+that holds on a shared machine (the load average is printed).  With ``--dense-average B``
+the dense step is timed with and without the moving average, alternately on the same
+gradients (medians and bests of each), and the difference is given as a share of the step.
 """
 import argparse
 import os
@@ -120,6 +123,36 @@ def best_of(fn, reps):
     return best
 
 
+def paired(fa, fb, reps):
+    """Medians and bests of ``fa`` and ``fb`` run alternately ``reps`` times each (a load
+    that comes and goes touches both): ((median a, best a), (median b, best b)) seconds."""
+    fa(), fb()
+    ta, tb = [], []
+    for _ in range(reps):
+        for fn, out in ((fa, ta), (fb, tb)):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return tuple((float(np.median(t)), min(t)) for t in (ta, tb))
+
+
+def average_cost(params, workers, reps, B, rng):
+    """(plain, averaged) dense steps' (median, best) seconds on a 1/W shard: Adam, and Adam
+    then the moving average of --dense-average B (its one pass over the shard)."""
+    from mpips.worker.dense_sync import DenseStep, shard_bounds
+    lo, hi = shard_bounds(len(params), workers)[:2]
+    g = rng.standard_normal(hi - lo, dtype=np.float32) * 1e-3
+    steps = [DenseStep(DenseTable(params, OptimizerConfig(), b), lo, hi) for b in (0.0, B)]
+
+    def step(acc):
+        def run():
+            acc.reset()
+            acc.add(512, g)
+            acc.apply()
+        return run
+    return paired(step(steps[0]), step(steps[1]), reps)
+
+
 def zipf_ids(rng, batch, slots):
     z = rng.zipf(1.3, size=(batch, slots)).astype(np.int64)
     return (z * 1000003 + np.arange(slots) * 7919) * 0x9E3779B1
@@ -171,6 +204,8 @@ def main(argv=None):
     ap.add_argument("--workers", type=int, default=1, help="W: the dense Adam step runs on "
                     "a 1/W shard and adds W parts (1: --local)")
     ap.add_argument("--reps", type=int, default=200, help="steps timed (each site's best)")
+    ap.add_argument("--dense-average", type=float, default=0.0, help="B > 0: time the dense "
+                    "step with the moving average of --dense-average B against without")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     hidden = tuple(int(x) for x in a.fc.split(","))
@@ -200,6 +235,14 @@ def main(argv=None):
     step = whole + sum(s for _, s in rest)
     print(f"step total (without reading, pulls and pushes): {step * 1e6:.0f} us = "
           f"{B / step:.0f} ex/s; GEMMs are {gemm / step:.1%} of it")
+    if a.dense_average:
+        (pm, pb), (am, ab) = average_cost(params, a.workers, a.reps, a.dense_average, rng)
+        print(f"dense step without / with --dense-average {a.dense_average:g} (us, median "
+              f"and best of {a.reps} alternate runs): {pm * 1e6:.1f} / {am * 1e6:.1f} "
+              f"(best {pb * 1e6:.1f} / {ab * 1e6:.1f}); the average costs {(am - pm) * 1e6:.1f} "
+              f"us median, {(ab - pb) * 1e6:.1f} best = {(am - pm) / step:.2%} / "
+              f"{(ab - pb) / step:.2%} of the step total; ratio of the dense steps "
+              f"{am / pm:.3f} (median)")
     print(f"load average {load0:.2f} -> {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -147,7 +147,7 @@ class DenseTable:
             new[name] = src.reshape(arr.shape)
         avg = None
         if self._avg is not None:
-            avg = self._check(data.get('average', new['values']), 'average')[0]
+            avg = self._check(data.get('average', new['values'][0]), 'average')[0]
         why = state_violation(self.opt, new if avg is None else {**new, 'average': avg})
         if why:
             raise ValueError(f'import_state: {why}')
