@@ -190,31 +190,36 @@ def assert_same(a, b):
         assert np.array_equal(da[k], db[k]), f"dense {k} differs"
 
 
-def mid(root, steps):
+def saved(root, epoch, complete, steps=None):
+    """The checkpoint of ``epoch`` under root saved at its end (complete) or mid-epoch
+    after ``steps`` batches."""
     from mpips import checkpoint as ck
     found = [c["path"] for c in ck.list_checkpoints(str(root))
-             if ck.read_manifest(c["path"])["meta"].get("steps") == steps
-             and ck.read_manifest(c["path"])["meta"].get("epoch") == 1]
+             if (m := ck.read_manifest(c["path"])["meta"])["epoch"] == epoch
+             and m["complete"] == complete and (steps is None or m["steps"] == steps)]
     assert len(found) == 1
     return found[0]
 
 
 def test_resume_mid_epoch_is_exact_local_and_sync(tiny_data, tmp_path):
-    """One process with 2 parts, 2 epochs, a save every 30 steps; resumed from epoch 1's
-    save at step 30 in one process and by 2 sync workers (DENSE_GET with the average, the
-    replicas' shards stepping it, DENSE_PUT and the servers' save): the same bits as the
-    run that was not stopped, and the same test figures, averaged and raw."""
+    """An epoch of one process with 2 parts and of 2 sync workers (the replicas' shards
+    stepping the average, DENSE_PUT and the servers' saves), a save every 30 steps; each
+    resumed from its save at step 30 (sync: DENSE_GET with the average).  All four end
+    on the same bits, average included, with the same test figures, averaged and raw."""
     common = ("--batch-size", "100", "--lr", "0.003", "--dense-average", str(B),
-              "--epochs", "2", "--save-every", "30")
-    full = train(tiny_data, tmp_path, "full", "--local", "--local-workers", "2", *common)
-    src = mid(tmp_path / "full", 30)
-    res = train(tiny_data, tmp_path, "res", "--local", "--local-workers", "2", *common,
-                "--resume", src)
-    dist = train(tiny_data, tmp_path, "dist", "--mode", "sync", *common, "--resume", src, n=4)
-    assert_same(tmp_path / "full", tmp_path / "res")
-    assert_same(tmp_path / "full", tmp_path / "dist")
-    for rec in (res[-1], dist[-1]):
+              "--save-every", "30")
+    local = ("--local", "--local-workers", "2")
+    recs = {"full": train(tiny_data, tmp_path, "full", *local, *common),
+            "dist": train(tiny_data, tmp_path, "dist", "--mode", "sync", *common, n=4)}
+    recs["res"] = train(tiny_data, tmp_path, "res", *local, *common, "--resume",
+                        saved(tmp_path / "full", 0, False, 30))
+    recs["dres"] = train(tiny_data, tmp_path, "dres", "--mode", "sync", *common, "--resume",
+                         saved(tmp_path / "dist", 0, False, 30), n=4)
+    ref = recs["full"][-1]
+    for name in ("res", "dist", "dres"):
+        assert_same(tmp_path / "full", tmp_path / name)
+        rec = recs[name][-1]
         for k in ("test_auc", "test_auc_raw"):
-            assert rec[k] == full[-1][k]
-        assert rec["test_logloss"] == pytest.approx(full[-1]["test_logloss"], rel=1e-14)
-    assert full[-1]["test_logloss"] != full[-1]["test_logloss_raw"]
+            assert rec[k] == ref[k], (name, k)
+        assert rec["test_logloss"] == pytest.approx(ref["test_logloss"], rel=1e-14)
+    assert ref["test_logloss"] != ref["test_logloss_raw"]
