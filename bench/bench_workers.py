@@ -53,6 +53,7 @@ from common import ENV, ROOT, mpiexec  # noqa: E402
 PEER_TIMEOUT = 1800
 
 KEYS = ("test_auc", "test_logloss", "test_mean_pred", "test_ctr", "examples_per_sec",
+        "test_auc_raw", "test_logloss_raw", "test_mean_pred_raw",      # --dense-average
         "push_staleness", "row_clip_frac")
 
 

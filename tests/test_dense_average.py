@@ -145,6 +145,13 @@ def test_exports_and_evaluation_use_the_average(tmp_path):
     back = DenseTable(np.zeros(m["n_params"], np.float32), opt, B)
     ck.load_local(d[1], SparseTable(m["embedding_dim"], opt, seed=0), back)
     assert np.array_equal(back.averaged, avg) and np.array_equal(back.values, raw)
+    bounds = [0, 1000, m["n_params"]]                  # re-sharded onto two servers
+    for sid in (0, 1):
+        lo, hi = bounds[sid], bounds[sid + 1]
+        part = DenseTable(np.zeros(hi - lo, np.float32), opt, B)
+        ck.load_shard_into(d[1], SparseTable(m["embedding_dim"], opt, seed=0), part, sid, 2,
+                           bounds)
+        assert np.array_equal(part.averaged, avg[lo:hi])
     got = tr.evaluate(make_reader(cfg, cfg.test, 128, quiet))
     want = {}
     for name, w in (("avg", avg), ("raw", raw)):            # the same batches, by hand

@@ -283,9 +283,10 @@ class DistBackend:
             return None
         mine = eval_files(files, self.W, self.wi, not self.schema.pipe_command)
         self._replica_ready()
-        averaged = self.trainer.replica is not None and self.trainer.replica.average
-        if averaged:                    # --dense-average: each worker steps its shard's
-            self._replica_whole()       # average; every worker scores with the whole one
+        averaged = self.cfg.dense_average > 0         # (GEO: the servers' average)
+        if averaged and self.trainer.replica is not None:
+            self._replica_whole()       # each worker steps its shard's average; every
+                                        # worker scores with the whole one
         local = BinaryMetrics()
         if mine:
             reader = make_reader(self.cfg, mine, self.batches[self.wi],
