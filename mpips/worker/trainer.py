@@ -299,6 +299,7 @@ class StepMath:
         """evaluate(), the first pull also filling ``dense_out`` (the servers' dense
         weights) when it is not None."""
         ms = [BinaryMetrics() for _ in self.eval_weights()]
+        self.eval_metrics = ms             # one per eval_weights() vector (bench_average.py)
         if len(ms) > 1:
             ms[0].raw = ms[1]
         it = iter(batches)
