@@ -7,7 +7,7 @@
 - exports carry it: a bundle's and a patch's dense weights are the average, and
   evaluation scores with it (the trained weights' metrics beside);
 - a run resumed mid-epoch equals the uninterrupted one bit for bit (one process, and
-  sync workers resumed from the same checkpoint), average included.
+  sync workers), average included, and so does a stream killed mid-pass and restarted.
 """
 import os
 
@@ -230,3 +230,23 @@ def test_resume_mid_epoch_is_exact_local_and_sync(tiny_data, tmp_path):
             assert rec[k] == ref[k], (name, k)
         assert rec["test_logloss"] == pytest.approx(ref["test_logloss"], rel=1e-14)
     assert ref["test_logloss"] != ref["test_logloss_raw"]
+
+
+def test_stream_killed_and_resumed_keeps_the_average(tmp_path):
+    """A stream run SIGKILLed mid-pass and started again (the same command) ends on the
+    bits of the uninterrupted run, the average included, pass records alike."""
+    from data_prep.stream_synth import generate_stream
+    from tests.conftest import run_cmd
+    from tests.test_stream import EXACT, args, killed, records
+    stream = tmp_path / "stream"
+    generate_stream(str(stream), days=2, hours=3, rows_per_pass=400, parts=2, seed=5)
+    flags = EXACT + ("--local", "--dense-average", str(B))
+    (tmp_path / "ref").mkdir()
+    assert run_cmd(args(stream, tmp_path / "ref", *flags)).returncode == 0
+    killed(stream, tmp_path / "run", *flags)
+    proc = run_cmd(args(stream, tmp_path / "run", *flags))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert_same(tmp_path / "ref" / "ck", tmp_path / "run" / "ck")
+    keys = ("pass", "test_auc", "test_logloss", "test_auc_raw", "test_logloss_raw")
+    assert ([{k: r[k] for k in keys} for r in records(tmp_path / "run")]
+            == [{k: r[k] for k in keys} for r in records(tmp_path / "ref")])
