@@ -101,6 +101,7 @@ class Network:
             raise ValueError(f"pooling must give 0 (sum) or 1 (mean) for each of the "
                              f"{self.n_sparse} slots; got {pooling!r}")
         self.slot_names = list(slot_names or [f"C{i + 1}" for i in range(self.n_sparse)])
+        self.task_names = ()            # the labels of T > 1 tasks (mpips.models.zoo)
         spec = parse(text, where)
         self.digest = digest(text)
         self.name = name or spec["name"] or "network"

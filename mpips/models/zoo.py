@@ -5,6 +5,7 @@ A checkpoint stores the network's text (manifest ``network``) and its digest (se
 a bundle's ``model`` record holds the text too.  One saved before networks were files
 holds only the name (``config.model``; none: dnn), which means the built-in file.
 """
+from mpips.metrics import new_metrics
 from mpips.models.network import Network
 from mpips.models.spec import (BUILTIN, MULTI_TASK, NetworkError, builtin_text, digest, parse,
                                resolve)
@@ -58,7 +59,16 @@ def make_net(model, schema, dim, hidden, text=None, **kw):
                   pooling=schema.pooling_codes(), slot_names=schema.sparse_names,
                   name=name, where=f"network {model}", **kw)
     check_tasks(net, schema, model)
+    net.task_names = schema.labels if net.n_tasks > 1 else ()
     return net
+
+
+def metrics_for(net):
+    """Empty metrics for a network's predictions: BinaryMetrics for one task, TaskMetrics
+    (per label; ESMM's CVR on clicked rows too) for several."""
+    names = getattr(net, "task_names", ()) or tuple(f"task{t}" for t in range(net.n_tasks))
+    esmm = net.head is not None and net.head.kind == "esmm"
+    return new_metrics(names if net.n_tasks > 1 else (), esmm)
 
 
 def check_tasks(net, schema, model):
@@ -77,7 +87,7 @@ def check_tasks(net, schema, model):
 
 __all__ = ("MODELS", "DEFAULT", "NetworkError", "digest", "network_text", "model_digest",
            "extra_cols", "stored_network", "stored_name", "make_net", "builtin", "network_record",
-           "ALL", "MULTI_TASK", "check_tasks")
+           "ALL", "MULTI_TASK", "check_tasks", "metrics_for")
 
 
 def builtin(name, n_sparse, dim, n_dense, hidden=(400, 400, 400), **kw):
