@@ -125,7 +125,9 @@ def describe_bad(reason: int, detail: int, names, fmt: str, has_label=True) -> s
     if reason == B.BAD_DENSE_DIM:
         return f"dense slot {name(detail)} appears neither 0 nor dim times"
     if reason == B.BAD_NO_LABEL:
-        return f"the label appears {detail} times (once a line)"
+        t, times = detail >> 32, detail & 0xFFFFFFFF
+        which = f"label {name(t)}" if t else "the label"
+        return f"{which} appears {times} times (once a line)"
     if reason == B.BAD_COLUMNS:
         return f"expected {len(names)} columns as the header, found {detail}"
     if reason == B.BAD_QUOTE:

@@ -79,7 +79,7 @@ def _check_counts(kinfo, kseen, has_label):
         if kind == KIND_DENSE and kseen[kk] != 0 and kseen[kk] != kinfo[kk, 2]:
             return BAD_DENSE_DIM, kk
         if kind == KIND_LABEL and has_label and kseen[kk] != 1:
-            return BAD_NO_LABEL, kseen[kk]
+            return BAD_NO_LABEL, kseen[kk] + (kinfo[kk, 1] << 32)   # label t's count
     return 0, 0
 
 
