@@ -53,7 +53,11 @@ def test_mmoe_sync_equals_local_workers_bit_for_bit(two_labels, tmp_path):
                        *common)
     assert_identical(tmp_path / "sync", tmp_path / "local")
     assert dist[0]["train_loss"] == pytest.approx(local[0]["train_loss"], rel=1e-12)
-    assert dist[0]["tasks"] == local[0]["tasks"]
+    for name, t in local[0]["tasks"].items():     # test: the same sums; train: summed
+        d = dist[0]["tasks"][name]                   # per worker then across, or in turn
+        assert {k: v for k, v in d.items() if k.startswith("test_")} == \
+            {k: v for k, v in t.items() if k.startswith("test_")}
+        assert d["train_loss"] == pytest.approx(t["train_loss"], rel=1e-12)
     for rec in (dist[0], local[0]):
         assert list(rec["tasks"]) == ["click", "purchase"]
         for t in rec["tasks"].values():
@@ -102,6 +106,46 @@ def test_resume_infer_export_predictor(two_labels, tmp_path):
     out = p.predict_lines(lines)
     assert out.shape == (1000, 2)
     np.testing.assert_allclose(out, scores, rtol=0, atol=1e-6)
+    check_serve(str(tmp_path / "b.h5"), header, lines[:50], p)
+
+
+def check_serve(bundle, header, lines, p):
+    """V2: one output tensor per task named by its label; TF: a {task: p} per instance;
+    raw lines: T tab-separated scores a line; each equal to the Predictor's (n, T)."""
+    pytest.importorskip("prometheus_client")
+    from tests.test_serve import Server
+    ref = p.predict_lines(lines)
+    cols = header.strip().split(",")
+    rows = [dict(zip(cols, ln.decode().strip().split(","))) for ln in lines]
+    insts = [{k: (float(v) if k[0] == "I" else v) for k, v in r.items()} for r in rows]
+    srv = Server("--bundle", bundle, "--header", header.strip(), "--name", "ads")
+    try:
+        s, _, body = srv.call("POST", "/v1/models/ads:predict", {"instances": insts})
+        assert s == 200, body
+        preds = json.loads(body)["predictions"]
+        assert [list(x) for x in preds[:1]] == [["click", "purchase"]]
+        got = np.array([[x["click"], x["purchase"]] for x in preds], np.float32)
+        assert np.array_equal(got, ref)
+        tensors = [{"name": n, "shape": [len(insts)], "datatype": "FP64" if n[0] == "I"
+                    else "BYTES", "data": [x[n] for x in insts]} for n in cols[2:]]
+        s, _, body = srv.call("POST", "/v2/models/ads/infer", {"inputs": tensors})
+        assert s == 200, body
+        outs = json.loads(body)["outputs"]
+        assert [o["name"] for o in outs] == ["click", "purchase"]
+        assert np.array_equal(np.array([o["data"] for o in outs], np.float32).T, ref)
+        s, _, body = srv.call("POST", "/v2/models/ads/infer", {"inputs": tensors, "outputs": [
+            {"name": "purchase"}]})
+        assert [o["name"] for o in json.loads(body)["outputs"]] == ["purchase"]
+        s, _, body = srv.call("POST", "/v2/models/ads/infer", {"inputs": tensors, "outputs": [
+            {"name": "probability"}]})
+        assert s == 400 and "click" in json.loads(body)["error"]
+        meta = json.loads(srv.call("GET", "/v2/models/ads")[2])
+        assert [o["name"] for o in meta["outputs"]] == ["click", "purchase"]
+        s, _, body = srv.call("POST", "/v1/models/ads:lines", b"".join(lines), "text/csv")
+        got = np.array([row.split("\t") for row in body.decode().splitlines()], np.float32)
+        assert s == 200 and np.array_equal(got, ref)
+    finally:
+        assert srv.stop() == 0
 
 
 def test_single_task_network_with_two_labels_is_one_line(two_labels, tmp_path):
