@@ -205,3 +205,99 @@ def test_single_task_digest_unchanged_by_tasks():
     assert {n: zoo.digest(builtin_text(n)) for n in zoo.MODELS} == before
     from mpips.models.spec import parse
     assert set(parse(builtin_text("dnn"))) == {"name", "inputs", "layers", "logits"}
+
+
+def test_plot_draws_each_task():
+    matplotlib = pytest.importorskip("matplotlib")  # noqa: F841
+    from mpips import plot
+    recs = [{"epoch": e, "train_examples": 10, "test_auc": 0.7 + e / 100,
+             "tasks": {"click": {"test_auc": 0.7 + e / 100},
+                       "purchase": {"test_auc": 0.6 + e / 100}}} for e in range(3)]
+    fig = plot.plot_epochs([("run", recs)])
+    lines = {ln.get_label(): list(ln.get_ydata()) for ln in fig.axes[0].get_lines()}
+    assert lines["run purchase"] == pytest.approx([0.6, 0.61, 0.62])
+    assert lines["run click"] == pytest.approx([0.7, 0.71, 0.72])
+
+
+def test_task_metrics_per_label_and_esmm_cvr_on_clicked_rows():
+    rng = np.random.default_rng(0)
+    n = 400
+    click = (rng.random(n) < 0.4).astype(np.float32)
+    buy = click * (rng.random(n) < 0.5)
+    p = np.stack([rng.random(n), rng.random(n)], 1).astype(np.float32)
+    p[:, 1] *= p[:, 0]                                           # pCTCVR <= pCTR
+    m = TaskMetrics(("click", "purchase"), esmm=True)
+    m.update(p[:200], np.stack([click, buy], 1)[:200])
+    m2 = m.with_state(m.state())
+    m2.update(p[200:], np.stack([click, buy], 1)[200:])
+    ref = {}
+    for t, y in enumerate((click, buy)):
+        b = BinaryMetrics()
+        b.update(np.ascontiguousarray(p[:, t]), y)
+        ref[t] = b
+    f = m2.task_fields()
+    assert f["click"]["test_auc"] == ref[0].auc() and m2.auc() == ref[0].auc()
+    assert f["purchase"]["test_logloss"] == ref[1].logloss()
+    c = click == 1
+    cvr = BinaryMetrics()
+    cvr.update(np.minimum(p[c, 1] / p[c, 0], 1), buy[c])
+    assert f["purchase"]["test_cvr_auc_clicked"] == cvr.auc()
+
+
+def _formats_schema(fmt):
+    from mpips.schema import DenseGroup, SparseGroup
+    kw = dict(fields=("click", "d", "a", "purchase", "b")) if fmt == "multislot" else \
+        dict(delimiter=",", header=True) if fmt == "csv" else {}
+    return Schema(format=fmt, label=("click", "purchase"), dense=(DenseGroup(
+        ("d",), norm="none"),), sparse=(SparseGroup(("a", "b")),), **kw)
+
+
+@pytest.mark.parametrize("fmt, text", [
+    ("csv", b"purchase,d,a,click,b\n0,0.5,x,1,y\n1,1.5,z,1,w\n0,2,x,0,\n"),
+    ("slot", b"click:1 purchase:0 d:0.5 a:1 b:2\npurchase:1 click:1 d:1.5 a:3 b:4\n"
+             b"click:0 purchase:0 d:2 a:1\n"),
+    ("multislot", b"1 1 1 0.5 1 1 1 0 1 2\n1 1 1 1.5 1 3 1 1 1 4\n1 0 1 2 1 1 1 0 0\n"),
+])
+def test_every_format_reads_two_labels(tmp_path, fmt, text):
+    from mpips.data.reader import DataReader
+    s = _formats_schema(fmt)
+    (tmp_path / "x").write_bytes(text)
+    [b] = list(DataReader([str(tmp_path / "x")], 3, schema=s))
+    np.testing.assert_array_equal(b.label, [[1, 0], [1, 1], [0, 0]])
+    np.testing.assert_array_equal(b.dense[:, 0], [0.5, 1.5, 2.0])
+    assert b.offsets[-1] == 5 and b.label.dtype == np.float32
+
+
+def test_paddlerec_sample_and_binary_parts_round_trip(tmp_path):
+    """The two-label CSV sample (click,purchase,f1,...) against Python's csv module, and
+    binary parts of it read back with the same (n, 2) labels."""
+    import csv
+    from mpips.data import bagparts
+    from mpips.data.reader import DataReader
+    s = load_schema(os.path.join(HERE, "data", "two_labels.toml"))
+    path = os.path.join(HERE, "data", "two_labels_sample.csv")
+    rows = list(csv.DictReader(open(path)))
+    want = np.array([[float(r["click"]), float(r["purchase"])] for r in rows], np.float32)
+    text = np.concatenate([b.label for b in DataReader([path], 16, schema=s)])
+    np.testing.assert_array_equal(text, want)
+    assert (want[:, 1] <= want[:, 0]).all() and want[:, 1].sum() > 0   # a purchase is a click
+    pieces = [(b.dense, b.sparse, b.label, b.offsets) for b in DataReader([path], 16, schema=s)]
+    bagparts.write_split(str(tmp_path / "parts"), pieces, s, rows_per_part=25, has_label=True,
+                         hash_bucket=0)
+    back = np.concatenate([b.label for b in DataReader([str(tmp_path / "parts")], 16,
+                                                       schema=s)])
+    np.testing.assert_array_equal(back, want)
+
+
+def test_schema_label_lists():
+    s = Schema.from_dict(_formats_schema("csv").to_dict())
+    assert s.labels == ("click", "purchase") and s.n_tasks == 2
+    assert "labels click, purchase" in s.describe()
+    assert Schema.criteo().labels == ("label",) and Schema.criteo().to_dict()["label"] == "label"
+    with pytest.raises(SchemaError, match="several labels need"):
+        Schema.from_dict({"format": "criteo", "label": ["a", "b"],
+                          "dense": [{"names": ["I1"]}]})
+    with pytest.raises(SchemaError, match="more than once"):
+        Schema.from_dict({"format": "csv", "label": ["a", "a"], "dense": [{"names": ["I1"]}]})
+    with pytest.raises(SchemaError, match="label must be"):
+        Schema.from_dict({"format": "csv", "label": [], "dense": [{"names": ["I1"]}]})
