@@ -154,3 +154,27 @@ def test_single_task_network_with_two_labels_is_one_line(two_labels, tmp_path):
     err = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and len(err) == 1, proc.stderr
     assert "mmoe" in err[0] and "esmm" in err[0] and "shared_bottom" in err[0]
+
+
+def test_stream_passes_report_every_task(two_labels, tmp_path):
+    """Two passes of two-label CSV: each PASS record has both tasks' progressive test
+    figures (evaluated before the pass trains) and their training loss."""
+    src = os.path.join(two_labels[0], "part-0.csv")
+    lines = open(src).readlines()
+    for k, hour in enumerate(("00", "01")):
+        d = tmp_path / "s" / "20260101" / hour
+        d.mkdir(parents=True)
+        (d / "part-0.csv").write_text(lines[0] + "".join(lines[1 + 700 * k:1 + 700 * (k + 1)]))
+        (d / "_SUCCESS").write_text("")
+    proc = run_cmd(["-m", "mpips.train", "--local", "--stream", str(tmp_path / "s"),
+                    "--save-dir", str(tmp_path / "ck"), "--schema", two_labels[2],
+                    "--model", "shared_bottom", "--stream-timeout", "1", "--metrics-out",
+                    str(tmp_path / "p.jsonl"), *SMALL])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    recs = [json.loads(x) for x in open(tmp_path / "p.jsonl")]
+    assert [r["pass"] for r in recs] == ["20260101/00", "20260101/01"]
+    for r in recs:
+        assert r["test_examples"] == 700
+        for t in r["tasks"].values():
+            assert {"test_auc", "test_logloss", "train_loss", "test_ctr"} <= set(t)
+    assert "| TASKS click: auc" in proc.stdout
