@@ -7,7 +7,9 @@ Runs, one epoch each, Adam (--lr), batch --batch-size, --fc, all on the same fil
     label column is skipped);
   * shared_bottom, mmoe and esmm with label = [click, purchase], --local;
   * the same three 2x2 async (mpiexec -n 4: 2 servers, 2 workers);
-  * (--torch) bench/torch_ref.py on the same network, one process, 2 threads.
+  * (--torch) bench/torch_ref.py on the same network, one process, 2 threads
+    (OMP_WAIT_POLICY=PASSIVE, its default table hash % 1000001 and SparseAdam, as
+    docs/studies/networks.md ran it).
 Prints one line a run and the bars: each task's AUC against its single-task run (within
 0.002), esmm's pCTCVR AUC against the purchase-only run, 2x2 async against --local (within
 0.003) per task, and mpips 2x2 async examples/s over the PyTorch reference's.  The oracle
@@ -108,10 +110,10 @@ def main(argv=None):
             out = os.path.join(d, f"{model}_torch.jsonl")
             rec, sec = run([sys.executable, "bench/torch_ref.py", "--model", model, "--schema",
                             schema, "--train", os.path.join(d, "train.csv"), "--test",
-                            os.path.join(d, "test.csv"), "--hash-bucket", "0", "--lr", a.lr,
-                            "--batch-size", a.batch_size, "--fc", a.fc, "--row-adam",
+                            os.path.join(d, "test.csv"), "--lr", a.lr,
+                            "--batch-size", a.batch_size, "--fc", a.fc,
                             "--metrics-out", out, "--print-every", "0"], out,
-                           env={"OMP_NUM_THREADS": "2"})
+                           env={"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"})
             res[f"{model}_torch"] = rec
             t = rec["tasks"]
             print(f"{model} torch: click {t['click']['test_auc']:.4f} purchase "
