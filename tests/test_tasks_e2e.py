@@ -178,3 +178,16 @@ def test_stream_passes_report_every_task(two_labels, tmp_path):
         for t in r["tasks"].values():
             assert {"test_auc", "test_logloss", "train_loss", "test_ctr"} <= set(t)
     assert "| TASKS click: auc" in proc.stdout
+    # a base bundle plus the delta's patch scores (n, 2) as a bundle of the delta
+    ck = tmp_path / "ck"
+    base, full, patch = (str(tmp_path / x) for x in ("base.h5", "full.h5", "patch.h5"))
+    assert export.main(["--checkpoint", str(ck / "ckpt-000001-base"), "--out", base]) == 0
+    assert export.main(["--checkpoint", str(ck / "ckpt-000002-delta"), "--out", full]) == 0
+    assert export.main(["--checkpoint", str(ck / "ckpt-000002-delta"), "--out", patch,
+                        "--since", base]) == 0
+    p, ref = Predictor(base, header=lines[0]), Predictor(full, header=lines[0])
+    before = p.predict_lines(lines[1:300])
+    p.apply(patch)
+    got = p.predict_lines(lines[1:300])
+    assert got.shape == (299, 2) and np.array_equal(got, ref.predict_lines(lines[1:300]))
+    assert not np.array_equal(got, before)
