@@ -301,3 +301,24 @@ def test_schema_label_lists():
         Schema.from_dict({"format": "csv", "label": ["a", "a"], "dense": [{"names": ["I1"]}]})
     with pytest.raises(SchemaError, match="label must be"):
         Schema.from_dict({"format": "csv", "label": [], "dense": [{"names": ["I1"]}]})
+
+
+def test_tensorboard_writes_each_task():
+    from mpips.job.tracking import TensorBoard
+
+    class Writer:
+        def __init__(self):
+            self.points = {}
+
+        def add_scalar(self, key, v, x):
+            self.points[key] = (v, x)
+
+        def flush(self):
+            pass
+    tb = TensorBoard.__new__(TensorBoard)
+    tb.writer, tb.steps = Writer(), 0
+    tb.record({"epoch": 1, "test_auc": 0.7, "tasks": {"click": {"test_auc": 0.7},
+                                                      "purchase": {"test_auc": 0.6,
+                                                                   "train_loss": None}}}, 5)
+    assert tb.writer.points["epoch/purchase/test_auc"] == (0.6, 1)
+    assert "epoch/purchase/train_loss" not in tb.writer.points
