@@ -1,7 +1,7 @@
 """PyTorch reference: the same networks as mpips, on CPU in one process, to compare against.
 
     python bench/torch_ref.py --train DIR/train --test DIR/test [--hash-bucket 1000001]
-        [--model dnn|wide_deep|deepfm|dcn_v2|dlrm]
+        [--model dnn|wide_deep|deepfm|dcn_v2|dlrm|shared_bottom|mmoe|esmm]
 
 ``--model`` picks the network as mpips's ``--model`` does (``WideDeep``, ``DeepFM`` below:
 rows [w | v], w_0 and u from 0, the same MLP and initialisation).  ``DCNv2`` and ``DLRM``
@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT  # noqa: E402,F401  (puts the repo root on sys.path)
 
 from mpips.data.reader import DataReader  # noqa: E402
-from mpips.metrics import BinaryMetrics  # noqa: E402
+from mpips.metrics import BinaryMetrics, new_metrics  # noqa: E402
 from mpips.schema import Schema, load_schema  # noqa: E402
 
 VOCAB_MERGE = 1 << 23     # ids gathered before they are merged into the sorted vocabulary
@@ -275,8 +275,121 @@ class DLRM(LayerNet):
         return self.logit(fc)
 
 
+# ---- several tasks (issue 47 part A): mpips's shared_bottom.toml, mmoe.toml, esmm.toml
+class MultiTask(LayerNet):
+    """A network of T = 2 logits over x0 = concat(pooled slots, dense), in mpips's flat
+    layout; ``forward`` gives (n, 2) logits.  ``task_loss``: the sum of the tasks' mean BCE
+    (``head`` independent); ``probs``: (n, 2) sigmoids.  ESMM overrides both."""
+    n_tasks = 2
+
+    def __init__(self, n_rows, n_sparse=26, dim=10, n_dense=13, hidden=(400, 400, 400),
+                 init_range=0.05, pooling=None, seed=0):
+        nn.Module.__init__(self)
+        self._embedding(n_rows, n_sparse, dim, init_range, pooling)
+        self.hidden, self.m = tuple(hidden), n_sparse * dim + n_dense
+        self._params(self.build_layout(), seed)
+
+    def x0(self, rows, dense, offsets):
+        return torch.cat([self.slots(rows, dense.shape[0], offsets), dense], dim=1)
+
+    def linear1(self, name, x):
+        """mpips's width-1 ``linear`` ``name``: (n,)."""
+        return torch.mv(x, self.param(f"{name}.w")) + self.param(f"{name}.b")
+
+    def task_loss(self, logits, y):
+        f = nn.functional.binary_cross_entropy_with_logits
+        return sum(f(logits[:, t], y[:, t]) for t in range(self.n_tasks))
+
+    def probs(self, logits):
+        return torch.sigmoid(logits)
+
+
+class SharedBottom(MultiTask):
+    """``shared_bottom.toml``: a shared ReLU MLP of ``--fc``, a [64] tower and a logit a task."""
+    TOWER = 64
+
+    def build_layout(self):
+        lay = mlp_layout("bottom", self.m, self.hidden)
+        for t in (1, 2):
+            lay += mlp_layout(f"tower{t}", self.hidden[-1], [self.TOWER])
+            lay += mlp_layout(f"out{t}", self.TOWER, [1], linear=True)
+        return lay
+
+    def forward(self, rows, dense, offsets=None):
+        b = self.mlp_forward("bottom", self.x0(rows, dense, offsets), len(self.hidden))
+        return torch.stack([self.linear1(f"out{t}", self.mlp_forward(f"tower{t}", b, 1))
+                            for t in (1, 2)], 1)
+
+
+class MMoE(MultiTask):
+    """``mmoe.toml``: 3 experts (ReLU [256, 128]) over x0; per task a softmax gate
+    softmax(x0 W + b) mixing them, a [64] tower and a logit."""
+    EXPERTS, WIDTHS, TOWER = 3, (256, 128), 64
+
+    def build_layout(self):
+        lay = []
+        for e in range(1, self.EXPERTS + 1):
+            lay += mlp_layout(f"expert{e}", self.m, self.WIDTHS)
+        for t in (1, 2):
+            lay += [(f"gate{t}.w", (self.m, self.EXPERTS), (self.m, self.EXPERTS)),
+                    (f"gate{t}.b", (self.EXPERTS,), None)]
+            lay += mlp_layout(f"tower{t}", self.WIDTHS[-1], [self.TOWER])
+            lay += mlp_layout(f"out{t}", self.TOWER, [1], linear=True)
+        return lay
+
+    def forward(self, rows, dense, offsets=None):
+        x = self.x0(rows, dense, offsets)
+        ex = torch.stack([self.mlp_forward(f"expert{e}", x, len(self.WIDTHS))
+                          for e in range(1, self.EXPERTS + 1)], 1)          # (n, E, w)
+        out = []
+        for t in (1, 2):
+            g = torch.softmax(torch.addmm(self.param(f"gate{t}.b"), x,
+                                          self.param(f"gate{t}.w")), dim=1)  # (n, E)
+            mix = torch.bmm(g.unsqueeze(1), ex).squeeze(1)                   # (n, w)
+            out.append(self.linear1(f"out{t}", self.mlp_forward(f"tower{t}", mix, 1)))
+        return torch.stack(out, 1)
+
+
+class ESMM(MultiTask):
+    """``esmm.toml``: a CTR and a CVR ReLU MLP of ``--fc`` over x0, a logit each;
+    pCTCVR = pCTR x pCVR, losses on click (pCTR) and on click-and-purchase (pCTCVR)."""
+
+    def build_layout(self):
+        lay = []
+        for name in ("ctr", "cvr"):
+            lay += mlp_layout(name, self.m, self.hidden)
+            lay += mlp_layout(f"{name}_logit", self.hidden[-1], [1], linear=True)
+        return lay
+
+    def forward(self, rows, dense, offsets=None):
+        x = self.x0(rows, dense, offsets)
+        return torch.stack([self.linear1(f"{n}_logit", self.mlp_forward(n, x, len(self.hidden)))
+                            for n in ("ctr", "cvr")], 1)
+
+    def task_loss(self, logits, y):
+        a, b = logits[:, 0], logits[:, 1]
+        f = nn.functional.binary_cross_entropy_with_logits
+        log_p = nn.functional.logsigmoid(a) + nn.functional.logsigmoid(b)     # log pCTCVR
+        log_q = torch.log(-torch.expm1(log_p).clamp(max=-1e-300))             # log(1 - p)
+        ctcvr = -(y[:, 1] * log_p + (1 - y[:, 1]) * log_q).mean()
+        return f(a, y[:, 0]) + ctcvr
+
+    def probs(self, logits):
+        p = torch.sigmoid(logits)
+        return torch.stack([p[:, 0], p[:, 0] * p[:, 1]], 1)
+
+
+MULTI_TASK = {"shared_bottom": SharedBottom, "mmoe": MMoE, "esmm": ESMM}
+
+
+def task_metrics(schema, model_name):
+    """mpips's metrics for the model's predictions (per task with several labels)."""
+    return new_metrics(schema.labels if model_name in MULTI_TASK else (),
+                       model_name == "esmm")
+
+
 MODELS = {"dnn": CTRDNN, "wide_deep": WideDeep, "deepfm": DeepFM, "dcn_v2": DCNv2,
-          "dlrm": DLRM}
+          "dlrm": DLRM, **MULTI_TASK}
 
 
 class RowAdam:
@@ -367,9 +480,14 @@ def run(a):
                   torch.optim.SparseAdam([model.emb.weight], lr=a.lr, betas=(0.9, 0.999),
                                          eps=1e-8))
     lossf = nn.BCEWithLogitsLoss()
+    multi = a.model in MULTI_TASK
+    if multi:                                   # several tasks: the model's loss and probs
+        lossf, sig = model.task_loss, model.probs
+    else:
+        sig = torch.sigmoid
     recs = []
     for epoch in range(a.epochs):
-        train_m, loss_sum, n_ex = BinaryMetrics(), 0.0, 0
+        train_m, loss_sum, n_ex = task_metrics(schema, a.model), 0.0, 0
         t_start = time.perf_counter()
         model.train()
         for label, dense_np, offsets, ids in batches(a.train, a.batch_size, a.hash_bucket, schema):
@@ -384,7 +502,7 @@ def run(a):
             n = len(label)
             n_ex += n
             loss_sum += loss.item() * n
-            train_m.update(torch.sigmoid(logit.detach()).numpy(), label)
+            train_m.update(sig(logit.detach()).numpy(), label)
             if a.print_every and n_ex // a.batch_size % a.print_every == 0:
                 print(f"torch_ref: {n_ex} examples, {n_ex / (time.perf_counter() - t_start):.0f}"
                       f" ex/s, loss {loss_sum / n_ex:.4f}", file=sys.stderr, flush=True)
@@ -398,16 +516,18 @@ def run(a):
                "threads": torch.get_num_threads(), "torch": torch.__version__,
                "schema": schema.describe(), "embedding_dim": a.embedding_dim, "fc": a.fc}
         if a.test:
-            test_m = BinaryMetrics()
+            test_m = task_metrics(schema, a.model)
             model.eval()
             with torch.no_grad():
                 for label, dense_np, offsets, ids in batches(a.test, 4096, a.hash_bucket, schema):
-                    p = torch.sigmoid(model(idmap(ids), torch.from_numpy(dense_np), None if
-                                            offsets is None else torch.from_numpy(offsets)))
+                    p = sig(model(idmap(ids), torch.from_numpy(dense_np), None if
+                                  offsets is None else torch.from_numpy(offsets)))
                     test_m.update(p.numpy(), label)
             rec.update(test_examples=test_m.count, test_auc=test_m.auc(),
                        test_logloss=test_m.logloss(), test_mean_pred=test_m.mean_pred(),
                        test_ctr=test_m.observed_ctr())
+            if multi:
+                rec["tasks"] = test_m.task_fields("test_")
         rec["job_seconds"] = round(time.perf_counter() - t_job, 3)
         recs.append(rec)
         print(json.dumps(rec), flush=True)

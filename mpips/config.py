@@ -27,7 +27,7 @@ FORMATS = ("auto", "tsv", "slot")
 SAVE_MODES = ("full", "base", "delta")
 SHRINK_EVERY = ("day", "pass", "never")
 LATE_PASS = ("warn", "fail")
-MODELS = ("dnn", "wide_deep", "deepfm", "dcn_v2", "dlrm")   # mpips.models.zoo.MODELS
+MODELS = ("dnn", "wide_deep", "deepfm", "dcn_v2", "dlrm", "shared_bottom", "mmoe", "esmm")
 SIM_SPARSE = ("async", "sync")              # mpips.worker.simulate.SPARSE
 
 

@@ -58,7 +58,7 @@ from mpips.checkpoint.compat import check_wanted
 from mpips.checkpoint.load import add_checkpoint_option, checkpoint_arg
 from mpips.config import MODELS, Config
 from mpips.data.files import resolve_paths, split_files
-from mpips.metrics import BinaryMetrics
+from mpips.models.zoo import metrics_for
 from mpips.job.resume import first_rank_decides
 from mpips.serving.model import ServingModel, hash_slots
 from mpips.serving.shared import node_window, table_layout
@@ -223,6 +223,10 @@ def load_model(path, group, say, share=True):
     return snap, model, (win, node)
 
 
+def _nan(x):
+    return float("nan") if x is None else x
+
+
 def _finite(x):
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
@@ -231,17 +235,18 @@ def score_files(cfg, model, files, batch_size, sink, on_batch, norm=None, has_la
     """Score files one by one (batches from each file's start); return BinaryMetrics
     (without labels: its count only, every example counted as a 0 of probability 0).
     norm: (cont_min, cont_diff) to read with instead of --stats' file."""
-    m = BinaryMetrics()
+    m = metrics_for(model.network())
+    fmt = "%.7g\n" if model.n_tasks == 1 else "\t".join(["%.7g"] * model.n_tasks) + "\n"
     for path in files:
         with contextlib.closing(make_reader(cfg, [path], batch_size, on_batch.warn,
                                             norm=norm, schema=model.schema,
                                             has_label=has_label)) as reader:
             for batch in reader:
-                probs = model.predict(batch.dense, batch.sparse,          # (B,)
+                probs = model.predict(batch.dense, batch.sparse,          # (B,) / (B, T)
                                       offsets=batch.offsets)
                 m.update(probs if has_label else np.zeros_like(probs), batch.label)
                 if sink is not None:
-                    sink.write(("%.7g\n" * len(probs)) % tuple(probs.tolist()))
+                    sink.write((fmt * len(probs)) % tuple(probs.ravel().tolist()))
                 on_batch(m)
     return m
 
@@ -309,7 +314,7 @@ def run(args, log=print, comm=None):
                             _Progress(args.print_every or cfg.print_every, say, labelled),
                             norm, labelled)
     score_s, cpu_s = time.perf_counter() - t1, time.process_time() - c1
-    m = BinaryMetrics.from_state(group.allreduce(local.state()))
+    m = local.with_state(group.allreduce(local.state()))
     seconds = float(group.allreduce(np.array([score_s]), op="max")[0])
     load_s = float(group.allreduce(np.array([load_s]), op="max")[0])
     pss, cpu_s = (float(x) for x in group.allreduce(np.array([pss_mb(), cpu_s])))
@@ -337,10 +342,16 @@ def run(args, log=print, comm=None):
            "cpu_seconds": round(cpu_s, 4),
            "examples_per_sec": round(m.count / seconds, 1) if seconds > 0 else 0.0,
            "meta": snap.manifest["meta"]}
+    if labelled and hasattr(m, "task_fields"):        # several labels: per-task figures
+        rec["tasks"] = {n: {k: _finite(v) for k, v in f.items()}
+                        for n, f in m.task_fields("test_").items()}
     if labelled:
         say(f"TEST --> examples: {rec['test_examples']} auc: {m.auc():.6f} logloss: "
             f"{m.logloss():.6f} mean_pred: {m.mean_pred():.6f} ctr: {m.observed_ctr():.6f} "
-            f"seconds: {seconds:.2f} examples/s: {rec['examples_per_sec']:.0f}")
+            f"seconds: {seconds:.2f} examples/s: {rec['examples_per_sec']:.0f}"
+            + (" | TASKS " + "; ".join(f"{n}: auc {_nan(t['test_auc']):.6f}"
+                                       for n, t in rec["tasks"].items())
+               if "tasks" in rec else ""))
     else:
         say(f"SCORE --> examples: {rec['test_examples']} (no labels) seconds: {seconds:.2f} "
             f"examples/s: {rec['examples_per_sec']:.0f}")

@@ -92,6 +92,10 @@ class BinaryMetrics:
         out._state[:] = arr
         return out
 
+    def with_state(self, arr) -> "BinaryMetrics":
+        """Metrics of this kind from a (summed) state array (see TaskMetrics)."""
+        return type(self).from_state(arr)
+
     def merge(self, other: "BinaryMetrics") -> "BinaryMetrics":
         """Add ``other``'s counts into this one (in place); returns self."""
         if other.n_buckets != self.n_buckets:
@@ -169,6 +173,78 @@ class BinaryMetrics:
     def __repr__(self) -> str:
         return (f"BinaryMetrics(count={self.count}, auc={self.auc():.6f}, "
                 f"logloss={self.logloss():.6f})")
+
+
+class TaskMetrics:
+    """BinaryMetrics per task (label), for a network with T > 1 logits.  The headline
+    (``auc()``, ``logloss()``, ``count`` ...) is the first task's; ``tasks`` maps each label
+    to its metrics.  ``esmm``: also the CVR on the clicked rows (``cvr``: pCTCVR / pCTR
+    against the second label where the first is 1), the figure ESMM's paper reports."""
+
+    def __init__(self, names, esmm: bool = False, n_buckets: int = DEFAULT_BUCKETS):
+        self.names, self.esmm = tuple(names), bool(esmm)
+        self.parts = [BinaryMetrics(n_buckets) for _ in range(len(self.names) + self.esmm)]
+        self.tasks = dict(zip(self.names, self.parts))
+        self.cvr = self.parts[-1] if self.esmm else None
+
+    def update(self, probs, labels) -> None:
+        """Count a batch: ``probs`` and ``labels`` (n, T)."""
+        probs, labels = np.asarray(probs), np.asarray(labels)
+        T = len(self.names)
+        if probs.shape != labels.shape or probs.ndim != 2 or probs.shape[1] != T:
+            raise ValueError(f"probs and labels must be (n, {T}); got {probs.shape} and "
+                             f"{labels.shape}")
+        for t in range(T):
+            self.parts[t].update(np.ascontiguousarray(probs[:, t]),
+                                 np.ascontiguousarray(labels[:, t]))
+        if self.esmm:
+            clicked = labels[:, 0] == 1
+            if clicked.any():
+                p = probs[clicked]
+                self.cvr.update(np.minimum(p[:, 1] / np.maximum(p[:, 0], 1e-30), 1.0),
+                                np.ascontiguousarray(labels[clicked, 1]))
+
+    def state(self) -> np.ndarray:
+        return np.concatenate([m.state() for m in self.parts])
+
+    def with_state(self, arr) -> "TaskMetrics":
+        out = TaskMetrics(self.names, self.esmm, self.parts[0].n_buckets)
+        for m, a in zip(out.parts, np.split(np.asarray(arr, np.float64), len(out.parts))):
+            m._state[:] = a
+        return out
+
+    def merge(self, other: "TaskMetrics") -> "TaskMetrics":
+        for a, b in zip(self.parts, other.parts):
+            a.merge(b)
+        if other.raw is not None:              # (--dense-average: the trained weights')
+            self.raw = (TaskMetrics(self.names, self.esmm, self.parts[0].n_buckets)
+                        if self.raw is None else self.raw).merge(other.raw)
+        return self
+
+    def reset(self) -> None:
+        for m in self.parts:
+            m.reset()
+
+    def __getattr__(self, name):          # the headline: the first task's metrics
+        if name in ("parts", "tasks", "names", "esmm", "cvr"):
+            raise AttributeError(name)
+        return getattr(self.parts[0], name)
+
+    def task_fields(self, prefix="test_") -> dict:
+        """{label: {prefix+auc, prefix+logloss, prefix+mean_pred, prefix+ctr}} (and for
+        ESMM ``cvr_auc_clicked`` under the second label)."""
+        out = {}
+        for name, m in self.tasks.items():
+            out[name] = {f"{prefix}auc": m.auc(), f"{prefix}logloss": m.logloss(),
+                         f"{prefix}mean_pred": m.mean_pred(), f"{prefix}ctr": m.observed_ctr()}
+        if self.esmm:
+            out[self.names[1]][f"{prefix}cvr_auc_clicked"] = self.cvr.auc()
+        return out
+
+
+def new_metrics(names=(), esmm=False):
+    """BinaryMetrics for one task; TaskMetrics for several labels ``names``."""
+    return TaskMetrics(names, esmm) if len(names) > 1 else BinaryMetrics()
 
 
 class Stopwatch:

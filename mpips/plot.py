@@ -2,7 +2,8 @@
 
 Reads the JSON lines `--metrics-out` writes and draws, with matplotlib (the `plot`
 extra: `pip install 'mpips[plot]'`):
-- epoch runs: train/test AUC, train/test logloss and examples/s per epoch;
+- epoch runs: train/test AUC, train/test logloss and examples/s per epoch; with several
+  labels (a ``tasks`` object) each task's test AUC too;
 - stream runs (records with a `pass`): progressive AUC per pass (evaluated before the
   pass trains), table rows, ids admitted / waiting / evicted per pass, examples/s;
 - several runs, in one file or several: overlaid, one colour and one labelled line each, to
@@ -101,6 +102,19 @@ def _series(ax, x, recs, key, **kw):
     return bool(pts)
 
 
+def _tasks(ax, x, recs, key, **kw):
+    """Per-task lines of a run with several labels (records' ``tasks``): ``key`` of each
+    task, one dash-dot style a task, labelled by the task's name."""
+    names = [n for n in (recs[0].get("tasks") or {})]
+    drew = False
+    label = kw.pop("label", "")
+    for k, name in enumerate(names):
+        flat = [(r.get("tasks") or {}).get(name, {}) for r in recs]
+        drew |= _series(ax, x, flat, key, ls=("-.", ":", (0, (5, 1)))[k % 3],
+                        label=f"{label} {name}", **kw)
+    return drew
+
+
 def _finish(ax, title, xlabel, drew):
     ax.set_title(title, fontsize=10)
     ax.set_xlabel(xlabel)
@@ -121,6 +135,7 @@ def plot_epochs(runs):
         drew[0] |= _series(axes[0], x, recs, "test_auc", color=c, marker=m, label=f"{label} test")
         drew[0] |= _series(axes[0], x, recs, "train_auc", color=c, marker=m, ls="--",
                            label=f"{label} train")
+        drew[0] |= _tasks(axes[0], x, recs, "test_auc", color=c, marker=m, label=label)
         drew[1] |= _series(axes[1], x, recs, "test_logloss", color=c, marker=m,
                            label=f"{label} test")
         drew[1] |= _series(axes[1], x, recs, "train_loss", color=c, marker=m, ls="--",
@@ -140,6 +155,7 @@ def plot_stream(runs):
         c = f"C{i}"
         x = list(range(len(recs)))
         drew[0] |= _series(ax[0], x, recs, "test_auc", color=c, label=label)
+        drew[0] |= _tasks(ax[0], x, recs, "test_auc", color=c, label=label)
         drew[1] |= _series(ax[1], x, recs, "table_rows", color=c, label=label)
         for key, ls in (("ids_admitted", "-"), ("ids_waiting", "--"), ("ids_evicted", ":")):
             drew[2] |= _series(ax[2], x, recs, key, color=c, ls=ls)

@@ -13,7 +13,8 @@ TOML keys (``--schema FILE``)::
     delimiter = ","               # csv: field separator ("\\t" for TSV)
     header = true                 # csv: the first line names the columns
     token_order = "slot:feasign"  # slot: or "feasign:slot" (PaddleRec slot_dnn data)
-    label = "click"               # the column or slot holding 0/1 ("" = no label)
+    label = "click"               # the column or slot holding 0/1 ("" = no label); a list,
+                                  # e.g. ["click", "purchase"], names several tasks (docs/tasks.md)
     fields = []                   # multislot: every input in line order, label included
     raw_ids = false               # slot/multislot: keep integer feasigns as they are (one
                                   # id space for all slots, as Paddle's single table)
@@ -100,7 +101,7 @@ class Schema:
     format: str = "criteo"
     dense: tuple = ()  # DenseGroup, in dense-vector order
     sparse: tuple = ()  # SparseGroup, in slot order
-    label: str = "label"
+    label: object = "label"  # str (one task) or a tuple of >= 2 names (one per task)
     delimiter: str = "\t"
     header: bool = False
     token_order: str = "slot:feasign"
@@ -125,6 +126,18 @@ class Schema:
         return self == Schema.criteo()
 
     # --- sizes and per-input arrays ---------------------------------------------------
+    @property
+    def labels(self) -> tuple:
+        """The label names, one per task, in order (() without a label)."""
+        if isinstance(self.label, tuple):
+            return self.label
+        return (self.label,) if self.label else ()
+
+    @property
+    def n_tasks(self) -> int:
+        """Tasks T: the number of labels (1 without a label: scoring still gives one)."""
+        return max(len(self.labels), 1)
+
     @property
     def dense_names(self) -> tuple:
         return tuple(n for g in self.dense for n in g.names)
@@ -192,7 +205,9 @@ class Schema:
         sp = self.slot_options("pooling")
         n_mean = sum(p == "mean" for p in sp)
         kind = "one-hot" if self.one_hot else f"bags ({n_mean} mean, {len(sp) - n_mean} sum)"
-        return (f"schema: format {self.format}, label {self.label or '(none)'}, "
+        lab = ", ".join(self.labels) or "(none)"
+        return (f"schema: format {self.format}, label{'s' if len(self.labels) > 1 else ''} "
+                f"{lab}, "
                 f"{self.n_dense} dense, {self.n_sparse} sparse slots {kind}"
                 + (f", pipe_command {self.pipe_command!r}" if self.pipe_command else ""))
 
@@ -331,7 +346,7 @@ def _build(d: dict, where: str) -> Schema:
     defaults = {"delimiter": "\t" if fmt == "criteo" else ",", "header": fmt == "csv",
                 "label": "label" if fmt == "criteo" else "click"}
     s = Schema(format=fmt, dense=dense, sparse=sparse,
-               label=d.get("label", defaults["label"]),
+               label=_label(d.get("label", defaults["label"]), where),
                delimiter=d.get("delimiter", defaults["delimiter"]),
                header=bool(d.get("header", defaults["header"])),
                token_order=d.get("token_order", "slot:feasign"),
@@ -340,6 +355,16 @@ def _build(d: dict, where: str) -> Schema:
                na_values=_na_values(d.get("na_values", NA_VALUES), where))
     validate(s, where)
     return s
+
+
+def _label(raw, where):
+    """``label``: a name (one task) or a list of names (a tuple; one name is the str)."""
+    if isinstance(raw, str):
+        return raw
+    if isinstance(raw, (list, tuple)) and raw and all(isinstance(x, str) and x for x in raw):
+        return raw[0] if len(raw) == 1 else tuple(raw)
+    raise SchemaError(f"{where}: label must be a column/slot name or a non-empty list of "
+                      f"names, e.g. label = [\"click\", \"purchase\"]; got {raw!r}")
 
 
 def _na_values(raw, where):
@@ -362,7 +387,7 @@ def validate(s: Schema, where: str = "schema") -> None:
         bad(f"delimiter must be one character other than CR, LF and '\"'; got {s.delimiter!r}")
     if not s.sparse and not s.dense:
         bad("declares no inputs: add [[dense]] and/or [[sparse]] entries")
-    names = [s.label] if s.label else []
+    names = list(s.labels)
     names += list(s.dense_names) + list(s.sparse_names)
     seen: set = set()
     dup = sorted({n for n in names if n in seen or seen.add(n)})
@@ -398,4 +423,5 @@ def validate(s: Schema, where: str = "schema") -> None:
     if s.raw_ids and s.format not in ("slot", "multislot"):
         bad("raw_ids keeps integer feasigns; it needs the slot or multislot format")
     if s.format == "criteo" and s.label not in ("label", ""):
-        bad("the criteo format's label is its first column: label = \"label\" (or \"\" for none)")
+        bad("the criteo format's label is its first column: label = \"label\" (or \"\" for none;"
+            " several labels need the csv, slot or multislot format)")

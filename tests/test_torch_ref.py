@@ -184,3 +184,40 @@ def test_layer_networks_start_from_mpips_init(name):
     flat = np.concatenate([ref.param(n).detach().numpy().reshape(-1) for n, _, _ in ref.layout])
     np.testing.assert_array_equal(flat, ours.init_params(3))
     assert not np.array_equal(flat, ours.init_params(4))
+
+
+@pytest.mark.parametrize("name", ["shared_bottom", "mmoe", "esmm"])
+def test_multitask_networks_loss_and_gradients_equal_mpips(name):
+    """Several tasks (issue 47): the reference's own maths (softmax gates by torch, ESMM's
+    pCTCVR in logs) gives mpips's loss and (n, 2) probabilities, and autograd mpips's
+    gradient of every dense parameter and pooled slot row, in float64."""
+    rng = np.random.default_rng(4)
+    B, S, dim = 16, 26, 4
+    ours = zoo.builtin(name, S, dim, 13, HIDDEN, dtype=np.float64)
+    params = ours.init_params(0) + 0.05 * rng.standard_normal(ours.n_params)
+    emb = rng.normal(0, 0.3, (B, S * dim))
+    dense = rng.random((B, 13))
+    click = (rng.random(B) < 0.5).astype(np.float64)
+    label = np.stack([click, click * (rng.random(B) < 0.5)], 1)
+    grad, grad_emb = np.empty_like(params), np.empty_like(emb)
+    loss, probs = ours.forward_backward(params, emb, dense, label, grad, grad_emb)
+    probs = probs.copy()
+    ref = torch_ref.MODELS[name](B * S, dim=dim, hidden=HIDDEN).double()
+    assert [(n, tuple(s)) for n, s, _ in ref.layout] == \
+        [(n, tuple(s)) for n, _, s in ours.layout]             # same names, shapes, order
+    v = ours.views(params)
+    with torch.no_grad():
+        for pname, _, _ in ref.layout:
+            ref.param(pname).copy_(torch.from_numpy(v[pname]))
+        ref.emb.weight.copy_(torch.from_numpy(emb.reshape(B * S, dim)))
+    logits = ref(torch.arange(B * S).reshape(B, S), torch.from_numpy(dense))
+    tl = ref.task_loss(logits, torch.from_numpy(label))
+    tl.backward()
+    assert tl.item() == pytest.approx(loss, rel=1e-12)
+    np.testing.assert_allclose(ref.probs(logits).detach().numpy(), probs, rtol=1e-10)
+    np.testing.assert_allclose(ref.emb.weight.grad.to_dense().numpy().reshape(B, -1), grad_emb,
+                               rtol=1e-9, atol=1e-15)
+    g = ours.views(grad)
+    for pname, _, _ in ref.layout:
+        np.testing.assert_allclose(ref.param(pname).grad.numpy(), g[pname], rtol=1e-9,
+                                   atol=1e-15, err_msg=f"{name}: d loss / d {pname}")

@@ -135,7 +135,7 @@ def test_row_widths_layout_and_names():
     with pytest.raises(ValueError, match="unknown model 'fm'"):
         zoo.network_text("fm")
     from mpips.config import MODELS
-    assert MODELS == tuple(zoo.MODELS)              # the flag's choices are the zoo's names
+    assert MODELS == tuple(zoo.ALL)                 # the flag's choices are the zoo's names
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -7,7 +7,8 @@ A split directory written by ``write_split`` (``python -m data_prep.parts``)::
     part-00000/dense.npy     (n, D)     float32  dense values as the text reader gives them
     part-00000/ids.npy       (nnz,)     int64    the ids of all bags, example-major
     part-00000/offsets.npy   (n*S + 1,) int64    bag (i, s) = ids[offsets[i*S+s]:offsets[i*S+s+1]]
-    part-00000/label.npy     (n,)       int8     0/1 (absent without labels)
+    part-00000/label.npy     (n,)       int8     0/1 (absent without labels); (n, T) with
+                                                 T > 1 labels (one column a task)
 
 Version 1 directories (``mpips.data.binary``, Criteo's raw layout written by
 ``data_prep.criteo``) still read as before; a version-1 reader refuses version 2 by its
@@ -34,14 +35,15 @@ def is_bag_manifest(man: dict) -> bool:
 class _Part:
     """Appends pieces (dense, sparse, label, offsets) to one part directory."""
 
-    def __init__(self, path: str, D: int, has_label: bool):
+    def __init__(self, path: str, D: int, has_label: bool, T: int = 1):
         os.makedirs(path, exist_ok=False)
         self.ap = {"dense": binary.NpyAppender(os.path.join(path, FILES["dense"]), "float32", [D]),
                    "ids": binary.NpyAppender(os.path.join(path, FILES["ids"]), "int64", []),
                    "offsets": binary.NpyAppender(os.path.join(path, FILES["offsets"]), "int64",
                                                  [])}
         if has_label:
-            self.ap["label"] = binary.NpyAppender(os.path.join(path, FILES["label"]), "int8", [])
+            self.ap["label"] = binary.NpyAppender(os.path.join(path, FILES["label"]), "int8",
+                                                  [T] if T > 1 else [])
         self.ap["offsets"].append(np.zeros(1, np.int64))
         self.rows = self.nnz = 0
 
@@ -76,7 +78,7 @@ def write_split(split_dir: str, pieces, schema: Schema, *, rows_per_part: int,
                 if cur is not None:
                     parts.append(cur.close())
                 cur = _Part(os.path.join(split_dir, binary.part_name(len(parts))),
-                            schema.n_dense, has_label)
+                            schema.n_dense, has_label, schema.n_tasks)
             take = min(rows_per_part - cur.rows, bags.n_rows(piece))
             cur.add(*bags.slice_rows(piece, 0, take))
             piece = bags.slice_rows(piece, take, bags.n_rows(piece))
@@ -121,13 +123,16 @@ def iter_part(part: str, man: dict, schema: Schema, hash_bucket=None,
     dense = _load(os.path.join(part, FILES["dense"]), "float32", (n, D))
     ids = _load(os.path.join(part, FILES["ids"]), "int64", (nnz,))
     offsets = _load(os.path.join(part, FILES["offsets"]), "int64", (n * S + 1,))
-    label = (_load(os.path.join(part, FILES["label"]), "int8", (n,)) if man["has_label"]
-             else None)
+    T = schema.n_tasks
+    label = (_load(os.path.join(part, FILES["label"]), "int8", (n, T) if T > 1 else (n,))
+             if man["has_label"] else None)
+    no_label = (T,) if T > 1 else ()
     for a in range(0, n, piece_rows):
         b = min(n, a + piece_rows)
         off = np.array(offsets[a * S:b * S + 1])
         sp = np.array(ids[off[0]:off[-1]])
-        lab = np.zeros(b - a, np.float32) if label is None else label[a:b].astype(np.float32)
+        lab = (np.zeros((b - a,) + no_label, np.float32) if label is None
+               else label[a:b].astype(np.float32))
         if schema.one_hot:
             yield np.array(dense[a:b]), sp.reshape(b - a, S), lab, None
         else:

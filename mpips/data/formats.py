@@ -67,7 +67,7 @@ def key_table(entries):
 
 def schema_keys(schema: Schema, extra=()):
     """(entries, names): the label, dense and sparse names of ``schema`` as key entries."""
-    entries = [(schema.label, B.KIND_LABEL, 0, 1)] if schema.label else []
+    entries = [(name, B.KIND_LABEL, t, 1) for t, name in enumerate(schema.labels)]
     pos = 0
     for g in schema.dense:
         for name in g.names:
@@ -125,7 +125,9 @@ def describe_bad(reason: int, detail: int, names, fmt: str, has_label=True) -> s
     if reason == B.BAD_DENSE_DIM:
         return f"dense slot {name(detail)} appears neither 0 nor dim times"
     if reason == B.BAD_NO_LABEL:
-        return f"the label appears {detail} times (once a line)"
+        t, times = detail >> 32, detail & 0xFFFFFFFF
+        which = f"label {name(t)}" if t else "the label"
+        return f"{which} appears {times} times (once a line)"
     if reason == B.BAD_COLUMNS:
         return f"expected {len(names)} columns as the header, found {detail}"
     if reason == B.BAD_QUOTE:
@@ -329,7 +331,7 @@ class TextFormat:
         icap = buf.size // 2 + 1
         offsets = np.empty(cap * self.S + 1, dtype=np.int64)
         offsets[0] = 0
-        out = (np.empty((cap, self.D)), np.empty(cap, dtype=np.float32),
+        out = (np.empty((cap, self.D)), np.empty((cap, self.schema.n_tasks), dtype=np.float32),
                np.empty(icap, dtype=np.int64), offsets)
         scratch = (np.empty(icap, dtype=np.int64), np.empty(icap, dtype=np.int64),
                    np.empty(self.S, dtype=np.int64), np.empty(self.S, dtype=np.int64),
@@ -339,6 +341,7 @@ class TextFormat:
 
     def _result(self, n, out, bad, counts):
         dense, label, ids, offsets = out
+        label = label[:, 0] if label.shape[1] == 1 else label      # (n,) or (n, T)
         offsets = offsets[:n * self.S + 1].copy()
         res = criteo.parse_result(n, self.finish(dense[:n]), ids[:offsets[-1]].copy(), label,
                                   bad, counts, offsets)

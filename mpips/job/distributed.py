@@ -19,7 +19,6 @@ from mpips.comm.cluster import Cluster, default_servers
 from mpips.config import SAVE_MODES
 from mpips.data.files import eval_files, worker_files
 from mpips.comm.liveness import WATCH, wait_collective
-from mpips.metrics import BinaryMetrics
 from mpips.tables.ownership import dense_bounds
 from mpips.job.progress import make_progress
 from mpips.models.zoo import network_record
@@ -233,7 +232,7 @@ class DistBackend:
         sums = self._sum(np.concatenate([[st.examples, st.loss_sum, c.bytes_sent - sent0,
                                           c.messages - msgs0, st.stopped], mine_rows]))
         span = self._max(span)
-        metrics = BinaryMetrics.from_state(self._sum(st.metrics.state()))
+        metrics = st.metrics.with_state(self._sum(st.metrics.state()))
         extra = {"workers": self.W, "servers": c.n_servers,
                  "bytes_sent_per_example": round(sums[2] / max(sums[0], 1), 1),
                  "messages_sent": int(sums[3]),
@@ -287,7 +286,7 @@ class DistBackend:
         if averaged and self.trainer.replica is not None:
             self._replica_whole()       # each worker steps its shard's average; every
                                         # worker scores with the whole one
-        local = BinaryMetrics()
+        local = self.trainer.new_metrics()
         if mine:
             reader = make_reader(self.cfg, mine, self.batches[self.wi],
                                  log_line, schema=self.schema)
@@ -296,9 +295,10 @@ class DistBackend:
                 local = self.trainer.evaluate(reader)
             finally:
                 reader.close()
-        out = BinaryMetrics.from_state(self._sum(local.state()))
+        out = local.with_state(self._sum(local.state()))
         if averaged:                    # the trained weights' figures beside (a record's _raw)
-            out.raw = BinaryMetrics.from_state(self._sum((local.raw or BinaryMetrics()).state()))
+            raw = local.raw if local.raw is not None else self.trainer.new_metrics()
+            out.raw = raw.with_state(self._sum(raw.state()))
         return out
 
     def save(self, mode, meta, step=0):

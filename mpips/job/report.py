@@ -45,9 +45,26 @@ def epoch_record(cfg, epoch, st, test_m):
         rec["geo_steps"] = cfg.geo_steps
     if cfg.mode == "ssp":
         rec["staleness"] = cfg.staleness
-    rec.update(test_fields(test_m))
+    names = getattr(st.metrics, "names", None)
+    if names:             # several labels: {label: {train_loss, train_auc}}, test fields below
+        rec["tasks"] = {n: {"train_loss": m.logloss(), "train_auc": m.auc()}
+                        for n, m in st.metrics.tasks.items()}
+    rec = with_test(rec, test_fields(test_m))
     rec.update(st.extra)
     return rec
+
+
+def with_test(rec, test):
+    """``rec`` with the test fields ``test`` (of :func:`test_fields`), tasks merged: a
+    task's record holds test_auc, test_logloss, test_mean_pred, test_ctr (ESMM's second
+    task test_cvr_auc_clicked too) and train_loss, train_auc.  A task's train_loss is the
+    mean cross-entropy of its training predictions (the record's train_loss is the tasks'
+    weighted sum, what was minimised)."""
+    out = rec | {k: v for k, v in (test or {}).items() if k != "tasks"}
+    if test and "tasks" in test:
+        out["tasks"] = {n: dict(test["tasks"][n], **rec.get("tasks", {}).get(n, {}))
+                        for n in test["tasks"]}
+    return out
 
 
 def test_fields(test_m):
@@ -61,6 +78,8 @@ def test_fields(test_m):
         raw = test_m.raw
         out.update(test_auc_raw=raw.auc(), test_logloss_raw=raw.logloss(),
                    test_mean_pred_raw=raw.mean_pred())
+    if hasattr(test_m, "task_fields"):
+        out["tasks"] = test_m.task_fields("test_")
     return out
 
 
@@ -133,7 +152,25 @@ def summary_line(rec):
     if "test_auc" in rec:
         s += (f" | TEST examples: {rec['test_examples']} auc: {rec['test_auc']:.6f} "
               f"logloss: {rec['test_logloss']:.6f}")
-    return s
+    return s + tasks_part(rec)
+
+
+def tasks_part(rec):
+    """' | TASKS click: auc ... logloss ...; purchase: ...' of a record with several labels
+    (test figures when there are, else the training loss)."""
+    if "tasks" not in rec:
+        return ""
+    nan = float("nan")
+    parts = []
+    for name, t in rec["tasks"].items():
+        if "test_auc" in t:
+            p = f"{name}: auc {_or(t['test_auc'], nan):.6f} logloss {_or(t['test_logloss'], nan):.6f}"
+            if "test_cvr_auc_clicked" in t:
+                p += f" cvr auc (clicked) {_or(t['test_cvr_auc_clicked'], nan):.6f}"
+        else:
+            p = f"{name}: train loss {_or(t['train_loss'], nan):.6f}"
+        parts.append(p)
+    return " | TASKS " + "; ".join(parts)
 
 
 def pass_line(rec):
@@ -153,4 +190,4 @@ def pass_line(rec):
     if "table_rows" in rec:
         s += (f" | table rows: {rec['table_rows']} bytes: {rec['table_bytes']} admitted: "
               f"{rec['ids_admitted']} waiting: {rec['ids_waiting']} evicted: {rec['ids_evicted']}")
-    return s
+    return s + tasks_part(rec)

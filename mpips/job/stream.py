@@ -40,7 +40,7 @@ from mpips.comm.backoff import PASS, Backoff
 from mpips.data.files import resolve_paths
 from mpips.serving.exports import export_checkpoint
 from mpips.job.loop import chain
-from mpips.job.report import epoch_record, pass_line, test_fields
+from mpips.job.report import epoch_record, pass_line, test_fields, with_test
 from mpips.job.stop import STOP, Stopped
 from mpips.job.tracking import open_tensorboard
 
@@ -301,7 +301,7 @@ class StreamRun:
             st.extra.update(ids_admitted=audit["admitted_total"] - self.admitted_before,
                             ids_evicted=int(evicted))
             self.admitted_before = audit["admitted_total"]
-        rec = epoch_record(self.cfg, self.index, st, None) | test
+        rec = with_test(epoch_record(self.cfg, self.index, st, None), test)
         rec["pass"] = p.name
         rec.update({k: v for k, v in where.items() if v or k == "stopped_at_batch"})
         if self.feed is not None:
@@ -319,7 +319,8 @@ def _finite(test):
     as None."""
     if test is None:
         return None
-    return {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
+    return {k: (_finite(v) if isinstance(v, dict) else
+                v if not isinstance(v, float) or math.isfinite(v) else None)
             for k, v in test.items()}
 
 

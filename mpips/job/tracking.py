@@ -92,6 +92,10 @@ class TensorBoard:
                     "table_rows"):
             if isinstance(rec.get(key), (int, float)):
                 self.writer.add_scalar(f"{kind}/{key}", rec[key], x)
+        for task, fields in (rec.get("tasks") or {}).items():     # several labels
+            for key, v in fields.items():
+                if isinstance(v, (int, float)):
+                    self.writer.add_scalar(f"{kind}/{task}/{key}", v, x)
         stale = rec.get("push_staleness")
         if isinstance(stale, dict) and "mean" in stale:
             self.writer.add_scalar(f"{kind}/push_staleness_mean", stale["mean"], x)

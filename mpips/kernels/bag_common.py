@@ -23,7 +23,7 @@ from mpips.kernels.tsv_parse import (BAD_CAPACITY, CNT_TRUNCATED, FNV1A_OFFSET, 
 BAD_TOKEN = 10  # a token without ':' [token index, 0-based]
 BAD_VALUE = 11  # a value that does not parse [input key index]
 BAD_DENSE_DIM = 12  # a dense slot seen neither 0 nor dim times [key index]
-BAD_NO_LABEL = 13  # the label is missing or given twice [times seen]
+BAD_NO_LABEL = 13  # the label is missing or given twice [times seen + (label index << 32)]
 BAD_COLUMNS = 14  # csv: not as many columns as the header [columns found]
 BAD_QUOTE = 15  # csv: a quote that does not close, or text after a closing quote [column]
 BAD_COUNT = 16  # multislot: a count missing, not an integer, or past the line [field index]

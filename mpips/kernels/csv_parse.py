@@ -7,7 +7,7 @@ else is bad quoting.  Other fields are taken as they are (up to the delimiter; a
 the LF is dropped).  A quoted field cannot hold a line break (lines are read one by one).
 Columns, by index (``colinfo[c] = kind, index, dim``, ``bag_common.KIND_*``):
 
-* label: a float() that is 0 or 1;
+* label: a float() that is 0 or 1 (label column t writes ``label[r, t]``);
 * dense: a finite float(), else a null token (``na_values``, by default ``""``, ``NA``,
   ``null``, ``NaN``; matched after stripping spaces, and only when float() fails, so the
   common case costs nothing) = missing (NaN here, the group's fill later);
@@ -123,7 +123,8 @@ def _csv_line(buf, pos, colinfo, slots, opts, out, scratch, r):
         return (pos + 1 if buf[pos] == 10 else pos + 2), -1, 0, 0
     for j in range(dense.shape[1]):
         dense[r, j] = np.nan
-    label[r] = 0.0
+    for t in range(label.shape[1]):
+        label[r, t] = 0.0
     C = colinfo.shape[0]
     col = k = reason = detail = 0
     i = pos
@@ -145,7 +146,7 @@ def _csv_line(buf, pos, colinfo, slots, opts, out, scratch, r):
             elif kind == KIND_LABEL and opts[OPT_HAS_LABEL] != 0:
                 ok, v = _number(src, a, b)
                 ok = ok and (v == 0.0 or v == 1.0)
-                label[r] = v
+                label[r, at] = v
             if not ok:
                 reason, detail = BAD_VALUE, col
         col += 1

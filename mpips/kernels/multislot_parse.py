@@ -66,7 +66,7 @@ def _field(buf, i, f, finfo, opts, salts, dense_row, label, r, tmp_slot, tmp_id,
         elif kind == KIND_LABEL and opts[OPT_HAS_LABEL] != 0:
             ok, v = parse_float(buf, s, i)
             ok = ok and (v == 0.0 or v == 1.0)
-            label[r] = v
+            label[r, at] = v
         if not ok:
             return i, BAD_VALUE, k
     return i, 0, k
@@ -81,7 +81,8 @@ def _multislot_line(buf, pos, finfo, opts, salts, out, scratch, r):
     tmp_slot, tmp_id = scratch[0], scratch[1]
     for j in range(dense.shape[1]):
         dense[r, j] = np.nan
-    label[r] = 0.0
+    for t in range(label.shape[1]):
+        label[r, t] = 0.0
     s, e = _next_token(buf, pos)
     if s == e:
         return e + 1, -1, 0, 0

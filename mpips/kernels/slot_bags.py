@@ -55,7 +55,7 @@ def _value(buf, vs, ve, kk, kinfo, kseen, opts, salts, dense_row, label, r, tmp_
     if kind == KIND_LABEL:
         ok, v = parse_float(buf, vs, ve)
         if ok and (v == 0.0 or v == 1.0):
-            label[r] = v
+            label[r, kinfo[kk, 1]] = v
             return True, k
         return False, k
     if kind == KIND_DENSE:
@@ -79,7 +79,7 @@ def _check_counts(kinfo, kseen, has_label):
         if kind == KIND_DENSE and kseen[kk] != 0 and kseen[kk] != kinfo[kk, 2]:
             return BAD_DENSE_DIM, kk
         if kind == KIND_LABEL and has_label and kseen[kk] != 1:
-            return BAD_NO_LABEL, kseen[kk]
+            return BAD_NO_LABEL, kseen[kk] + (kinfo[kk, 1] << 32)   # label t's count
     return 0, 0
 
 
@@ -95,7 +95,8 @@ def _slot_line(buf, pos, keys, salts, opts, out, scratch, r):
     for j in range(dense.shape[1]):
         dense[r, j] = np.nan
     kseen[:] = 0
-    label[r] = 0.0
+    for t in range(label.shape[1]):
+        label[r, t] = 0.0
     last = opts[OPT_FEASIGN_FIRST] != 0
     ntok = k = und = reason = detail = 0
     i = pos
@@ -141,7 +142,7 @@ def parse_slot_bags(buf, keys, slots, opts, out, scratch, bad, counts):
         key table of ``mpips.data.formats.key_table`` (kinds ``bag_common.KIND_*``)
     slots : (salts (S,) uint64, max_len (S,) int64)
     opts : (4,) int64, [has_label, hash_bucket, raw_ids, feasign_first]
-    out : (dense (cap, D) float64 NaN = missing, label (cap,) float32, ids (icap,) int64,
+    out : (dense (cap, D) float64 NaN = missing, label (cap, T) float32 (one column a task), ids (icap,) int64,
         offsets (cap*S + 1,) int64 with offsets[0] = 0), out
     scratch : (tmp_slot (icap,) int64, tmp_id (icap,) int64, cur (S,), lim (S,), kseen (K,))
     bad : (bcap, 3) int64, out rows (line 0-based, reason, detail)

@@ -1,5 +1,6 @@
 """A network built from a TOML description: layers over the pooled slots, the dense
-features and the first-order weights, with one logit and sigmoid BCE (docs/models.md).
+features and the first-order weights, with one logit and sigmoid BCE (docs/models.md), or
+one logit per task and a head (mpips.models.tasks; docs/tasks.md).
 
 The trainer hands the network the pooled table rows ``emb`` (B, S x row_dim; a row is
 ``[v]``, or ``[w | v]`` when an input reads the first-order weights) and the dense features
@@ -21,7 +22,7 @@ import numpy as np
 from mpips.kernels import layers as K
 from mpips.kernels.mlp import sigmoid_, sigmoid_bce_
 from mpips.models.layers import Concat, Dense, FirstOrder, FM2, SpecError, Sum, Tensor
-from mpips.models.layers import make_layer
+from mpips.models.tasks import Head, make_layer
 from mpips.models.layers import Sink, SplitSink
 from mpips.models.spec import NetworkError, digest, parse, substitute
 
@@ -100,6 +101,7 @@ class Network:
             raise ValueError(f"pooling must give 0 (sum) or 1 (mean) for each of the "
                              f"{self.n_sparse} slots; got {pooling!r}")
         self.slot_names = list(slot_names or [f"C{i + 1}" for i in range(self.n_sparse)])
+        self.task_names = ()            # the labels of T > 1 tasks (mpips.models.zoo)
         spec = parse(text, where)
         self.digest = digest(text)
         self.name = name or spec["name"] or "network"
@@ -157,14 +159,20 @@ class Network:
                        and len(L.out.consumers) == 1}             # its parts get their columns
 
     def _check_output(self, spec, where):
-        logit = spec["logits"][0]
-        if logit not in self.tensors or self.tensors[logit].producer is None:
-            raise NetworkError(f"{where}: [output]: logits: {logit!r} is not a layer")
-        self.logit = self.tensors[logit]
-        if self.logit.width != 1:
-            raise NetworkError(f"{where}: layer {logit!r}: width: the logit must have width "
-                               f"1; it has {self.logit.width} (end with a linear of width 1)")
-        used, todo = set(), [self.logit]
+        self.logits = []
+        for logit in spec["logits"]:
+            if logit not in self.tensors or self.tensors[logit].producer is None:
+                raise NetworkError(f"{where}: [output]: logits: {logit!r} is not a layer")
+            t = self.tensors[logit]
+            if t.width != 1:
+                raise NetworkError(f"{where}: layer {logit!r}: width: the logit must have "
+                                   f"width 1; it has {t.width} (end with a linear of width 1)")
+            self.logits.append(t)
+        self.logit, self.n_tasks = self.logits[0], len(self.logits)
+        self.head = Head(self.n_tasks, spec.get("head", "independent"),
+                         spec.get("loss_weights")) if self.n_tasks > 1 else None
+        logit = ", ".join(spec["logits"])
+        used, todo = set(), list(self.logits)
         while todo:
             t = todo.pop()
             if t.name not in used:
@@ -209,7 +217,7 @@ class Network:
             below = t.producer
             if (isinstance(L, Dense) and L.widths == [1] and L.act == "identity"
                     and isinstance(below, Dense) and below.act == "relu"
-                    and t.consumers == [L] and t is not self.logit):
+                    and t.consumers == [L] and t not in self.logits):
                 L.fuse_relu_below(below)
 
     def _layout(self, in_file_order):
@@ -271,6 +279,8 @@ class Network:
         for L in self.layers:
             L.alloc(cap, dt)
         self.probs = np.empty(cap, dt)
+        if self.head is not None:
+            self.head.alloc(cap, dt)
         self._ws_cap = cap
 
     def _check_vec(self, arr, name, n):
@@ -316,6 +326,8 @@ class Network:
             L.forward(P, [vals[t.name] for t in L.ins], out, n)
             vals[L.out.name] = out
         self._vals = vals
+        if self.head is not None:
+            return [vals[t.name].reshape(n) for t in self.logits]
         return vals[self.logit.name].reshape(n)
 
     def _sink(self, t, n, counts):
@@ -342,7 +354,7 @@ class Network:
         """Gradients of the loss whose d/d(logit) is already in the logit's grad buffer."""
         P, G = self._views(params), self._views(grad_out)
         self._gemb = grad_emb_out
-        counts = {self.logit.name: 1}
+        counts = {t.name: 1 for t in self.logits}
         vals = self._vals
         for L in reversed(self.layers):
             if L.name in self._split or not L.out.grad or L.out.name not in counts:
@@ -373,7 +385,7 @@ class Network:
         params : (n_params,) model dtype.
         emb : (B, n_sparse*row_dim) float; pooled slot rows, slot-major.
         dense : (B, n_dense) float; normalised dense features.
-        label : (B,) 0/1 labels (any numeric dtype).
+        label : (B,) 0/1 labels (any numeric dtype); (B, T) with T tasks.
         grad_out : (n_params,) model dtype, output; overwritten with d(loss)/d(params).
         grad_emb_out : (B, n_sparse*row_dim) model dtype, output; d(loss)/d(emb).
         scale : gradient scale; default 1/B (the gradients of the mean loss); 1.0 gives the
@@ -381,37 +393,53 @@ class Network:
 
         Returns
         -------
-        (loss, probs) : mean loss as a Python float, and sigmoid outputs (B,) — a view
-        into the workspace, valid until the next call.
+        (loss, probs) : mean loss as a Python float (the tasks' weighted sum), and sigmoid
+        outputs (B,), or (B, T) with T tasks — a view into the workspace, valid until the
+        next call.
         """
         self._check_vec(params, "params", self.n_params)
         self._check_vec(grad_out, "grad_out", self.n_params)
         batch = self._check_inputs(emb, dense)
-        if label.shape != (batch,):
-            raise ValueError(f"label must have shape ({batch},); got {label.shape}")
+        want = (batch,) if self.head is None else (batch, self.n_tasks)
+        if label.shape != want:
+            raise ValueError(f"label must have shape {want}; got {label.shape}")
         if grad_emb_out.shape != (batch, self.emb_width) or grad_emb_out.dtype != self.dtype \
                 or not grad_emb_out.flags.c_contiguous:
             raise ValueError(f"grad_emb_out must be a C-contiguous {self.dtype} array of shape "
                              f"({batch}, {self.emb_width}); got {grad_emb_out.dtype} "
                              f"{grad_emb_out.shape}")
         logit = self._forward(params, emb, dense, batch)
-        probs = self.probs[:batch]
-        dlogit = self._grad[self.logit.name][:batch].reshape(batch)
-        total = sigmoid_bce_(logit, label, probs, dlogit, 1.0 / batch if scale is None else scale)
+        total, probs = self._loss(logit, label, 1.0 / batch if scale is None else scale, batch)
         self._backward(params, grad_out, grad_emb_out, batch)
         return total / batch, probs
 
+    def _loss(self, logit, label, scale, n):
+        """(summed loss, probabilities) of the forward's logit(s); d(loss)/d(logits) into
+        their gradient buffers."""
+        if self.head is None:
+            probs = self.probs[:n]
+            dlogit = self._grad[self.logit.name][:n].reshape(n)
+            return sigmoid_bce_(logit, label, probs, dlogit, scale), probs
+        dlogits = [self._grad[t.name][:n].reshape(n) for t in self.logits]
+        total = self.head.loss(logit, label, dlogits, scale, n)
+        return total, self.head.probs[:n]
+
     def predict(self, params, emb, dense, out) -> None:
-        """Write sigmoid probabilities (B,) into ``out`` (any float dtype)."""
+        """Write sigmoid probabilities (B,) — (B, T) with T tasks — into ``out`` (any float
+        dtype)."""
         self._check_vec(params, "params", self.n_params)
         batch = self._check_inputs(emb, dense)
-        if out.shape != (batch,) or out.dtype.kind != "f":
-            raise ValueError(f"out must be a float array of shape ({batch},); got "
+        want = (batch,) if self.head is None else (batch, self.n_tasks)
+        if out.shape != want or out.dtype.kind != "f":
+            raise ValueError(f"out must be a float array of shape {want}; got "
                              f"{out.dtype} {out.shape}")
         chunk = max(self._ws_cap, min(batch, PREDICT_CHUNK))
         for start in range(0, batch, chunk):
             stop = min(start + chunk, batch)
             logit = self._forward(params, emb[start:stop], dense[start:stop], stop - start)
+            if self.head is not None:
+                self.head.predict(logit, out[start:stop], stop - start)
+                continue
             probs = self.probs[:stop - start]
             sigmoid_(logit, probs)
             out[start:stop] = probs
@@ -421,5 +449,4 @@ class Network:
         self._check_vec(params, "params", self.n_params)
         batch = self._check_inputs(emb, dense)
         logit = self._forward(params, emb, dense, batch)
-        dlogit = self._grad[self.logit.name][:batch].reshape(batch)
-        return sigmoid_bce_(logit, label, self.probs[:batch], dlogit, 1.0) / batch
+        return self._loss(logit, label, 1.0, batch)[0] / batch

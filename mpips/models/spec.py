@@ -13,7 +13,8 @@ A network file (docs/models.md; the built-ins are ``mpips/models/networks/*.toml
     ...
 
     [output]
-    logits = ["out"]         # one width-1 layer per task
+    logits = ["out"]         # one width-1 layer per task (docs/tasks.md: several tasks,
+                             # head = "esmm", loss_weights = [...])
 
 ``widths = "fc"`` takes the ``--fc`` flag; a width ``"dim"`` is ``--embedding-dim``.
 Every error is one line naming the file, the layer and the field.
@@ -27,9 +28,10 @@ try:
 except ModuleNotFoundError:          # Python 3.10
     import tomli as tomllib
 
-from mpips.models.layers import KINDS, OPTIONS
+from mpips.models.tasks import KINDS, OPTIONS, parse_output
 
 BUILTIN = ("dnn", "wide_deep", "deepfm", "dcn_v2", "dlrm")
+MULTI_TASK = ("shared_bottom", "mmoe", "esmm")     # built-ins with several logits
 SOURCES = ("all", "dense", "first_order")      # or a list of slot names
 TOP_KEYS = ("name", "description", "inputs", "layers", "output")
 
@@ -45,10 +47,11 @@ def builtin_text(name):
 
 def resolve(model):
     """(name, TOML text) of ``--model``: a built-in name or a path to a .toml file."""
-    if model in BUILTIN:
+    if model in BUILTIN + MULTI_TASK:
         return model, builtin_text(model)
     if not model.endswith(".toml"):
-        raise NetworkError(f"unknown model {model!r}; choose one of {', '.join(BUILTIN)}, or "
+        raise NetworkError(f"unknown model {model!r}; choose one of "
+                           f"{', '.join(BUILTIN + MULTI_TASK)}, or "
                            f"give a network file (FILE.toml; python -m mpips.train "
                            f"--print-model dnn prints one to start from)")
     try:
@@ -127,15 +130,10 @@ def parse(text, where="network"):
               f"{', '.join(TOP_KEYS)})")
     inputs = _inputs(doc, where)
     layers = _layers(doc, where, inputs)
-    output = doc.get("output")
-    logits = output.get("logits") if isinstance(output, dict) else None
-    if not _str_list(logits) or not logits:
-        _fail(where, "[output]", "logits", "missing: name the layer that gives the logit, "
-              "e.g. [output] logits = [\"out\"]")
-    if len(logits) > 1:
-        _fail(where, "[output]", "logits", f"{len(logits)} logits: this mpips trains one "
-              f"label, so a network has one logit")
-    return {"name": doc.get("name", ""), "inputs": inputs, "layers": layers, "logits": logits}
+    logits, extra = parse_output(doc.get("output"),
+                                 lambda field, msg: _fail(where, "[output]", field, msg))
+    return {"name": doc.get("name", ""), "inputs": inputs, "layers": layers, "logits": logits,
+            **extra}
 
 
 def substitute(opts, fc, dim):

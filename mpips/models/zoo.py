@@ -5,10 +5,13 @@ A checkpoint stores the network's text (manifest ``network``) and its digest (se
 a bundle's ``model`` record holds the text too.  One saved before networks were files
 holds only the name (``config.model``; none: dnn), which means the built-in file.
 """
+from mpips.metrics import new_metrics
 from mpips.models.network import Network
-from mpips.models.spec import BUILTIN, NetworkError, builtin_text, digest, parse, resolve
+from mpips.models.spec import (BUILTIN, MULTI_TASK, NetworkError, builtin_text, digest, parse,
+                               resolve)
 
-MODELS = BUILTIN
+MODELS = BUILTIN              # one task
+ALL = BUILTIN + MULTI_TASK    # every shipped network
 DEFAULT = "dnn"
 
 
@@ -35,7 +38,7 @@ def stored_network(record):
         name = record["config"].get("model", DEFAULT)
     else:                                                      # a bundle's model record
         name = record.get("model", DEFAULT)
-    if name not in BUILTIN:
+    if name not in ALL:
         raise NetworkError(f"the stored network {name!r} has no text and is not a built-in "
                            f"one ({', '.join(BUILTIN)})")
     return name, builtin_text(name)
@@ -52,19 +55,45 @@ def make_net(model, schema, dim, hidden, text=None, **kw):
     name = model
     if text is None:
         name, text = resolve(model)
-    return Network(text, schema.n_sparse, dim, schema.n_dense, hidden,
-                   pooling=schema.pooling_codes(), slot_names=schema.sparse_names,
-                   name=name, where=f"network {model}", **kw)
+    net = Network(text, schema.n_sparse, dim, schema.n_dense, hidden,
+                  pooling=schema.pooling_codes(), slot_names=schema.sparse_names,
+                  name=name, where=f"network {model}", **kw)
+    check_tasks(net, schema, model)
+    net.task_names = schema.labels if net.n_tasks > 1 else ()
+    return net
+
+
+def metrics_for(net):
+    """Empty metrics for a network's predictions: BinaryMetrics for one task, TaskMetrics
+    (per label; ESMM's CVR on clicked rows too) for several."""
+    names = getattr(net, "task_names", ()) or tuple(f"task{t}" for t in range(net.n_tasks))
+    esmm = net.head is not None and net.head.kind == "esmm"
+    return new_metrics(names if net.n_tasks > 1 else (), esmm)
+
+
+def check_tasks(net, schema, model):
+    """NetworkError (one line) unless the network has one logit per label of the schema."""
+    labels = schema.labels
+    if len(labels) > 1 and net.n_tasks == 1:
+        raise NetworkError(f"network {model} has one logit but the schema names {len(labels)} "
+                           f"labels ({', '.join(labels)}): use a multi-task network "
+                           f"(--model {' | '.join(MULTI_TASK)}, or a file with one logit per "
+                           f"label; docs/tasks.md)")
+    if net.n_tasks > 1 and len(labels) != net.n_tasks:
+        raise NetworkError(f"network {model} has {net.n_tasks} logits (tasks) but the schema "
+                           f"names {len(labels)} label(s) ({', '.join(labels) or 'none'}): "
+                           f"give label = [...] with {net.n_tasks} names (docs/tasks.md)")
 
 
 __all__ = ("MODELS", "DEFAULT", "NetworkError", "digest", "network_text", "model_digest",
-           "extra_cols", "stored_network", "stored_name", "make_net", "builtin", "network_record")
+           "extra_cols", "stored_network", "stored_name", "make_net", "builtin", "network_record",
+           "ALL", "MULTI_TASK", "check_tasks", "metrics_for")
 
 
 def builtin(name, n_sparse, dim, n_dense, hidden=(400, 400, 400), **kw):
     """Built-in network ``name`` over S slots of ``dim`` and D dense features (no schema)."""
-    if name not in BUILTIN:
-        raise NetworkError(f"unknown model {name!r}; choose one of {', '.join(BUILTIN)}")
+    if name not in ALL:
+        raise NetworkError(f"unknown model {name!r}; choose one of {', '.join(ALL)}")
     return Network(builtin_text(name), n_sparse, dim, n_dense, hidden, name=name, **kw)
 
 

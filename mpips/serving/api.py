@@ -289,8 +289,8 @@ class Api:
                   for n, d, s in serving.encoder.describe_inputs()]
         return self._ok({"name": self.name, "versions": [serving.version], "platform": "mpips",
                          "inputs": inputs,
-                         "outputs": [{"name": "probability", "datatype": "FP32",
-                                      "shape": [-1]}]})
+                         "outputs": [{"name": o, "datatype": "FP32", "shape": [-1]}
+                                     for o in v2.output_names(serving)]})
 
     def v1_status(self, req, serving):
         return self._ok({"model_version_status": [{
@@ -309,18 +309,23 @@ class Api:
         if req.headers.get("content-encoding", "identity").lower() != "identity":
             raise BadInput("Content-Encoding: send the body uncompressed", 415)
         head, inputs = v2.split_body(req.body, req.headers.get("inference-header-content-length"))
-        binary = v2.binary_output(head)
+        names = v2.output_names(serving)
+        wanted, binary = v2.binary_output(head, names)
         if "id" in head and not isinstance(head["id"], str):
             raise BadInput("id: expected a string")
         scores = v2.score(serving, inputs, self.max_instances)
         self.metrics.instances.inc(len(scores))
-        out = {"name": v2.OUTPUT, "datatype": "FP32", "shape": [len(scores)]}
-        if binary:
-            data = scores.astype("<f4").tobytes()
-            out["parameters"] = {"binary_data_size": len(data)}
-        else:
-            out["data"] = scores.tolist()
-        answer = {"model_name": self.name, "model_version": serving.version, "outputs": [out]}
+        outs, blobs = [], []
+        for name, col in v2.columns(scores, names, wanted):    # one tensor a task
+            out = {"name": name, "datatype": "FP32", "shape": [len(col)]}
+            if binary:
+                blobs.append(col.astype("<f4").tobytes())
+                out["parameters"] = {"binary_data_size": len(blobs[-1])}
+            else:
+                out["data"] = col.tolist()
+            outs.append(out)
+        data = b"".join(blobs)
+        answer = {"model_name": self.name, "model_version": serving.version, "outputs": outs}
         if "id" in head:
             answer["id"] = head["id"]
         if not binary:
@@ -347,7 +352,10 @@ class Api:
             self._check_count(n, "inputs")
             instances = columns_to_instances(cols, serving.encoder.known, "inputs")
         scores = self._score(serving, instances)
-        return self._ok({"predictions": scores.tolist(), "model_version": serving.version})
+        names = serving.model.task_names
+        preds = ([dict(zip(names, row)) for row in scores.tolist()] if names else
+                 scores.tolist())                  # T > 1: a {task: p} per instance
+        return self._ok({"predictions": preds, "model_version": serving.version})
 
     def lines(self, req, serving):
         ctype = req.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -367,7 +375,11 @@ class Api:
         scores = serving.lines.predict_lines(lines, errors=errors) if lines else \
             np.empty(0, np.float32)
         self.metrics.instances.inc(int(np.count_nonzero(~np.isnan(scores))))
-        body = "".join(("nan\n" if math.isnan(x) else f"{x!r}\n") for x in scores.tolist())
+        if scores.ndim == 2:                  # T tasks: T tab-separated scores a line
+            body = "".join("\t".join("nan" if math.isnan(x) else repr(x) for x in row) + "\n"
+                           for row in scores.tolist())
+        else:
+            body = "".join(("nan\n" if math.isnan(x) else f"{x!r}\n") for x in scores.tolist())
         return Response(200, body.encode(), "text/plain; charset=utf-8")
 
     def prometheus(self, req, serving):

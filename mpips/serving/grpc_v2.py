@@ -126,23 +126,24 @@ class GrpcV2:
             name=self.api.name, versions=[serving.version], platform="mpips",
             inputs=[T(name=n, datatype=d, shape=s)
                     for n, d, s in serving.encoder.describe_inputs()],
-            outputs=[T(name=v2.OUTPUT, datatype="FP32", shape=[-1])])
+            outputs=[T(name=o, datatype="FP32", shape=[-1]) for o in v2.output_names(serving)])
 
     def infer(self, req, serving):
         self._check_model(req.model_name, req.model_version, serving)
+        names = v2.output_names(serving)
         for k, o in enumerate(req.outputs):
-            if o.name != v2.OUTPUT:
-                raise BadInput(f"outputs[{k}]: unknown output {o.name[:40]!r}; this model's "
-                               f"output is {v2.OUTPUT!r}")
+            v2.check_output(o.name, k, names)
         if not req.inputs:
             raise BadInput("inputs: expected a non-empty list of tensors")
         scores = v2.score(serving, request_inputs(req), self.api.max_instances)
         self.api.metrics.instances.inc(len(scores))
-        out = pb.ModelInferResponse.InferOutputTensor(name=v2.OUTPUT, datatype="FP32",
-                                                      shape=[len(scores)])
+        cols = v2.columns(scores, names, [o.name for o in req.outputs] or names)
+        Out = pb.ModelInferResponse.InferOutputTensor
         return pb.ModelInferResponse(model_name=self.api.name, model_version=serving.version,
-                                     id=req.id, outputs=[out],
-                                     raw_output_contents=[scores.astype("<f4").tobytes()])
+                                     id=req.id, outputs=[Out(name=n, datatype="FP32",
+                                                             shape=[len(c)]) for n, c in cols],
+                                     raw_output_contents=[c.astype("<f4").tobytes()
+                                                          for _, c in cols])
 
     # ------------------------------------------------------------ server
     def handler(self):

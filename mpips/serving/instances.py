@@ -51,7 +51,7 @@ class Encoder:
 
     def __init__(self, model):
         s = model.schema
-        self.schema, self.label = s, s.label
+        self.schema, self.labels = s, frozenset(s.labels)     # names an instance may carry
         fmt = model.data.get("data_format", "auto")
         if s.is_criteo:
             self.kind = "criteo_slot" if fmt == "slot" else "tsv"
@@ -67,7 +67,7 @@ class Encoder:
         self.index = {n: j for j, n in enumerate(self.names)}
         self.dims = [self.dense.get(n, 0) for n in self.names]      # 0: sparse
         self.n_dense = len(self.dense)
-        self.known = set(self.names) | ({s.label} if s.label else set())
+        self.known = set(self.names) | self.labels
         one = self.kind in ("csv", "tsv", "criteo_slot")
         self.joiner = [None] * self.n_dense + [
             (sep if self.kind == "csv" and sep else (None if one else "")) for sep in seps]
@@ -151,7 +151,7 @@ class Encoder:
         for k, v in inst.items():
             j = index.get(k)
             if j is None:
-                if k == self.label and k:
+                if k in self.labels:
                     continue
                 raise BadInput(f"instances[{i}]: unknown input {_short(k)}; this model's "
                                f"inputs are {', '.join(self.names[:8])}"
@@ -209,7 +209,7 @@ class Encoder:
         toks = []
         for f in self.schema.fields:
             j = self.index.get(f)
-            v = (["0"] if f == self.label else []) if j is None else list(vals[j] or [])
+            v = (["0"] if f in self.labels else []) if j is None else list(vals[j] or [])
             toks.append(" ".join([str(len(v))] + v))
         return " ".join(toks)
 
@@ -275,7 +275,7 @@ def v2_instances(body, enc, max_instances):
         flat = _flatten(data, w) if any(isinstance(x, list) for x in data) and \
             (is_dense or len(shape) > 1) else data
         allowed = V2_DENSE if is_dense else V2_SPARSE
-        if name == enc.label:
+        if name in enc.labels:
             allowed = V2_DENSE
         if dtype not in allowed:
             raise BadInput(f"{w}.datatype: {_short(dtype)} is not one of {sorted(allowed)}")

@@ -50,6 +50,8 @@ class ServingModel:
         self.schema = schema or Schema.criteo()
         probe = self._net()
         self.n_sparse, self.n_dense, self.pooling = probe.n_sparse, probe.n_dense, probe.pooling
+        self.n_tasks = probe.n_tasks                             # T: one output per task
+        self.task_names = self.schema.labels if self.n_tasks > 1 else ()
         self.params = np.ascontiguousarray(dense, np.float32)
         if self.params.shape != (probe.n_params,):
             raise bd.BundleError(f"dense weights have {self.params.shape[0]} values; a "
@@ -142,7 +144,7 @@ class ServingModel:
             raise ValueError(f"ids must be integers (int64 feature ids); got {ids.dtype}")
 
     def predict(self, dense, ids, out=None, offsets=None):
-        """Probabilities (B,) float32 for normalised dense (B, D) and ids: one per slot
+        """Probabilities (B,) float32 — (B, T) with T tasks — for normalised dense (B, D) and ids: one per slot
         (B, S), or bags in CSR form (nnz,) with ``offsets`` (B*S + 1,) (``mpips.data.reader.Batch``)."""
         dense = np.ascontiguousarray(dense, np.float32)
         ids = np.asarray(ids)
@@ -152,7 +154,8 @@ class ServingModel:
         self._check(dense, ids, offsets)
         ids = np.ascontiguousarray(ids, np.int64)
         n = len(dense)
-        out = np.empty(n, np.float32) if out is None else out
+        if out is None:
+            out = np.empty((n,) if self.n_tasks == 1 else (n, self.n_tasks), np.float32)
         net = self.network()
         S = self.n_sparse
         for lo in range(0, n, CHUNK_ROWS):

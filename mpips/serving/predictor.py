@@ -108,13 +108,20 @@ class Predictor:
     def version(self):
         return self._model.version
 
+    @property
+    def task_names(self):
+        """The labels of a multi-task model's outputs, in column order (() for one task)."""
+        return self._model.task_names
+
     def predict_arrays(self, dense, ids, offsets=None):
-        """Probabilities (B,) float32 for dense (B, D) normalised and ids (B, S) int64, or
+        """Probabilities (B,) float32 — (B, T) with T tasks, one column a label of
+        ``task_names`` — for dense (B, D) normalised and ids (B, S) int64, or
         bags of ids (nnz,) with ``offsets`` (B*S + 1,) (the layout of ``Batch``)."""
         return self._model.predict(dense, ids, offsets=offsets)
 
     def predict_lines(self, lines, errors="raise"):
-        """Probabilities (n,) float32 for n raw lines (TSV or slot, str or bytes).
+        """Probabilities (n,) float32 — (n, T) with T tasks — for n raw lines (TSV or slot,
+        str or bytes).
 
         A blank or malformed line raises LineError naming its index (0-based) and what is
         wrong with it (``errors="raise"``); with ``errors="nan"`` it gets NaN instead, is
@@ -130,7 +137,8 @@ class Predictor:
         bad = sorted(why.items())
         if bad and errors == "raise":
             raise LineError(bad, len(ok))
-        out = np.full(len(ok), np.nan, np.float32)
+        T = model.n_tasks
+        out = np.full((len(ok),) if T == 1 else (len(ok), T), np.nan, np.float32)
         if piece is not None and ok.any():
             out[ok] = model.predict(piece[0], piece[1], offsets=piece[3])
         self.last_bad = bad

@@ -117,25 +117,45 @@ def _null(data):
     return [None if x is _NAN else (_null(x) if type(x) is list else x) for x in data]
 
 
-def binary_output(head):
-    """True when the answer's ``probability`` goes as binary data (the extension)."""
+def output_names(serving):
+    """The model's output tensors: ``probability``, or one per task named by its label."""
+    return list(serving.model.task_names) or [OUTPUT]
+
+
+def check_output(name, k, names):
+    """BadInput unless ``name`` (of ``outputs[k]``) is one of the model's outputs."""
+    if name not in names:
+        raise BadInput(f"outputs[{k}]: unknown output {str(name)[:40]!r}; this model's "
+                       f"output{'s are' if len(names) > 1 else ' is'} "
+                       f"{', '.join(map(repr, names))}")
+
+
+def binary_output(head, names=(OUTPUT,)):
+    """(the outputs to answer, in order; True when they go as binary data (the
+    extension)).  ``names``: the model's outputs (``output_names``)."""
     params = head.get("parameters")
     every = isinstance(params, dict) and params.get("binary_data_output") is True
     outputs = head.get("outputs")
     if outputs is None:
-        return every
+        return list(names), every
     if not isinstance(outputs, list):
         raise BadInput("outputs: expected a list of {name, parameters}")
-    binary = every
+    binary, wanted = every, []
     for k, o in enumerate(outputs):
         name = o.get("name") if isinstance(o, dict) else None
-        if name != OUTPUT:
-            raise BadInput(f"outputs[{k}]: unknown output {str(name)[:40]!r}; this model's "
-                           f"output is {OUTPUT!r}")
+        check_output(name, k, names)
+        wanted.append(name)
         p = o.get("parameters")
         if isinstance(p, dict) and "binary_data" in p:
             binary = p["binary_data"] is True
-    return binary
+    return wanted or list(names), binary
+
+
+def columns(scores, names, wanted):
+    """[(name, (n,) float32)] of ``wanted`` outputs of scores (n,) or (n, T)."""
+    if scores.ndim == 1:
+        return [(n, scores) for n in wanted]
+    return [(n, np.ascontiguousarray(scores[:, names.index(n)])) for n in wanted]
 
 
 # ---------------------------------------------------------------------- raw tensors
@@ -296,7 +316,8 @@ def _fast_score(serving, cols, n):
 
 
 def score(serving, inputs, max_instances):
-    """Scores (n,) float32 of V2 input tensors (dicts: module doc) by ``serving``."""
+    """Scores (n,) float32 — (n, T) with T tasks — of V2 input tensors (dicts: module doc)
+    by ``serving``."""
     fast = _fast_columns(serving, inputs, max_instances)
     if fast is not None:
         return _fast_score(serving, *fast)
@@ -309,7 +330,8 @@ def score(serving, inputs, max_instances):
         tensors.append(t)
     instances = v2_instances({"inputs": tensors}, serving.encoder, max_instances)
     if not instances:
-        return np.empty(0, np.float32)
+        T = serving.model.n_tasks
+        return np.empty((0,) if T == 1 else (0, T), np.float32)
     lines = serving.encoder.lines(instances)
     try:
         return serving.instances.predict_lines(lines)
@@ -321,7 +343,7 @@ def score(serving, inputs, max_instances):
 
 
 # ---------------------------------------------------------------------- metadata
-def model_config(name, serving, max_batch):
+def model_config(name, serving, max_batch):  # (one output per task: output_names)
     """The minimal Triton model configuration (inputs, outputs, max batch) tritonclient
     reads from ``GET /v2/models/{name}/config``."""
     def dims(shape):
@@ -330,8 +352,9 @@ def model_config(name, serving, max_batch):
     inputs = [{"name": n, "data_type": f"TYPE_{'STRING' if d == 'BYTES' else d}", **dims(s)}
               for n, d, s in serving.encoder.describe_inputs()]
     return {"name": name, "platform": "mpips", "backend": "mpips", "max_batch_size": max_batch,
-            "input": inputs, "output": [{"name": OUTPUT, "data_type": "TYPE_FP32",
-                                         "dims": [1], "reshape": {"shape": []}}],
+            "input": inputs, "output": [{"name": o, "data_type": "TYPE_FP32", "dims": [1],
+                                         "reshape": {"shape": []}}
+                                        for o in output_names(serving)],
             "version_policy": {"latest": {"num_versions": 1}},
             "parameters": {"model_version": {"string_value": serving.version}}}
 

@@ -125,7 +125,8 @@ class Simulator:
 
     def train_epoch(self, steps, epoch, max_steps=0):
         """One epoch over ``steps`` (lists of (worker, Batch), worker order); EpochStats."""
-        tr, st = self.trainer, EpochStats()
+        tr = self.trainer
+        st = EpochStats(metrics=tr.new_metrics())
         params, acc = tr.params[0], tr.acc
         acc.noise_reset()                          # this epoch's noise scale (DenseStep)
 

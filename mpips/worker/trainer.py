@@ -36,6 +36,7 @@ import numpy as np
 from mpips.kernels.embedding import gather_rows, scatter_add_rows
 from mpips.kernels.pooling import pool_backward, pool_forward
 from mpips.metrics import BinaryMetrics, Stopwatch
+from mpips.models.zoo import metrics_for
 from mpips.tables import push as push_rules
 from mpips.tables.ownership import KeyPlan
 from mpips.worker.dense_sync import DenseStep
@@ -198,7 +199,7 @@ class StepMath:
         after skipping `skip` of them (trained before a resume); return this worker's
         EpochStats.  max_steps: stop after this many batches of the epoch (the skipped
         ones count)."""
-        st = EpochStats()
+        st = EpochStats(metrics=self.new_metrics())
         it = iter(batches)
         for _ in range(skip):
             next(it, None)
@@ -218,8 +219,10 @@ class StepMath:
         if self.log and st.examples and step % self.cfg.print_every == 0:
             if self.progress is not None:
                 self.progress.clear()
+            tasks = "".join(f" {n} auc: {m.auc():.6f}"
+                            for n, m in getattr(st.metrics, "tasks", {}).items())
             self.log(f"TRAIN --> pass: {epoch} batch: {step} loss: {st.loss_sum / st.examples:.6f}"
-                     f" auc: {st.metrics.auc():.6f}")
+                     f" auc: {st.metrics.auc():.6f}" + (f" |{tasks}" if tasks else ""))
             if self.on_report is not None:
                 self.on_report(step, st.loss_sum / st.examples, st.metrics.auc())
 
@@ -280,6 +283,10 @@ class StepMath:
                               self.model.pooling, grads)
         return loss, probs, grads
 
+    def new_metrics(self):
+        """Empty metrics for this model's predictions (per task with several labels)."""
+        return metrics_for(self.model)
+
     def evaluate(self, batches, max_steps=0):
         """Predict over an iterable of Batch with the current parameters (no rows created):
         with --dense-average, the dense weights' moving average, the trained weights'
@@ -298,7 +305,7 @@ class StepMath:
     def _evaluate(self, batches, max_steps, dense_out):
         """evaluate(), the first pull also filling ``dense_out`` (the servers' dense
         weights) when it is not None."""
-        ms = [BinaryMetrics() for _ in self.eval_weights()]
+        ms = [self.new_metrics() for _ in self.eval_weights()]
         self.eval_metrics = ms             # one per eval_weights() vector (bench_average.py)
         if len(ms) > 1:
             ms[0].raw = ms[1]
@@ -320,7 +327,7 @@ class StepMath:
             emb = np.empty((n * self._slots(b), self.dim), np.float32)
             self._embed(cur, emb)
             for params, m in zip(weights, ms):
-                probs = np.empty(n, np.float32)
+                probs = np.empty(b.label.shape, np.float32)              # (B,) or (B, T)
                 self.model.predict(params, emb.reshape(n, -1), b.dense, probs)
                 m.update(probs, b.label)
             cur = nxt
