@@ -54,7 +54,7 @@ def make_net(model, schema, dim, hidden, text=None, **kw):
         name, text = resolve(model)
     return Network(text, schema.n_sparse, dim, schema.n_dense, hidden,
                    pooling=schema.pooling_codes(), slot_names=schema.sparse_names,
-                   name=name, where=f"network {model}", **kw)
+                   attention=schema.attention(), name=name, where=f"network {model}", **kw)
 
 
 __all__ = ("MODELS", "DEFAULT", "NetworkError", "digest", "network_text", "model_digest",
