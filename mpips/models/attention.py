@@ -15,6 +15,7 @@ rows' (after ``pool_backward``).  Products run through BLAS, the per-bag work in
 import numpy as np
 
 from mpips.kernels import attention as K
+from mpips.kernels.mlp import bias_relu_, outer_relu_backward_colsum_, relu_backward_colsum_
 
 
 class AttentionPool:
@@ -72,8 +73,7 @@ class AttentionPool:
         self.acts = [X]
         for w, b in self.names:
             h = np.matmul(self.acts[-1], P[w])
-            h += P[b]
-            np.maximum(h, 0, out=h)
+            bias_relu_(h, P[b])
             self.acts.append(h)
         scores = np.matmul(self.acts[-1], P[self.out_names[0]])                   # (m,)
         scores += P[self.out_names[1]][0]
@@ -95,11 +95,13 @@ class AttentionPool:
         wo, bo = self.out_names
         G[bo][0] = dscore.sum()
         np.matmul(dscore, self.acts[-1], out=G[wo])
-        dh = np.multiply.outer(dscore, P[wo])                            # (m, h_last)
-        for i in range(len(self.names) - 1, -1, -1):
+        last = len(self.names) - 1
+        dh = np.empty_like(self.acts[-1])                                 # (m, h_last)
+        outer_relu_backward_colsum_(dscore, P[wo], self.acts[-1], dh, G[self.names[-1][1]])
+        for i in range(last, -1, -1):
             w, b = self.names[i]
-            dh *= self.acts[i + 1] > 0
-            G[b][...] = dh.sum(axis=0)
+            if i < last:
+                relu_backward_colsum_(dh, self.acts[i + 1], G[b])
             np.matmul(self.acts[i].T, dh, out=G[w])
             dh = np.matmul(dh, P[w].T)                                    # (m, fan_in)
         dq = np.empty((n, self.d), dt)
