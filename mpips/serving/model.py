@@ -154,6 +154,8 @@ class ServingModel:
         out = np.empty(n, np.float32) if out is None else out
         net = self.network()
         S = self.n_sparse
+        if offsets is None and net.attn:             # one id a slot: bags of one, to attend
+            ids, offsets = ids.reshape(-1), np.arange(n * S + 1, dtype=np.int64)
         for lo in range(0, n, CHUNK_ROWS):
             hi = min(lo + CHUNK_ROWS, n)
             if offsets is None:
