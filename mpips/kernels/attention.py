@@ -4,7 +4,8 @@ For one attention slot, the ``m`` ids of the batch's bags of that slot are laid 
 order: ``bounds`` (n+1,) gives bag i's ids as ``[bounds[i], bounds[i+1])``.  ``Q`` (m, d)
 holds each id's query (the pooled query slot of its example), ``Kr`` (m, d) the id's row.
 The scoring MLP (BLAS, ``mpips.models.attention``) maps the features ``[q, k, q-k, q*k]``
-(m, 4d) to one score per id; the bag is the weighted sum of its rows, the weights being the
+(m, 4d) to one score per id (its first layer split into a part per example, of q, and a
+part per id, of ``[k, q*k]``); the bag is the weighted sum of its rows, the weights being the
 scores themselves or their softmax over the bag.  An empty bag pools to zeros.
 """
 import numpy as np
@@ -12,16 +13,39 @@ from numba import njit
 
 
 @njit(cache=True, nogil=True)
-def attn_features(Q, Kr, X):
-    """X (m, 4d) = [q, k, q - k, q * k] per row of Q and Kr (m, d).  Returns None."""
+def attn_features(Q, Kr, F):
+    """F (m, 2d) = [k, q * k] per row of Q and Kr (m, d): the features of the ids (the
+    query's own part, q and q - k, goes through the first layer once an example)."""
     m, d = Q.shape
     for k in range(m):
         for j in range(d):
-            q, v = Q[k, j], Kr[k, j]
-            X[k, j] = q
-            X[k, d + j] = v
-            X[k, 2 * d + j] = q - v
-            X[k, 3 * d + j] = q * v
+            F[k, j] = Kr[k, j]
+            F[k, d + j] = Q[k, j] * Kr[k, j]
+
+
+@njit(cache=True, nogil=True)
+def add_example_bias_relu(h, A, ex, b):
+    """In place h[k] = max(h[k] + A[ex[k]] + b, 0): the first layer of the unit, whose
+    query part A (n, h) is computed once per example."""
+    m, w = h.shape
+    zero = h.dtype.type(0)
+    for k in range(m):
+        e = ex[k]
+        for j in range(w):
+            v = h[k, j] + A[e, j] + b[j]
+            h[k, j] = v if v > zero else zero
+
+
+@njit(cache=True, nogil=True)
+def bag_sums(x, bounds, out):
+    """out[i] = sum of the rows of x (m, w) in bag i ([bounds[i], bounds[i+1]))."""
+    n, w = out.shape
+    for i in range(n):
+        for j in range(w):
+            out[i, j] = 0.0
+        for k in range(bounds[i], bounds[i + 1]):
+            for j in range(w):
+                out[i, j] += x[k, j]
 
 
 @njit(cache=True, nogil=True)
@@ -82,18 +106,16 @@ def attn_pool_backward(G, Kr, w, bounds, softmax, dscore, dK):
 
 
 @njit(cache=True, nogil=True)
-def attn_features_backward(dX, Q, Kr, bounds, dq, dK):
-    """From dX (m, 4d) = d(loss)/d([q, k, q-k, q*k]): add each id's part to ``dK`` (m, d)
-    and write each bag's query gradient ``dq`` (n, d) (summed over its ids, in order)."""
+def attn_features_backward(dF, Q, Kr, bounds, dq, dK):
+    """From dF (m, 2d) = d(loss)/d([k, q*k]): add each id's part to ``dK`` (m, d) and to
+    its bag's query gradient ``dq`` (n, d) (in id order)."""
     n, d = dq.shape
     for i in range(n):
-        for j in range(d):
-            dq[i, j] = 0.0
         for k in range(bounds[i], bounds[i + 1]):
             for j in range(d):
-                g2, g3 = dX[k, 2 * d + j], dX[k, 3 * d + j]
-                dq[i, j] += dX[k, j] + g2 + g3 * Kr[k, j]
-                dK[k, j] += dX[k, d + j] - g2 + g3 * Q[k, j]
+                g = dF[k, d + j]
+                dq[i, j] += g * Kr[k, j]
+                dK[k, j] += dF[k, j] + g * Q[k, j]
 
 
 @njit(cache=True, nogil=True)

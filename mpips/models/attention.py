@@ -68,10 +68,15 @@ class AttentionPool:
         m = len(ex)
         self.Kr = np.ascontiguousarray(rows[self.rows_of, self.col0:self.col0 + self.d], dt)
         self.Q = np.ascontiguousarray(emb[:, self.qcols][ex])                    # (m, d)
-        X = np.empty((m, 4 * self.d), dt)
-        K.attn_features(self.Q, self.Kr, X)
-        self.acts = [X]
-        for w, b in self.names:
+        self.qp = np.ascontiguousarray(emb[:, self.qcols])                     # (n, d)
+        w1 = P[self.names[0][0]]                                                 # (4d, h)
+        self.wq, self.wk = self._first(w1)
+        F = np.empty((m, 2 * self.d), dt)
+        K.attn_features(self.Q, self.Kr, F)
+        h = np.matmul(F, self.wk)                                # [k, q*k] part, per id
+        K.add_example_bias_relu(h, np.matmul(self.qp, self.wq), ex, P[self.names[0][1]])
+        self.acts = [F, h]
+        for w, b in self.names[1:]:
             h = np.matmul(self.acts[-1], P[w])
             bias_relu_(h, P[b])
             self.acts.append(h)
@@ -81,6 +86,13 @@ class AttentionPool:
         pooled = np.empty((n, self.d), dt)
         K.attn_pool(scores, self.Kr, self.bounds, self.softmax, self.w, pooled)
         emb[:, self.cols] = pooled
+
+    def _first(self, w1):
+        """The first layer's weights (4d, h) over [q, k, q-k, q*k] as a part for q (d, h),
+        once an example, and a part for [k, q*k] (2d, h), once an id."""
+        d = self.d
+        return w1[:d] + w1[2 * d:3 * d], np.concatenate([w1[d:2 * d] - w1[2 * d:3 * d],
+                                                        w1[3 * d:]])
 
     # ------------------------------------------------------------------ backward
     def backward(self, P, G, grad_emb, n):
@@ -102,12 +114,26 @@ class AttentionPool:
             w, b = self.names[i]
             if i < last:
                 relu_backward_colsum_(dh, self.acts[i + 1], G[b])
-            np.matmul(self.acts[i].T, dh, out=G[w])
-            dh = np.matmul(dh, P[w].T)                                    # (m, fan_in)
-        dq = np.empty((n, self.d), dt)
-        K.attn_features_backward(dh, self.Q, self.Kr, self.bounds, dq, self.dK)
-        grad_emb[:, self.qcols] += dq
+            if i > 0:
+                np.matmul(self.acts[i].T, dh, out=G[w])
+                dh = np.matmul(dh, P[w].T)                                # (m, fan_in)
+        self._first_backward(G[self.names[0][0]], dh, n)
+        grad_emb[:, self.qcols] += self.dq
         grad_emb[:, self.cols] = 0
+
+    def _first_backward(self, gw1, dh, n):
+        """From dh (m, h) = d(loss)/d(first pre-activation): the first layer's weight
+        gradient ``gw1`` (4d, h), the queries' gradient ``dq`` (n, d), the ids' into dK."""
+        d = self.d
+        ft = np.matmul(self.acts[0].T, dh)                                # (2d, h)
+        da = np.empty((n, dh.shape[1]), dh.dtype)
+        K.bag_sums(dh, self.bounds, da)                                   # (n, h)
+        gq = np.matmul(self.qp.T, da)                                     # (d, h)
+        gw1[:d], gw1[d:2 * d], gw1[3 * d:] = gq, ft[:d], ft[d:]
+        np.subtract(gq, ft[:d], out=gw1[2 * d:3 * d])
+        self.dq = np.matmul(da, self.wq.T)                                # (n, d)
+        K.attn_features_backward(np.matmul(dh, self.wk.T), self.Q, self.Kr, self.bounds,
+                                 self.dq, self.dK)
 
     def add_row_grads(self, grads):
         """grads (u, row_dim) += the ids' row gradients (in id order)."""
