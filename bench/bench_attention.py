@@ -7,7 +7,9 @@ example (pool, forward, backward, the rows' gradients), same network, same bags.
 Two history slots (items, categories) of exactly ``--len`` ids each, queried by a target
 item and a target category (DIN's shape, data_prep/din_synth.py), under ``dnn`` with
 ``--fc``.  Rounds alternate the two poolings; prints the median microseconds per example of
-each and their ratio (the bar of issue 47: attention <= 2x sum at length 20).
+each and their ratio (the bar of issue 47: attention <= 2x sum at length 20).  Times are
+CPU seconds of this process (one BLAS thread), which a loaded machine hides less than the
+clock; run with ``OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1``.
 """
 import argparse
 import time
@@ -46,12 +48,12 @@ def step_seconds(net, params, data, steps):
     emb = np.empty((n, net.emb_width), np.float32)
     grad, gemb = np.empty(net.n_params, np.float32), np.empty_like(emb)
     grows, dense = np.empty_like(rows), np.zeros((n, 0), np.float32)
-    t = time.perf_counter()
+    t = time.process_time()
     for _ in range(steps):
         net.pool(rows, inverse, off, emb)
         net.forward_backward(params, emb, dense, label, grad, gemb)
         net.unpool(gemb, inverse, off, grows)
-    return (time.perf_counter() - t) / steps
+    return (time.process_time() - t) / steps
 
 
 def main(argv=None):
@@ -79,7 +81,7 @@ def main(argv=None):
     med = {p: float(np.median(t)) for p, t in times.items()}
     ratios = [x / y for x, y in zip(times["attention"], times["sum"])]
     print(f"history {a.len}, batch {a.batch}, dim {a.dim}, dnn --fc {a.fc}, unit {units}: "
-          f"us/example sum {med['sum']:.2f}, attention {med['attention']:.2f}; "
+          f"CPU us/example sum {med['sum']:.2f}, attention {med['attention']:.2f}; "
           f"attention / sum: median {np.median(ratios):.2f} (rounds {min(ratios):.2f}-"
           f"{max(ratios):.2f})")
     return 0
