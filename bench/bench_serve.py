@@ -3,12 +3,13 @@ protocol and server processes, while patches land, against the in-process limit.
 
     python bench/bench_serve.py                                  # Criteo shape, 1M-row table
     python bench/bench_serve.py --shape wide --rows 200000       # multi-hot, 300 bag slots
+    python bench/bench_serve.py --shape din --rows 100000        # DIN: attention, histories
     python bench/bench_serve.py --patch-seconds 120              # the 2-minute run
 
 1. Model: random weights (the bundle writer, ``tests/serve_models.py``) over the ids of
    generated rows (Criteo: ``data_prep.synth``; wide: ``data_prep.multihot_synth``, 300
-   slots of bags) plus random ids up to ``--rows`` table rows; Criteo's 400x3 CTR-DNN of
-   dim 10, the wide shape's 512-256-128-128-128 of dim 9.  Scores do not depend on where
+   slots of bags; din: ``data_prep.din_synth``, histories of 3-40 items pooled by attention) plus random ids up to ``--rows`` table rows; Criteo's 400x3 CTR-DNN of
+   dim 10, the wide shape's 512-256-128-128-128 of dim 9, the din shape's 200-80 of dim 8.  Scores do not depend on where
    the weights came from; the cost of a request does not depend on their values.
 2. In-process limit: ``Predictor.predict_arrays`` (rows parsed beforehand) and
    ``predict_lines`` instances/s at each batch size, one core, by the clock and per
@@ -67,7 +68,8 @@ from mpips.serving.predictor import line_parser, parse_lines  # noqa: E402
 from tests import serve_models as sm  # noqa: E402
 
 SHAPES = {"criteo": {"dim": 10, "fc": "400,400,400"},
-          "wide": {"dim": 9, "fc": "512,256,128,128,128"}}
+          "wide": {"dim": 9, "fc": "512,256,128,128,128"},
+          "din": {"dim": 8, "fc": "200,80"}}        # attention over histories of 3-40
 
 
 # ---------------------------------------------------------------------- model and requests
@@ -83,6 +85,13 @@ def make_model(a, out):
         lo, diff = make_norm()
         data = {"data_format": "auto", "hash_bucket": 0, "cont_min": lo.tolist(),
                 "cont_diff": diff.tolist()}
+    elif a.shape == "din":
+        from data_prep.din_synth import generate as din
+        d = os.path.join(out, "din")
+        din(d, 10, a.lines, seed=1)
+        lines = open(os.path.join(d, "test.txt")).read().splitlines()
+        schema = load_schema(os.path.join(d, "schema.toml"))
+        data = {"data_format": "auto", "hash_bucket": 0, "cont_min": None, "cont_diff": None}
     else:
         from data_prep.multihot_synth import main as gen
         d = os.path.join(out, "wide")
@@ -114,6 +123,12 @@ def instances(lines, schema):
         for x in lines:
             out.append({n: (int(v) if n[0] == "I" else v)
                         for n, v in zip(names, x.split("\t")[1:]) if v})
+        return out
+    if schema.format == "csv":                  # the din shape: the columns of `fields`
+        out = []
+        for x in lines:
+            cols = dict(zip(schema.fields, x.split(schema.delimiter)))
+            out.append({n: [int(v) for v in cols[n].split()] for n in schema.sparse_names})
         return out
     dense = {n for g in schema.dense for n in g.names}
     flip = schema.token_order == "feasign:slot"

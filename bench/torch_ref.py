@@ -1,7 +1,7 @@
 """PyTorch reference: the same networks as mpips, on CPU in one process, to compare against.
 
     python bench/torch_ref.py --train DIR/train --test DIR/test [--hash-bucket 1000001]
-        [--model dnn|wide_deep|deepfm|dcn_v2|dlrm|shared_bottom|mmoe|esmm]
+        [--model dnn|wide_deep|deepfm|dcn_v2|dlrm|shared_bottom|mmoe|esmm|din]
 
 ``--model`` picks the network as mpips's ``--model`` does (``WideDeep``, ``DeepFM`` below:
 rows [w | v], w_0 and u from 0, the same MLP and initialisation).  ``DCNv2`` and ``DLRM``
@@ -9,7 +9,8 @@ are mpips's built-in ``dcn_v2.toml`` and ``dlrm.toml`` (mpips/models/networks/):
 parameters have mpips's names, shapes (a weight (in, out), a width-1 weight a vector) and
 flat order, and start from mpips's own draw: Xavier-uniform with each weight's (fan_in,
 fan_out) from ``numpy.random.default_rng(--seed)`` in the flat layout's order, biases 0,
-so both sides start from the same dense weights.
+so both sides start from the same dense weights.  ``DIN`` is mpips's ``dnn`` over a schema
+with attention-pooled slots (``--model din --schema FILE``; docs/sequences.md).
 
 Same inputs as mpips: batches come from mpips's own ``DataReader`` (same feature hashing,
 same dense normalisation, same file order, last partial batch trained), so both see the
@@ -392,6 +393,65 @@ MODELS = {"dnn": CTRDNN, "wide_deep": WideDeep, "deepfm": DeepFM, "dcn_v2": DCNv
           "dlrm": DLRM, **MULTI_TASK}
 
 
+class DIN(LayerNet):
+    """mpips's ``dnn`` under a schema with attention-pooled slots (DIN; docs/sequences.md):
+    each attention slot's bag is the sum of its rows weighted by a relu MLP of
+    ``[q, k, q - k, q * k]`` (q: the pooled query slot, k: the id's row; softmax over the
+    bag as the schema says); the other slots pool by sum or mean.  The dense parameters are
+    mpips's network's (its names, shapes, flat order and init: the MLP's, then each unit's)."""
+
+    def __init__(self, n_rows, n_sparse=26, dim=10, n_dense=13, hidden=(400, 400, 400),
+                 init_range=0.05, pooling=None, seed=0, attention=(), layout=(), slot_names=()):
+        nn.Module.__init__(self)
+        self.slot_names = list(slot_names)
+        codes = np.asarray(pooling)
+        self._embedding(n_rows, n_sparse, dim, init_range, np.where(codes == 2, 0, codes))
+        self.hidden, self.attention = tuple(hidden), list(attention)
+        self._params(list(layout), seed)
+
+    def _unit(self, s, q, units, softmax, pooled, rows, offsets):
+        """The attention pool (n, dim) of slot ``s`` queried by the pooled slot ``q``."""
+        n, S = pooled.shape[0], self.n_sparse
+        off = offsets.numpy()
+        b = np.arange(n) * S + s
+        lens = off[b + 1] - off[b]
+        ex = np.repeat(np.arange(n), lens)
+        pos = off[b][ex] + np.arange(len(ex)) - np.repeat(np.cumsum(lens) - lens, lens)
+        k = nn.functional.embedding(rows[torch.from_numpy(pos)], self.emb.weight, sparse=True)
+        ext = torch.from_numpy(ex)
+        qv = pooled[:, q][ext]
+        h = torch.cat([qv, k, qv - k, qv * k], dim=1)
+        name = f"attn_{self.slot_names[s]}"
+        h = self.mlp_forward(name, h, len(units))
+        score = torch.mv(h, self.param(f"{name}.out.w")) + self.param(f"{name}.out.b")
+        if softmax:
+            top = torch.full((n,), -torch.inf, dtype=score.dtype).scatter_reduce(
+                0, ext, score.detach(), "amax")
+            e = torch.exp(score - top[ext])
+            w = e / torch.zeros(n, dtype=e.dtype).index_add(0, ext, e)[ext]
+        else:
+            w = score
+        return torch.zeros(n, self.dim, dtype=k.dtype).index_add(0, ext, w[:, None] * k)
+
+    def forward(self, rows, dense, offsets=None):
+        n = dense.shape[0]
+        pooled = self.pooled(rows, n, offsets).reshape(n, self.n_sparse, self.dim)
+        cols = list(pooled.unbind(1))
+        for s, q, units, softmax in self.attention:
+            cols[s] = self._unit(s, q, units, softmax, pooled, rows, offsets)
+        x = torch.cat(cols + [dense], dim=1)
+        return self.logit(self.mlp_forward("fc", x, len(self.hidden)))
+
+
+def din_kwargs(schema, dim, hidden):
+    """DIN's extra arguments: the schema's attention slots and mpips's own flat layout."""
+    from mpips.models.zoo import make_net
+    net = make_net("dnn", schema, dim, hidden)
+    layout = [(name, shape, net._fans[name]) for name, _, shape in net.layout]
+    return {"attention": schema.attention(), "layout": layout,
+            "slot_names": schema.sparse_names}
+
+
 class RowAdam:
     """Lazy Adam on the rows of a sparse gradient, bias correction per row (as mpips)."""
 
@@ -415,6 +475,9 @@ class RowAdam:
 
     def zero_grad(self):
         self.w.grad = None
+
+
+MODELS["din"] = DIN      # dnn with the schema's attention pooling
 
 
 def build_vocab(train, batch_size, schema=None):
@@ -471,7 +534,9 @@ def run(a):
                 n_dense=schema.n_dense, hidden=tuple(int(x) for x in a.fc.split(",")),
                 init_range=a.init_range,
                 pooling=None if schema.is_criteo else schema.pooling_codes(),
-                **({"seed": a.seed} if issubclass(cls, LayerNet) else {}))
+                **({"seed": a.seed} if issubclass(cls, LayerNet) else {}),
+                **(din_kwargs(schema, a.embedding_dim, tuple(int(x) for x in a.fc.split(",")))
+                   if cls is DIN else {}))
     if not a.hash_bucket:
         with torch.no_grad():
             model.emb.weight[-1] = 0.0          # the unknown-id row: zeros, never trained

@@ -30,8 +30,19 @@ TOML keys (``--schema FILE``)::
     [[sparse]]
     names = ["site_id", "app_id"] # one slot per name; the options apply to each
     separator = "|"               # csv: several values in one column ("" = one value)
-    max_len = 0                   # keep the first N ids of a bag (0 = all)
-    pooling = "sum"               # sum | mean
+    max_len = 0                   # keep N ids of a bag (0 = all)
+    keep = "first"                # which N ids max_len keeps: "first" | "last" (the newest
+                                  # of a history written oldest first, as DIN's data is)
+    pooling = "sum"               # sum | mean | attention
+    query = ""                    # attention: the slot whose embedding is the query
+    attention_units = [36]        # attention: hidden widths of the scoring MLP (relu)
+    attention_softmax = false     # attention: softmax the scores over the bag
+    table = ""                    # slots with the same table share one id space and rows
+                                  # (the same raw id in any of them is the same row)
+
+``fields`` also names the columns of a csv file without a header, in line order (a name
+the schema does not use is skipped), e.g. PaddleRec's DIN sample
+``hist_items;hist_cats;target_item;target_cat;label`` (docs/sequences.md).
 
 Ids.  A slot is known by its name, so reordering the schema's entries changes no id:
 text values are hashed from (slot seed, raw bytes), integer feasigns of slot/multislot
@@ -57,7 +68,8 @@ else:  # pragma: no cover
 
 FORMATS = ("criteo", "csv", "slot", "multislot")
 NORMS = ("minmax", "log1p", "none")
-POOLINGS = ("sum", "mean")  # index = the pooling code the kernels take
+POOLINGS = ("sum", "mean", "attention")  # index = the pooling code the kernels take
+KEEPS = ("first", "last")  # which ids max_len keeps
 TOKEN_ORDERS = ("slot:feasign", "feasign:slot")
 SCHEMA_VERSION = 1
 
@@ -90,8 +102,13 @@ class SparseGroup:
 
     names: tuple
     separator: str = ""  # csv: values in one column are split on this ("" = one value)
-    max_len: int = 0  # keep the first N ids of a bag (0 = all); truncations are counted
-    pooling: str = "sum"  # sum | mean
+    max_len: int = 0  # keep N ids of a bag (0 = all); truncations are counted
+    pooling: str = "sum"  # sum | mean | attention
+    keep: str = "first"  # the ids max_len keeps: the first N or the last N (the newest)
+    query: str = ""  # attention: the slot whose pooled embedding is the query
+    attention_units: tuple = (36,)  # attention: hidden widths of the scoring MLP
+    attention_softmax: bool = False  # attention: softmax of the scores over the bag
+    table: str = ""  # a shared embedding table: one id space for its slots ("" = own)
 
 
 @dataclass(frozen=True)
@@ -166,8 +183,27 @@ class Schema:
         return [getattr(g, what) for g in self.sparse for _ in g.names]
 
     def pooling_codes(self) -> list:
-        """Per slot: 0 = sum, 1 = mean (the codes the pooling kernels take)."""
+        """Per slot: 0 = sum, 1 = mean, 2 = attention (the codes the network takes)."""
         return [POOLINGS.index(p) for p in self.slot_options("pooling")]
+
+    def attention(self) -> list:
+        """Per attention-pooled slot: (slot, query slot, hidden widths, softmax)."""
+        names = self.sparse_names
+        return [(names.index(n), names.index(g.query), tuple(g.attention_units),
+                 bool(g.attention_softmax))
+                for g in self.sparse if g.pooling == "attention" for n in g.names]
+
+    def max_len_codes(self) -> list:
+        """Per slot: max_len, negative when the last N ids are kept (the parsers' code)."""
+        return [-g.max_len if g.keep == "last" else g.max_len
+                for g in self.sparse for _ in g.names]
+
+    def id_space(self, name: str) -> str:
+        """The name a slot's ids are hashed under: its table's, or its own."""
+        for g in self.sparse:
+            if name in g.names:
+                return f"table:{g.table}" if g.table else name
+        return name
 
     def dense_options(self, what: str) -> list:
         """Per dense value (length n_dense): ``fill`` or ``norm`` of its group."""
@@ -175,11 +211,11 @@ class Schema:
 
     def hash_seeds(self) -> list:
         """Per slot: the uint64 FNV state that raw bytes of that slot are hashed from."""
-        return [hash_seed(n) for n in self.sparse_names]
+        return [hash_seed(self.id_space(n)) for n in self.sparse_names]
 
     def feasign_salts(self) -> list:
         """Per slot: the salt integer feasigns of that slot are mixed with."""
-        return [feasign_salt(n) for n in self.sparse_names]
+        return [feasign_salt(self.id_space(n)) for n in self.sparse_names]
 
     # --- storage and comparison -------------------------------------------------------
     def to_dict(self) -> dict:
@@ -203,8 +239,10 @@ class Schema:
     def describe(self) -> str:
         """One line for the start of a run: format, label, dense and sparse inputs."""
         sp = self.slot_options("pooling")
-        n_mean = sum(p == "mean" for p in sp)
-        kind = "one-hot" if self.one_hot else f"bags ({n_mean} mean, {len(sp) - n_mean} sum)"
+        n_mean, n_att = sum(p == "mean" for p in sp), sum(p == "attention" for p in sp)
+        kind = "one-hot" if self.one_hot else (
+            f"bags ({n_mean} mean, {len(sp) - n_mean - n_att} sum"
+            + (f", {n_att} attention)" if n_att else ")"))
         lab = ", ".join(self.labels) or "(none)"
         return (f"schema: format {self.format}, label{'s' if len(self.labels) > 1 else ''} "
                 f"{lab}, "
@@ -328,7 +366,10 @@ def _group(raw, cls, where, i):
         names = [names]
     if not names or not all(isinstance(n, str) and n for n in names):
         raise SchemaError(f"{where}: entry {i + 1} needs names = [\"...\", ...] (non-empty strings)")
-    return cls(**{**raw, "names": tuple(names)})
+    raw = {**raw, "names": tuple(names)}
+    if isinstance(raw.get("attention_units"), list):
+        raw["attention_units"] = tuple(raw["attention_units"])
+    return cls(**raw)
 
 
 def _build(d: dict, where: str) -> Schema:
@@ -411,6 +452,7 @@ def validate(s: Schema, where: str = "schema") -> None:
             bad(f"sparse separator is for csv columns; {s.format} bags come from repeated slots or counts")
         if len(g.separator) > 1 or g.separator == s.delimiter:
             bad(f"sparse separator must be one character other than the delimiter; got {g.separator!r}")
+        _check_sequence_options(s, g, bad)
     if s.format == "multislot":
         if not s.fields:
             bad("multislot needs fields = [...]: every input in line order, label included")
@@ -418,10 +460,45 @@ def validate(s: Schema, where: str = "schema") -> None:
         missing = [n for n in names if n not in fields]
         if missing:
             bad(f"multislot fields do not list {missing}: add them in line order")
+    elif s.fields and (s.format != "csv" or s.header):
+        bad("fields is for the multislot format, or a csv file without a header "
+            "(header = false): the columns in line order")
     elif s.fields:
-        bad("fields is for the multislot format only")
+        missing = [n for n in names if n not in set(s.fields)]
+        if missing:
+            bad(f"fields (the csv columns in line order) do not list {missing}: add them")
     if s.raw_ids and s.format not in ("slot", "multislot"):
         bad("raw_ids keeps integer feasigns; it needs the slot or multislot format")
     if s.format == "criteo" and s.label not in ("label", ""):
         bad("the criteo format's label is its first column: label = \"label\" (or \"\" for none;"
             " several labels need the csv, slot or multislot format)")
+
+
+def _check_sequence_options(s: Schema, g: SparseGroup, bad) -> None:
+    """The options of behaviour histories: keep, attention pooling and its query, table."""
+    if g.keep not in KEEPS:
+        bad(f"sparse keep {g.keep!r} is not one of {', '.join(KEEPS)}")
+    if not isinstance(g.table, str):
+        bad(f"sparse table must be a name (a string); got {g.table!r}")
+    if g.pooling != "attention":
+        if g.query:
+            bad(f"slot {g.names[0]!r} names query = {g.query!r} but its pooling is "
+                f"{g.pooling!r}: set pooling = \"attention\" or drop query")
+        return
+    if s.format == "criteo":
+        bad("attention pooling needs bags of ids (a csv, slot or multislot format); a "
+            "criteo column holds one id")
+    if g.query not in s.sparse_names:
+        bad(f"slot {g.names[0]!r}: query = {g.query!r} names no sparse slot (slots: "
+            f"{', '.join(s.sparse_names[:8])}{' ...' if s.n_sparse > 8 else ''})")
+    if g.query in g.names or dict(zip(s.sparse_names, s.slot_options("pooling")))[
+            g.query] == "attention":
+        bad(f"slot {g.names[0]!r}: the query slot {g.query!r} must be pooled by sum or "
+            f"mean, not by attention")
+    units = g.attention_units
+    if not isinstance(units, tuple) or not units or not all(
+            isinstance(u, int) and not isinstance(u, bool) and u >= 1 for u in units):
+        bad(f"slot {g.names[0]!r}: attention_units must be a non-empty list of widths "
+            f">= 1, e.g. [36]; got {units!r}")
+    if not isinstance(g.attention_softmax, bool):
+        bad(f"attention_softmax must be true or false; got {g.attention_softmax!r}")

@@ -212,7 +212,7 @@ class TextFormat:
         self.has_label = bool(has_label and schema.label)
         self.finish = DenseFinish(schema, cont_min, cont_diff)
         self.S, self.D = schema.n_sparse, schema.n_dense
-        self.max_len = np.array(schema.slot_options("max_len"), dtype=np.int64)
+        self.max_len = np.array(schema.max_len_codes(), dtype=np.int64)  # <0: keep last
         self.seeds = np.array(schema.hash_seeds(), dtype=np.uint64)
         self.salts = np.array([s & _MASK64 for s in schema.feasign_salts()], dtype=np.uint64)
         entries, self.names = schema_keys(schema)
@@ -224,8 +224,9 @@ class TextFormat:
         self.na = (np.frombuffer(b"".join(na) or b"\0", dtype=np.uint8).copy(),
                    np.cumsum([0] + [len(x) for x in na]).astype(np.int64))
         self.entries = entries
-        if schema.format == "csv" and not schema.header:  # columns: label, dense, sparse
-            self.colinfo, self.names = self._columns(self.names, "(no header)")
+        if schema.format == "csv" and not schema.header:  # columns: fields, or label,
+            cols = list(schema.fields) or self.names       # dense, sparse
+            self.colinfo, self.names = self._columns(cols, "(no header)")
         if schema.format == "criteo":
             self.names = list(schema.dense_names)
         if schema.format == "multislot":

@@ -109,30 +109,37 @@ def emit_bags(k, tmp_slot, tmp_id, max_len, cur, lim, r, ids, offsets):
 
     ``offsets[r*S]`` is where row r starts; writes ``offsets[r*S + 1 .. (r+1)*S]``.
     ``cur``/``lim`` are (S,) int64 scratch.  Returns the number of bags truncated to their
-    ``max_len`` (0 = keep all), or -1 when ``ids`` has no room (the caller's sizing bug).
+    ``max_len`` (0 = keep all; N > 0 keeps the first N ids of a slot, -N the last N), or
+    -1 when ``ids`` has no room (the caller's sizing bug).
     """
     S = max_len.shape[0]
     for s in range(S):
         cur[s] = 0
     for j in range(k):
         cur[tmp_slot[j]] += 1
-    pos = offsets[r * S]
+    start = offsets[r * S]
+    pos = start
     trunc = 0
     for s in range(S):
         c = cur[s]
-        if max_len[s] > 0 and c > max_len[s]:
-            c = max_len[s]
-            trunc += 1
+        keep = max_len[s] if max_len[s] >= 0 else -max_len[s]
         cur[s] = pos
+        if keep > 0 and c > keep:
+            trunc += 1
+            if max_len[s] < 0:           # keep the last N: skip the first c - N
+                cur[s] = pos - (c - keep)
+            c = keep
         pos += c
         lim[s] = pos
     if pos > ids.shape[0]:
         return -1
     for j in range(k):
         s = tmp_slot[j]
-        if cur[s] < lim[s]:
-            ids[cur[s]] = tmp_id[j]
-            cur[s] += 1
+        c = cur[s]
+        if c < lim[s]:
+            if c >= (lim[s - 1] if s > 0 else start):
+                ids[c] = tmp_id[j]
+            cur[s] = c + 1
     for s in range(S):
         offsets[r * S + s + 1] = lim[s]
     return trunc

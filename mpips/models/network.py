@@ -21,6 +21,8 @@ import numpy as np
 
 from mpips.kernels import layers as K
 from mpips.kernels.mlp import sigmoid_, sigmoid_bce_
+from mpips.kernels.pooling import pool_backward, pool_forward
+from mpips.models.attention import AttentionPool
 from mpips.models.layers import Concat, Dense, FirstOrder, FM2, SpecError, Sum, Tensor
 from mpips.models.tasks import Head, make_layer
 from mpips.models.layers import Sink, SplitSink
@@ -77,14 +79,16 @@ class Network:
     hidden : the ``--fc`` widths (``widths = "fc"`` in the file).
     dtype : float32 for training; float64 for gradient checks.
     init : weight initialisation, one of ``INITS`` (biases and wide weights start at 0).
-    pooling : per slot 0 (sum) or 1 (mean) (``schema.pooling_codes()``); the trainer and
-        the scorer pool with it (``mpips.kernels.pooling``), the network only carries it.
+    pooling : per slot 0 (sum), 1 (mean) or 2 (attention) (``schema.pooling_codes()``);
+        the trainer and the scorer pool with ``pool`` and ``unpool``.
     slot_names : the schema's slot names (for inputs that list slots).
+    attention : per attention slot (slot, query slot, hidden widths, softmax)
+        (``schema.attention()``); their units' weights follow the file's layers.
     """
 
     def __init__(self, text, n_sparse, dim, n_dense, hidden=(400, 400, 400),
                  dtype=np.float32, init=DEFAULT_INIT, pooling=None, slot_names=None,
-                 name="", where="network"):
+                 name="", where="network", attention=()):
         if n_sparse < 0 or n_dense < 0 or n_sparse + n_dense == 0 or dim < 1:
             raise ValueError(f"a network needs n_sparse>=0, n_dense>=0 (not both 0) and "
                              f"dim>=1; got n_sparse={n_sparse}, n_dense={n_dense}, dim={dim}")
@@ -97,9 +101,15 @@ class Network:
         self.hidden, self.init, self.text = tuple(int(h) for h in hidden), init, text
         self.pooling = np.zeros(self.n_sparse, np.int8) if pooling is None else \
             np.array(pooling, np.int8)                     # (S,)
-        if self.pooling.shape != (self.n_sparse,) or not np.isin(self.pooling, (0, 1)).all():
-            raise ValueError(f"pooling must give 0 (sum) or 1 (mean) for each of the "
-                             f"{self.n_sparse} slots; got {pooling!r}")
+        if self.pooling.shape != (self.n_sparse,) or not np.isin(self.pooling, (0, 1, 2)).all():
+            raise ValueError(f"pooling must give 0 (sum), 1 (mean) or 2 (attention) for each "
+                             f"of the {self.n_sparse} slots; got {pooling!r}")
+        if sorted(a[0] for a in attention) != np.flatnonzero(self.pooling == 2).tolist():
+            raise ValueError(f"the attention slots {[a[0] for a in attention]} are not the "
+                             f"slots of pooling code 2")
+        self._attention = list(attention)
+        self.pool_codes = np.where(self.pooling == 2, 0, self.pooling).astype(np.int8)
+        self._bags = None
         self.slot_names = list(slot_names or [f"C{i + 1}" for i in range(self.n_sparse)])
         self.task_names = ()            # the labels of T > 1 tasks (mpips.models.zoo)
         spec = parse(text, where)
@@ -154,7 +164,10 @@ class Network:
         self._check_output(spec, where)
         self._fuse()
         self._fuse_relu()
-        self._layout(sorted(self.layers, key=lambda L: L.file_index))
+        self.attn = [AttentionPool(f"attn_{self.slot_names[s]}", s, q, self.n_sparse,
+                                   self.dim, int(self.has_w), units, soft)
+                     for s, q, units, soft in self._attention]
+        self._layout(sorted(self.layers, key=lambda L: L.file_index) + self.attn)
         self._split = {L.name for L in self.layers if isinstance(L, Concat)   # read by one:
                        and len(L.out.consumers) == 1}             # its parts get their columns
 
@@ -302,11 +315,37 @@ class Network:
                 raise ValueError(f"{name} must be a float array; got {arr.dtype}")
         return batch
 
+    # ------------------------------------------------------------------ pooling
+    def pool(self, rows, inverse, offsets, out):
+        """Pool a CSR batch's bags into the network's input ``out`` (B, S*row_dim): sum or
+        mean (``mpips.kernels.pooling``; an attention slot's columns are finished by the
+        forward pass, which needs the weights).  ``rows`` (u, row_dim) the pulled rows,
+        ``inverse`` (nnz,) each id's row, ``offsets`` (B*S+1,)."""
+        pool_forward(rows, inverse, offsets, self.pool_codes, out)
+        self._bags = (rows, inverse, offsets, out.shape[0]) if self.attn else None
+
+    def unpool(self, grad_emb, inverse, offsets, grads):
+        """The rows' gradients ``grads`` (u, row_dim) from d(loss)/d(input) (B, S*row_dim)
+        of the last ``forward_backward`` (attention slots: the ids' gradients it kept)."""
+        pool_backward(grad_emb, inverse, offsets, self.pool_codes, grads)
+        for a in self.attn:
+            a.add_row_grads(grads)
+
+    def _attend(self, P, emb, n, row0):
+        """Attention slots: their columns of ``emb`` (rows row0.. of the pooled batch)."""
+        if self._bags is None or row0 + n > self._bags[3]:
+            raise ValueError("attention pooling needs the batch's bags: pool() it first "
+                             "(CSR ids with offsets; one-hot batches cannot attend)")
+        for a in self.attn:
+            a.forward(P, emb, self._bags[:3], row0, n)
+
     # ------------------------------------------------------------------ maths
-    def _forward(self, params, emb, dense, n):
+    def _forward(self, params, emb, dense, n, row0=0):
         """Every layer's output for a batch of ``n``; returns the logit view (n,)."""
         self._workspace(n)
         vals = {}
+        if self.attn:
+            self._attend(self._views(params), emb, n, row0)
         p = emb
         if self.has_w:
             p = self._p[:n]
@@ -363,6 +402,8 @@ class Network:
             L.backward(P, G, [vals[t.name] for t in L.ins], vals[L.out.name],
                        self._grad[L.out.name][:n], sinks, n)
         self._gather_inputs(grad_emb_out, counts, n)
+        for a in reversed(self.attn):
+            a.backward(P, G, grad_emb_out, n)
 
     def _gather_inputs(self, grad_emb_out, counts, n):
         """The inputs' gradients into d(loss)/d(emb) (B, S x row_dim)."""
@@ -436,7 +477,8 @@ class Network:
         chunk = max(self._ws_cap, min(batch, PREDICT_CHUNK))
         for start in range(0, batch, chunk):
             stop = min(start + chunk, batch)
-            logit = self._forward(params, emb[start:stop], dense[start:stop], stop - start)
+            logit = self._forward(params, emb[start:stop], dense[start:stop], stop - start,
+                                  start)
             if self.head is not None:
                 self.head.predict(logit, out[start:stop], stop - start)
                 continue

@@ -57,7 +57,7 @@ def make_net(model, schema, dim, hidden, text=None, **kw):
         name, text = resolve(model)
     net = Network(text, schema.n_sparse, dim, schema.n_dense, hidden,
                   pooling=schema.pooling_codes(), slot_names=schema.sparse_names,
-                  name=name, where=f"network {model}", **kw)
+                  attention=schema.attention(), name=name, where=f"network {model}", **kw)
     check_tasks(net, schema, model)
     net.task_names = schema.labels if net.n_tasks > 1 else ()
     return net

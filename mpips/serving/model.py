@@ -16,7 +16,6 @@ import numpy as np
 import mpips.serving.bundle as bd
 from mpips.config import parse_fc
 from mpips.data.criteo import make_norm
-from mpips.kernels.pooling import pool_forward
 from mpips.models.zoo import extra_cols, make_net, stored_network
 from mpips.schema import Schema
 from mpips.serving.table import Table, hash_slots  # noqa: F401 - hash_slots: mpips.infer's
@@ -123,7 +122,7 @@ class ServingModel:
             return emb.reshape(ids.shape[0], -1)
         out = np.empty(((len(offsets) - 1) // self.n_sparse, self.n_sparse * self.dim),
                        np.float32)
-        pool_forward(emb, np.arange(len(flat)), offsets, self.pooling, out)
+        self.network().pool(emb, np.arange(len(flat)), offsets, out)
         return out
 
     def _check(self, dense, ids, offsets):
@@ -158,6 +157,8 @@ class ServingModel:
             out = np.empty((n,) if self.n_tasks == 1 else (n, self.n_tasks), np.float32)
         net = self.network()
         S = self.n_sparse
+        if offsets is None and net.attn:             # one id a slot: bags of one, to attend
+            ids, offsets = ids.reshape(-1), np.arange(n * S + 1, dtype=np.int64)
         for lo in range(0, n, CHUNK_ROWS):
             hi = min(lo + CHUNK_ROWS, n)
             if offsets is None:

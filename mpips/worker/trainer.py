@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mpips.kernels.embedding import gather_rows, scatter_add_rows
-from mpips.kernels.pooling import pool_backward, pool_forward
 from mpips.metrics import BinaryMetrics, Stopwatch
 from mpips.models.zoo import metrics_for
 from mpips.tables import push as push_rules
@@ -257,8 +256,8 @@ class StepMath:
         if b.offsets is None:
             gather_rows(prep.rows, prep.plan.inverse, emb)
         else:
-            pool_forward(prep.rows, prep.plan.inverse, b.offsets, self.model.pooling,
-                         emb.reshape(len(b.label), -1))
+            self.model.pool(prep.rows, prep.plan.inverse, b.offsets,
+                            emb.reshape(len(b.label), -1))
 
     def _step_math(self, prep, params, scale=None):
         """Forward/backward of one batch; returns (mean loss, probs, row grads (u, dim)).
@@ -279,8 +278,8 @@ class StepMath:
             if b.offsets is None:                                           # zero grads first
                 scatter_add_rows(grad_emb, prep.plan.inverse, grads)
             else:
-                pool_backward(grad_emb.reshape(n, -1), prep.plan.inverse, b.offsets,
-                              self.model.pooling, grads)
+                self.model.unpool(grad_emb.reshape(n, -1), prep.plan.inverse, b.offsets,
+                                  grads)
         return loss, probs, grads
 
     def new_metrics(self):
