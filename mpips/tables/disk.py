@@ -13,12 +13,16 @@ delete, one write transaction) and ``scan`` (every row, in id order, in chunks).
 
 The store is live state only.  Its folder is made fresh by ``tempfile.mkdtemp`` inside
 the directory given (never an existing one: a folder left by another run is never read)
-and removed by ``close``.  LMDB was chosen over RocksDB (rocksdict) by
+and removed by ``close``.  The folder's ``owner.lock`` is held (``flock``) while the store
+is open; the kernel lets go of it when its process dies, so a folder whose lock nobody
+holds was left by a killed run and ``sweep`` removes it (each new store sweeps its
+parent).  LMDB was chosen over RocksDB (rocksdict) by
 ``bench/bench_engine.py`` on this 2-core machine (docs/disk-tier.md): its multi-get of a
 step's misses is about 4x faster, and a B+tree has no background compaction to compete
 with training for the cores (LMDB runs no thread of its own).
 """
 import errno
+import fcntl
 import os
 import shutil
 import tempfile
@@ -39,6 +43,8 @@ PAGE = 4096                 # LMDB's page
 # takes pages from the free list, a read walks branch pages to the leaf.
 READ_PAGES, WRITE_PAGES = 2, 6
 RESERVE_MIN = 16 << 20      # the least the data file is allocated ahead of its use
+PREFIX = "mpips-tier-"      # the store folders' names: PREFIX + tag + "-" + random
+LOCK = "owner.lock"         # held by the open store (flock), released when its process ends
 SIGN = np.uint64(1 << 63)
 KEY = np.dtype(">u8")
 
@@ -52,6 +58,30 @@ def encode_keys(keys):
     """int64 ids -> list of 8-byte keys whose byte order is the ids' order."""
     k = (np.ascontiguousarray(keys, np.int64).view(np.uint64) ^ SIGN).astype(KEY)
     return k.view("V8").tolist()
+
+
+def sweep(parent):
+    """Remove the store folders under ``parent`` that no process holds (left by a killed
+    run); return their paths.  A folder without its lock file (being made, or made by an
+    older mpips) is left alone."""
+    gone = []
+    for name in sorted(os.listdir(parent)):
+        path = os.path.join(parent, name)
+        if not name.startswith(PREFIX):
+            continue
+        try:
+            fd = os.open(os.path.join(path, LOCK), os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue                        # held: a live store
+        finally:
+            os.close(fd)                    # (closing releases a lock just taken)
+        shutil.rmtree(path, ignore_errors=True)
+        gone.append(path)
+    return gone
 
 
 def decode_keys(raw):
@@ -71,7 +101,11 @@ class RowStore:
         self.fields = list(template)
         self.dtype = row_dtype(template)
         self._template = {f: a[:0].copy() for f, a in template.items()}
-        self.path = tempfile.mkdtemp(prefix=f"mpips-tier-{tag}-", dir=check_dir(parent))
+        parent = check_dir(parent)
+        self.swept = sweep(parent)          # folders of killed runs (reported by the caller)
+        self.path = tempfile.mkdtemp(prefix=f"{PREFIX}{tag}-", dir=parent)
+        self._lock = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self.map_budget = MAP_BUDGET if map_budget is None else int(map_budget)
         self.txn_rows = max(self.map_budget // (4 * WRITE_PAGES * PAGE), 1)
         self.env, self._touched, self._allocated, self.reopens = None, 0, 0, 0
@@ -255,3 +289,6 @@ class RowStore:
             os.close(self._fd)
             self.env = None
         shutil.rmtree(self.path, ignore_errors=True)
+        if self._lock is not None:
+            os.close(self._lock)            # (after the folder is gone: never swept live)
+            self._lock = None
