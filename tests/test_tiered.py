@@ -14,19 +14,20 @@ from mpips.tables.disk import RowStore
 from mpips.tiering import check_dir
 from mpips.tables.optim import OptimizerConfig
 from mpips.tables.sparse import SparseTable
-from mpips.tables.tiered import MIN_MAP_BUDGET, TieredTable
+from mpips.tables.tiered import MIN_MAP_BUDGET, POLICIES, POLICY, TieredTable
 
 DIM, P = 3, 11
 OPTS = [OptimizerConfig(name="adam", lr=0.05), OptimizerConfig(name="adagrad", lr=0.1),
         OptimizerConfig(name="sgd", lr=0.1)]
 
 
-def pair(tmp_path, opt=OPTS[0], cap_rows=4, seed=7):
+def pair(tmp_path, opt=OPTS[0], cap_rows=4, seed=7, policy=POLICY):
     """(in-memory table, tiered table of ``cap_rows`` resident rows), same settings."""
     ref = SparseTable(DIM, opt, seed=seed, init_range=0.1)
     cache = SparseTable(DIM, opt, seed=seed, init_range=0.1)
     rb = TieredTable.bytes_per_row(cache.export_rows(np.empty(0, np.int64)))
-    tier = TieredTable(cache, MIN_MAP_BUDGET + cap_rows * rb, str(tmp_path / "tier"), tag="t")
+    tier = TieredTable(cache, MIN_MAP_BUDGET + cap_rows * rb, str(tmp_path / "tier"), tag="t",
+                       policy=policy)
     assert tier.cap_rows == cap_rows
     return ref, tier
 
@@ -87,11 +88,12 @@ def test_training_and_shrink_equal_in_memory(tmp_path, opt):
     assert_equal_tables(ref, tier)
 
 
-def test_clean_rows_keep_their_disk_copy(tmp_path):
+@pytest.mark.parametrize("policy", POLICIES)
+def test_clean_rows_keep_their_disk_copy(tmp_path, policy):
     """Rows read in and only read (evaluation pulls) are dropped without a write; changed
     ones are written back; a shrink removing a resident row deletes its copy.  Each id
     counts once (``len``) and every walk of the disk skips the resident rows' copies."""
-    ref, tier = pair(tmp_path, cap_rows=3)
+    ref, tier = pair(tmp_path, cap_rows=3, policy=policy)
     rng = np.random.default_rng(9)
     copies = 0
     for i in range(90):

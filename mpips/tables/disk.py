@@ -49,6 +49,16 @@ SIGN = np.uint64(1 << 63)
 KEY = np.dtype(">u8")
 
 
+def mapped_bytes():
+    """Bytes of shared (file-backed) pages resident in this process: /proc/self/statm's
+    third field."""
+    with open("/proc/self/statm", "rb") as fh:
+        return int(fh.read().split()[2]) * PAGE
+
+
+MEASURE = os.path.exists("/proc/self/statm")
+
+
 def row_dtype(template):
     """Packed record dtype of every field of ``template`` (an ``export_rows`` dict) but keys."""
     return np.dtype([(f, a.dtype, a.shape[1:]) for f, a in template.items() if f != "keys"])
@@ -118,13 +128,20 @@ class RowStore:
         self.env = lmdb.open(self.path, map_size=MAP_SIZE, subdir=True, sync=False,
                              metasync=False, writemap=True, readahead=False, lock=False,
                              max_dbs=0, meminit=False)
+        self._base = mapped_bytes() if MEASURE else 0
 
     def _touch(self, nbytes):
-        """Count bytes of the map touched; past ``map_budget`` close and reopen the
-        environment, which unmaps its pages (they stay in the page cache, not in this
-        process's RSS)."""
-        self._touched += nbytes
-        if self._touched > self.map_budget:
+        """After a transaction: past ``map_budget`` bytes of the map resident in this
+        process, close and reopen the environment, which unmaps its pages (they stay in
+        the page cache, not in this process's RSS).  The map's resident bytes are measured
+        (``mapped_bytes``: file pages resident, less those after the last opening) where
+        /proc is; else ``nbytes`` (an estimate of the pages touched) are counted."""
+        if MEASURE:
+            over = mapped_bytes() - self._base > self.map_budget
+        else:
+            self._touched += nbytes
+            over = self._touched > self.map_budget
+        if over:
             self.env.close()
             self._open()
             self._touched = 0
