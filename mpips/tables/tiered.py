@@ -10,9 +10,9 @@ copy (COPY) and whether it changed since it was read in (CHANGED).  A call
 
 1. looks its keys up in the cache (the hit path is the numba table's);
 2. reads the misses from disk in one multi-get;
-3. if the cache would pass its cap, moves the least recently used rows out (never a key
-   of this call) down to ``1 - EVICT_FRACTION`` of the cap, so the cache's compaction is
-   paid once per that many misses;
+3. if the cache would pass its cap, moves rows out (never a key of this call; the
+   fewest sightings first, by ``POLICY``) down to ``1 - EVICT_FRACTION`` of the cap, so
+   the cache's compaction is paid once per that many misses;
 4. writes back only those of them whose disk copy is missing or stale, in one batch sorted
    by id (LMDB transactions of at most ``RowStore.txn_rows`` rows each, so the map's pages
    stay within its budget); a clean row is dropped, its copy is already on disk;
@@ -62,8 +62,8 @@ class TieredTable:
 
     table: the (empty) SparseTable used as the cache; memory_bytes: the cap: MAP_SHARE of
     it (at least MIN_MAP_BUDGET) for the pages of the store's map, the rest for resident
-    rows (their fields, slots and LRU stamps); table_dir: parent of the store's folder;
-    tag: the folder's name prefix (e.g. ``rank3``).
+    rows (their fields, slots, stamps and flags); table_dir: parent of the store's folder;
+    tag: the folder's name prefix (e.g. ``rank3``); policy: which rows move out (POLICIES).
     """
 
     def __init__(self, table, memory_bytes, table_dir, tag="table", policy=POLICY):
