@@ -177,24 +177,29 @@ def scale(args):
     def phase(name, t0, t, **kw):
         cur, peak = rss_mb()
         rec = dict(phase=name, s=round(time.perf_counter() - t0, 1), rss_mb=cur,
-                   peak_rss_mb=peak, rows=len(t), disk_mb=round(t.store.nbytes / 2**20),
-                   **kw)
+                   peak_rss_mb=peak, rows=len(t), **kw)
+        if tier:
+            rec.update(disk_mb=round(t.store.nbytes / 2**20), hit_ratio_all=round(
+                t.stats()["hit_ratio"], 4), reopens=t.store.reopens)
         out["phases"].append(rec)
         print(json.dumps(rec), flush=True)
 
+    tier = args.cap != "0"
+
     def table():
-        return TieredTable(SparseTable(10, opt, seed=0), parse_size(args.cap), work, "scale")
+        t = SparseTable(10, opt, seed=0)
+        return TieredTable(t, parse_size(args.cap), work, "scale") if tier else t
     try:
         t, buf = table(), np.empty((b, 10), np.float32)
         grads = rng.standard_normal((b, 10)).astype(np.float32) * 1e-3
-        phase("start", time.perf_counter(), t, cap_rows=t.cap_rows)
+        phase("start", time.perf_counter(), t, cap_rows=t.cap_rows if tier else 0)
         t0 = time.perf_counter()
         for lo in range(0, args.ids, b):
             k = np.sort(key(np.arange(lo, min(lo + b, args.ids), dtype=np.int64)))
             t.pull(k, buf[:len(k)], create=True)
             t.push(k, grads[:len(k)])
         phase("fill", t0, t, ids_per_s=round(args.ids / (time.perf_counter() - t0)))
-        hits0, looked0 = t.hits, t.hits + t.misses
+        hits0, looked0 = (t.hits, t.hits + t.misses) if tier else (0, 0)
         t0 = time.perf_counter()
         for _ in range(args.steps):
             k = np.unique(key((rng.zipf(ZIPF, b) - 1) % args.ids))
@@ -202,18 +207,21 @@ def scale(args):
             t.push(k, grads[:len(k)])
         n = args.steps * b
         phase("train", t0, t, ids_per_s=round(n / (time.perf_counter() - t0)),
-              hit_ratio=round((t.hits - hits0) / (t.hits + t.misses - looked0), 4))
+              hit_ratio=round((t.hits - hits0) / (t.hits + t.misses - looked0), 4) if tier
+              else 1.0)
         t0 = time.perf_counter()
         path = ck.save_local(os.path.join(work, "ckpt"), t, DenseTable(np.zeros(8, np.float32),
                                                                         opt), "full")
         phase("save", t0, t)
-        t.close()
+        if tier:
+            t.close()
         t0 = time.perf_counter()
         t = table()
         ck.load_local(path, t, DenseTable(np.zeros(8, np.float32), opt))
         phase("load", t0, t)
         assert len(t) == args.ids
-        t.close()
+        if tier:
+            t.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out
