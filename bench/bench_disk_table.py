@@ -176,7 +176,8 @@ def scale(args):
 
     def phase(name, t0, t, **kw):
         cur, peak = rss_mb()
-        rec = dict(phase=name, s=round(time.perf_counter() - t0, 1), rss_mb=cur,
+        rec = dict(phase=name, s=round(time.perf_counter() - t0, 1),
+                   cpu_s=round(time.process_time() - c0[0], 1), rss_mb=cur,
                    peak_rss_mb=peak, rows=len(t), **kw)
         if tier:
             rec.update(disk_mb=round(t.store.nbytes / 2**20), hit_ratio_all=round(
@@ -184,23 +185,27 @@ def scale(args):
         out["phases"].append(rec)
         print(json.dumps(rec), flush=True)
 
-    tier = args.cap != "0"
+    tier, c0 = args.cap != "0", [0.0]
 
     def table():
         t = SparseTable(10, opt, seed=0)
-        return TieredTable(t, parse_size(args.cap), work, "scale") if tier else t
+        if not tier:
+            return t
+        t = TieredTable(t, parse_size(args.cap), work, "scale")
+        t.store.map_budget = args.map_budget or t.store.map_budget
+        return t
     try:
         t, buf = table(), np.empty((b, 10), np.float32)
         grads = rng.standard_normal((b, 10)).astype(np.float32) * 1e-3
         phase("start", time.perf_counter(), t, cap_rows=t.cap_rows if tier else 0)
-        t0 = time.perf_counter()
+        t0, c0[0] = time.perf_counter(), time.process_time()
         for lo in range(0, args.ids, b):
             k = np.sort(key(np.arange(lo, min(lo + b, args.ids), dtype=np.int64)))
             t.pull(k, buf[:len(k)], create=True)
             t.push(k, grads[:len(k)])
         phase("fill", t0, t, ids_per_s=round(args.ids / (time.perf_counter() - t0)))
         hits0, looked0 = (t.hits, t.hits + t.misses) if tier else (0, 0)
-        t0 = time.perf_counter()
+        t0, c0[0] = time.perf_counter(), time.process_time()
         for _ in range(args.steps):
             k = np.unique(key((rng.zipf(ZIPF, b) - 1) % args.ids))
             t.pull(k, buf[:len(k)], create=True)
@@ -209,13 +214,13 @@ def scale(args):
         phase("train", t0, t, ids_per_s=round(n / (time.perf_counter() - t0)),
               hit_ratio=round((t.hits - hits0) / (t.hits + t.misses - looked0), 4) if tier
               else 1.0)
-        t0 = time.perf_counter()
+        t0, c0[0] = time.perf_counter(), time.process_time()
         path = ck.save_local(os.path.join(work, "ckpt"), t, DenseTable(np.zeros(8, np.float32),
                                                                         opt), "full")
         phase("save", t0, t)
         if tier:
             t.close()
-        t0 = time.perf_counter()
+        t0, c0[0] = time.perf_counter(), time.process_time()
         t = table()
         ck.load_local(path, t, DenseTable(np.zeros(8, np.float32), opt))
         phase("load", t0, t)
@@ -288,6 +293,8 @@ def main():
     p.add_argument("--cap", default="256M", help="scale: the table's --table-memory")
     p.add_argument("--batch", type=int, default=8192, help="scale: ids a step; policy: rows a batch")
     p.add_argument("--steps", type=int, default=300, help="scale: training steps")
+    p.add_argument("--map-budget", type=int, default=0, help="scale: bytes of LMDB's map "
+                   "before it is dropped (0: the tier's own share of --cap)")
     p.add_argument("--dir", default="", help="scale: where the tier and checkpoint go")
     args = p.parse_args()
     if args.what in ("train", "policy") and not args.data:
