@@ -290,8 +290,10 @@ def main():
     p.add_argument("--rows", type=int, default=4_000_000, help="saveload: table rows")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--ids", type=int, default=2_000_000, help="scale: ids in the table")
-    p.add_argument("--cap", default="256M", help="scale: the table's --table-memory")
-    p.add_argument("--batch", type=int, default=8192, help="scale: ids a step; policy: rows a batch")
+    p.add_argument("--cap", default="256M", help="scale: the table's --table-memory (0: in "
+                   "memory)")
+    p.add_argument("--batch", type=int, default=8192,
+                   help="scale: ids a step; policy: rows a batch")
     p.add_argument("--steps", type=int, default=300, help="scale: training steps")
     p.add_argument("--map-budget", type=int, default=0, help="scale: bytes of LMDB's map "
                    "before it is dropped (0: the tier's own share of --cap)")

@@ -23,8 +23,9 @@ A row's fields move with it byte for byte and the optimizer and the shrink's age
 per row, so every value equals the in-memory table's: only the order of the rows differs
 (a checkpoint written from the tier holds the resident rows first, then the disk rows in id
 order).  ``shrink``, ``age``, ``clear_dirty`` and the saves walk the disk rows too, in
-chunks, skipping the copies of resident rows (``_disk_only``).  A call's own keys are never moved out: the cap is exceeded by at most one call's
-keys (a server's request, or ``LOAD_ROWS`` while loading).
+chunks, skipping the copies of resident rows (``_disk_only``).  A call's own keys are never
+moved out: the cap is exceeded by at most one call's keys (a server's request, or
+``LOAD_ROWS`` while loading).
 
 Row indices (``rows_of``, ``pull``'s return) are the cache's; an id on disk has -1 there
 (``has_rows`` says whether an id has a row anywhere).  Moving rows out compacts the cache,
