@@ -214,6 +214,8 @@ def scale(args):
         phase("train", t0, t, ids_per_s=round(n / (time.perf_counter() - t0)),
               hit_ratio=round((t.hits - hits0) / (t.hits + t.misses - looked0), 4) if tier
               else 1.0)
+        if args.no_saveload:
+            return out
         t0, c0[0] = time.perf_counter(), time.process_time()
         path = ck.save_local(os.path.join(work, "ckpt"), t, DenseTable(np.zeros(8, np.float32),
                                                                         opt), "full")
@@ -297,6 +299,7 @@ def main():
     p.add_argument("--steps", type=int, default=300, help="scale: training steps")
     p.add_argument("--map-budget", type=int, default=0, help="scale: bytes of LMDB's map "
                    "before it is dropped (0: the tier's own share of --cap)")
+    p.add_argument("--no-saveload", action="store_true", help="scale: stop after training")
     p.add_argument("--dir", default="", help="scale: where the tier and checkpoint go")
     args = p.parse_args()
     if args.what in ("train", "policy") and not args.data:
