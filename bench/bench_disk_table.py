@@ -3,6 +3,8 @@
     python -m data_prep.criteo_like --out DATA --rows 2000000 --test-rows 100000 --parts 4 --card-scale 1
     python bench/bench_disk_table.py train --data DATA [--ratio 4] [--rounds 2] [--fc 400,400,400]
     python bench/bench_disk_table.py saveload [--rows 4000000] [--ratio 4]
+    python bench/bench_disk_table.py scale --ids 20000000 --cap 512M [--steps 300]
+    python bench/bench_disk_table.py policy --data DATA [--ratio 4] --batch 1024
 
 ``train``: 2 servers x 2 workers, --mode async, one epoch over DATA/train, evaluated on
 DATA/test.  The first run is in memory and gives each server's table bytes (its SERVER
@@ -14,6 +16,17 @@ tier's hit ratio, disk rows and bytes, read and write-back seconds (SERVER lines
 ``saveload``: in one process a table of ``--rows`` rows (Adam, dim 10) is filled, saved
 full and loaded again, in memory or into a tier capped at the table's bytes / ``--ratio``;
 each kind in its own process, so its peak RSS is its own.  Prints seconds and peak RSS.
+
+``scale``: one server's table alone (a TieredTable capped at ``--cap``, no MPI), in one
+process: every one of ``--ids`` ids is made by a pull and a push of batches of ``--batch``
+ids (the fill), then ``--steps`` training steps of ``--batch`` ids drawn with Criteo-like
+skew (Zipf over the ids), then a full save and a load into a fresh tier.  Prints ids/s, the
+hit ratio, bytes on disk, seconds and the process's RSS after each phase (current and
+peak): the peak is what the cap bounds, whatever ``--ids``.
+
+``policy``: the cache policies' hit ratios on DATA/train's ids: each batch's unique ids
+pulled (create=True) in file order through one TieredTable per policy, capped at the
+in-memory table's bytes / ``--ratio``.
 
 Results go to bench/out/bench_disk_table.json (appended per invocation).  On a shared
 machine, wall-clock figures move with the other load: compare the CPU seconds too.
@@ -40,6 +53,7 @@ SERVER = re.compile(r"SERVER --> (\d+) .*table rows: (\d+) bytes: (\d+) .*peak_r
                     r"hit_ratio: ([\d.]+) read_s: ([\d.]+) write_s: ([\d.]+))?")
 PROFILE = re.compile(r"PROFILE --> (\d+) (server|worker) .* (\d+) (\d+) ([\d.]+)$", re.M)
 OUT = ROOT / "bench" / "out" / "bench_disk_table.json"
+ZIPF = 1.1                  # scale: the skew of the training steps' ids
 
 
 def train_run(args, cap_bytes, tier_dir):
@@ -138,6 +152,121 @@ def saveload_one(kind, rows, ratio):
         shutil.rmtree(work, ignore_errors=True)
 
 
+def rss_mb():
+    """(current, peak) RSS of this process in MB."""
+    with open("/proc/self/status") as fh:
+        cur = next(int(x.split()[1]) for x in fh if x.startswith("VmRSS"))
+    return round(cur / 1024), round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+def scale(args):
+    """The ``scale`` bench (see the module doc); one JSON line per phase."""
+    import numpy as np
+    from mpips import checkpoint as ck
+    from mpips.tables.dense import DenseTable
+    from mpips.tables.optim import OptimizerConfig
+    from mpips.tables.sparse import SparseTable
+    from mpips.tables.tiered import TieredTable
+    from mpips.tiering import parse_size
+    opt, b = OptimizerConfig(name="adam", lr=1e-3), args.batch
+    work = tempfile.mkdtemp(prefix="bench-scale-", dir=args.dir or None)
+    rng = np.random.default_rng(0)
+    key = lambda idx: (idx * 0x9E3779B1) % (1 << 62)     # (ids spread over the int64 range)
+    out = {"bench": "scale", "ids": args.ids, "cap": args.cap, "batch": b, "phases": []}
+
+    def phase(name, t0, t, **kw):
+        cur, peak = rss_mb()
+        rec = dict(phase=name, s=round(time.perf_counter() - t0, 1),
+                   cpu_s=round(time.process_time() - c0[0], 1), rss_mb=cur,
+                   peak_rss_mb=peak, rows=len(t), **kw)
+        if tier:
+            rec.update(disk_mb=round(t.store.nbytes / 2**20), hit_ratio_all=round(
+                t.stats()["hit_ratio"], 4), reopens=t.store.reopens)
+        out["phases"].append(rec)
+        print(json.dumps(rec), flush=True)
+
+    tier, c0 = args.cap != "0", [0.0]
+
+    def table():
+        t = SparseTable(10, opt, seed=0)
+        if not tier:
+            return t
+        t = TieredTable(t, parse_size(args.cap), work, "scale")
+        t.store.map_budget = args.map_budget or t.store.map_budget
+        return t
+    try:
+        t, buf = table(), np.empty((b, 10), np.float32)
+        grads = rng.standard_normal((b, 10)).astype(np.float32) * 1e-3
+        phase("start", time.perf_counter(), t, cap_rows=t.cap_rows if tier else 0)
+        t0, c0[0] = time.perf_counter(), time.process_time()
+        for lo in range(0, args.ids, b):
+            k = np.sort(key(np.arange(lo, min(lo + b, args.ids), dtype=np.int64)))
+            t.pull(k, buf[:len(k)], create=True)
+            t.push(k, grads[:len(k)])
+        phase("fill", t0, t, ids_per_s=round(args.ids / (time.perf_counter() - t0)))
+        hits0, looked0 = (t.hits, t.hits + t.misses) if tier else (0, 0)
+        t0, c0[0] = time.perf_counter(), time.process_time()
+        for _ in range(args.steps):
+            k = np.unique(key((rng.zipf(ZIPF, b) - 1) % args.ids))
+            t.pull(k, buf[:len(k)], create=True)
+            t.push(k, grads[:len(k)])
+        n = args.steps * b
+        phase("train", t0, t, ids_per_s=round(n / (time.perf_counter() - t0)),
+              hit_ratio=round((t.hits - hits0) / (t.hits + t.misses - looked0), 4) if tier
+              else 1.0)
+        if args.no_saveload:
+            return out
+        t0, c0[0] = time.perf_counter(), time.process_time()
+        path = ck.save_local(os.path.join(work, "ckpt"), t, DenseTable(np.zeros(8, np.float32),
+                                                                        opt), "full")
+        phase("save", t0, t)
+        if tier:
+            t.close()
+        t0, c0[0] = time.perf_counter(), time.process_time()
+        t = table()
+        ck.load_local(path, t, DenseTable(np.zeros(8, np.float32), opt))
+        phase("load", t0, t)
+        assert len(t) == args.ids
+        if tier:
+            t.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def policy(args):
+    """The ``policy`` bench (see the module doc)."""
+    import numpy as np
+    from mpips.data.reader import DataReader
+    from mpips.tables.optim import OptimizerConfig
+    from mpips.tables.sparse import SparseTable
+    from mpips.tables.tiered import POLICIES, TieredTable
+    reader = DataReader(os.path.join(args.data, "train"), args.batch, prefetch=False)
+    batches = [np.unique(b.sparse) for b in reader]
+    opt = OptimizerConfig(name="adam", lr=1e-3)
+    full = SparseTable(10, opt, seed=0)
+    for k in batches:
+        full.pull(k, np.empty((len(k), 10), np.float32), create=True)
+    cap = full.nbytes // args.ratio
+    out = {"bench": "policy", "data": args.data, "ratio": args.ratio, "cap_bytes": cap,
+           "rows": len(full), "batches": len(batches), "runs": []}
+    work = tempfile.mkdtemp(prefix="bench-policy-", dir=args.dir or None)
+    try:
+        for name in POLICIES:
+            t = TieredTable(SparseTable(10, opt, seed=0), cap, work, "policy", policy=name)
+            t0 = time.perf_counter()
+            for k in batches:
+                t.pull(k, np.empty((len(k), 10), np.float32), create=True)
+            run = {"policy": name, "cap_rows": t.cap_rows, "s": round(time.perf_counter() - t0, 1),
+                   **{k: v for k, v in t.stats().items() if k in ("hit_ratio", "moved_in")}}
+            out["runs"].append(run)
+            print(json.dumps(run), flush=True)
+            t.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
 def saveload(args):
     runs = []
     for kind in ("memory", "tier"):
@@ -155,17 +284,28 @@ def main():
     if len(sys.argv) > 1 and sys.argv[1] == "saveload-one":
         return saveload_one(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=("train", "saveload"))
+    p.add_argument("what", choices=("train", "saveload", "scale", "policy"))
     p.add_argument("--data", default="", help="a data_prep.criteo_like folder (train)")
     p.add_argument("--ratio", type=int, default=4, help="table bytes / --table-memory")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--fc", default="400,400,400")
     p.add_argument("--rows", type=int, default=4_000_000, help="saveload: table rows")
     p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--ids", type=int, default=2_000_000, help="scale: ids in the table")
+    p.add_argument("--cap", default="256M", help="scale: the table's --table-memory (0: in "
+                   "memory)")
+    p.add_argument("--batch", type=int, default=8192,
+                   help="scale: ids a step; policy: rows a batch")
+    p.add_argument("--steps", type=int, default=300, help="scale: training steps")
+    p.add_argument("--map-budget", type=int, default=0, help="scale: bytes of LMDB's map "
+                   "before it is dropped (0: the tier's own share of --cap)")
+    p.add_argument("--no-saveload", action="store_true", help="scale: stop after training")
+    p.add_argument("--dir", default="", help="scale: where the tier and checkpoint go")
     args = p.parse_args()
-    if args.what == "train" and not args.data:
+    if args.what in ("train", "policy") and not args.data:
         p.error("train needs --data (see the usage above)")
-    result = train(args) if args.what == "train" else saveload(args)
+    result = {"train": train, "saveload": saveload, "scale": scale,
+              "policy": policy}[args.what](args)
     OUT.parent.mkdir(exist_ok=True)
     with open(OUT, "a") as fh:
         fh.write(json.dumps(result) + "\n")

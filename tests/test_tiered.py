@@ -14,19 +14,20 @@ from mpips.tables.disk import RowStore
 from mpips.tiering import check_dir
 from mpips.tables.optim import OptimizerConfig
 from mpips.tables.sparse import SparseTable
-from mpips.tables.tiered import MIN_MAP_BUDGET, TieredTable
+from mpips.tables.tiered import MIN_MAP_BUDGET, POLICIES, POLICY, TieredTable
 
 DIM, P = 3, 11
 OPTS = [OptimizerConfig(name="adam", lr=0.05), OptimizerConfig(name="adagrad", lr=0.1),
         OptimizerConfig(name="sgd", lr=0.1)]
 
 
-def pair(tmp_path, opt=OPTS[0], cap_rows=4, seed=7):
+def pair(tmp_path, opt=OPTS[0], cap_rows=4, seed=7, policy=POLICY):
     """(in-memory table, tiered table of ``cap_rows`` resident rows), same settings."""
     ref = SparseTable(DIM, opt, seed=seed, init_range=0.1)
     cache = SparseTable(DIM, opt, seed=seed, init_range=0.1)
     rb = TieredTable.bytes_per_row(cache.export_rows(np.empty(0, np.int64)))
-    tier = TieredTable(cache, MIN_MAP_BUDGET + cap_rows * rb, str(tmp_path / "tier"), tag="t")
+    tier = TieredTable(cache, MIN_MAP_BUDGET + cap_rows * rb, str(tmp_path / "tier"), tag="t",
+                       policy=policy)
     assert tier.cap_rows == cap_rows
     return ref, tier
 
@@ -85,6 +86,36 @@ def test_training_and_shrink_equal_in_memory(tmp_path, opt):
     assert_equal_tables(ref, tier)
     ref.age(3), tier.age(3)
     assert_equal_tables(ref, tier)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_clean_rows_keep_their_disk_copy(tmp_path, policy):
+    """Rows read in and only read (evaluation pulls) are dropped without a write; changed
+    ones are written back; a shrink removing a resident row deletes its copy.  Each id
+    counts once (``len``) and every walk of the disk skips the resident rows' copies."""
+    ref, tier = pair(tmp_path, cap_rows=3, policy=policy)
+    rng = np.random.default_rng(9)
+    copies = 0
+    for i in range(90):
+        step((ref, tier), rng, POOL)
+        if i % 10 == 9:                                   # an evaluation pass over the pool
+            for lo in range(0, len(POOL), 4):
+                o = [np.empty((len(POOL[lo:lo + 4]), DIM), np.float32) for _ in range(2)]
+                ref.pull(POOL[lo:lo + 4], o[0]), tier.pull(POOL[lo:lo + 4], o[1])
+                np.testing.assert_array_equal(o[0], o[1])
+            copies = max(copies, tier.copies())
+        if i % 23 == 22:
+            assert ref.shrink(1) == tier.shrink(1)
+            np.testing.assert_array_equal(ref.evicted_keys(), tier.evicted_keys())
+        assert len(tier) == len(ref)
+        if i % 30 == 29:
+            np.testing.assert_array_equal(np.sort(ref.dirty_keys()), np.sort(tier.dirty_keys()))
+            assert ref.count_rows(True) == tier.count_rows(True)
+            ref.clear_dirty(), tier.clear_dirty()
+    assert copies > 0 and 0 < tier.written_back < tier.moved_out
+    assert_equal_tables(ref, tier)
+    rows = tier.export_rows()
+    assert len(np.unique(rows["keys"])) == len(rows["keys"]) == len(ref)
 
 
 def test_eval_pull_add_assign_and_unknown_ids(tmp_path):
@@ -237,6 +268,24 @@ def test_store_folders_fresh_removed_and_unwritable_refused(tmp_path):
     blocker.write_text("x")
     with pytest.raises(OSError, match="not a writable directory"):
         check_dir(str(blocker / "sub"))
+
+
+def test_killed_runs_folders_swept_live_ones_kept(tmp_path):
+    """A folder whose owner.lock nobody holds (its process was killed) is removed by the
+    next store; a live store's folder, and a folder without a lock file, are kept."""
+    tpl = SparseTable(DIM, OPTS[0], seed=1).export_rows(np.empty(0, np.int64))
+    live = RowStore(str(tmp_path), tpl, "live")
+    dead = RowStore(str(tmp_path), tpl, "dead")
+    os.close(dead._lock)             # as a SIGKILL would: the kernel drops the process's lock
+    dead._lock, dead = None, tmp_path / os.path.basename(dead.path)
+    assert (dead / "data.mdb").exists()
+    other = tmp_path / "mpips-tier-nolock-x"
+    other.mkdir()
+    new = RowStore(str(tmp_path), tpl, "new")
+    assert new.swept == [str(dead)] and not dead.exists()
+    assert os.path.exists(live.path) and other.exists()
+    live.close(), new.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mpips-tier-nolock-x"]
 
 
 def _filled_store(tmp_path, n=2000):

@@ -96,8 +96,8 @@ def test_unwritable_table_dir_refused(tmp_path):
 # --- a stream (admission, shrink every pass, base and delta saves) killed mid-pass and
 # resumed under the tier equals the uninterrupted in-memory stream (tests/test_stream.py's
 # runs and checks)
-from tests.test_stream import (EXACT, args, assert_same_run, killed,  # noqa: E402
-                               local_ref, small_stream)  # noqa: F401 (fixtures)
+from tests.test_stream import (EXACT, args, assert_same_run, ckpts, killed,  # noqa: E402
+                               local_ref, records, small_stream)  # noqa: F401 (fixtures)
 
 
 def test_stream_killed_and_resumed_under_the_tier(small_stream, local_ref, tmp_path):
@@ -119,3 +119,46 @@ def test_stream_resumed_into_two_tiered_servers(small_stream, local_ref, tmp_pat
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert_same_run(run, local_ref)
     assert os.listdir(tmp_path / "tierdir") == []
+
+
+def stored_rows(path, like):
+    """Every row of a store folder left on disk, read with LMDB directly (read-only), as
+    ``like``'s fields in id order."""
+    import lmdb
+    from mpips.tables.disk import decode_keys, row_dtype
+    dtype = row_dtype({f: a for f, a in like.items() if f != "path"})
+    env = lmdb.open(str(path), readonly=True, lock=False, subdir=True)
+    with env.begin() as txn:
+        items = list(txn.cursor().iternext())
+    env.close()
+    rec = np.frombuffer(b"".join(v for _, v in items), dtype)
+    return {"keys": decode_keys(b"".join(k for k, _ in items)),
+            **{f: rec[f] for f in dtype.names}}
+
+
+def test_kill_inside_a_write_back_then_resume(small_stream, local_ref, tmp_path):
+    """SIGKILL inside a write-back transaction (tests/tier_fault_driver.py): the folder left
+    holds exactly the last committed rows (LMDB's transactions), the next start removes it
+    with one line, and resuming from the last checkpoint equals the uninterrupted
+    in-memory stream."""
+    tier_dir = tmp_path / "tierdir"
+    run, report = tmp_path / "run", tmp_path / "report.npz"
+    run.mkdir()
+    cmd = args(small_stream, run, "--local", *EXACT, "--table-memory", "64K",
+               "--table-dir", str(tier_dir))
+    proc = run_cmd(["tests/tier_fault_driver.py", "40", str(report)] + cmd[2:])
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert len(records(run)) == 3 and len(ckpts(run)) == 3      # killed in the 4th pass
+    with np.load(report) as rep:
+        left, committed = str(rep["path"]), {f: rep[f] for f in rep.files if f != "path"}
+    assert os.listdir(tier_dir) == [os.path.basename(left)] and len(committed["keys"])
+    got = stored_rows(left, committed)
+    assert got.keys() == committed.keys()
+    for f in got:
+        np.testing.assert_array_equal(got[f], committed[f], err_msg=f)
+    proc = run_cmd(cmd)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    note = [x for x in proc.stderr.splitlines() if "left by a killed run" in x]
+    assert note == [f"mpips: removed 1 disk-tier folder(s) left by a killed run: {left}"]
+    assert os.listdir(tier_dir) == []
+    assert_same_run(run, local_ref)

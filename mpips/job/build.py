@@ -10,6 +10,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 import os
+import sys
 
 from mpips.config import AUTO_K, COWCLIP, parse_large_batch, pipe_timeout
 from mpips.data.synth import ensure_default_dataset
@@ -158,6 +159,9 @@ def make_tables(cfg, model, lo=0, hi=None, dense_batches=1, cowclip=None, tag="l
         sparse = TieredTable(sparse, parse_size(cfg.table_memory), tier_dir(cfg.table_dir),
                              tag=tag)
         atexit.register(sparse.close)
+        if sparse.store.swept:
+            print(f"mpips: removed {len(sparse.store.swept)} disk-tier folder(s) left by a "
+                  f"killed run: {' '.join(sparse.store.swept)}", file=sys.stderr, flush=True)
     if cfg.entry:
         sparse = AdmittedTable(sparse, cfg.entry, cfg.seed)
     dense = DenseTable(model.init_params(cfg.seed)[lo:hi].copy(),

@@ -13,12 +13,16 @@ delete, one write transaction) and ``scan`` (every row, in id order, in chunks).
 
 The store is live state only.  Its folder is made fresh by ``tempfile.mkdtemp`` inside
 the directory given (never an existing one: a folder left by another run is never read)
-and removed by ``close``.  LMDB was chosen over RocksDB (rocksdict) by
+and removed by ``close``.  The folder's ``owner.lock`` is held (``flock``) while the store
+is open; the kernel lets go of it when its process dies, so a folder whose lock nobody
+holds was left by a killed run and ``sweep`` removes it (each new store sweeps its
+parent).  LMDB was chosen over RocksDB (rocksdict) by
 ``bench/bench_engine.py`` on this 2-core machine (docs/disk-tier.md): its multi-get of a
 step's misses is about 4x faster, and a B+tree has no background compaction to compete
 with training for the cores (LMDB runs no thread of its own).
 """
 import errno
+import fcntl
 import os
 import shutil
 import tempfile
@@ -39,8 +43,20 @@ PAGE = 4096                 # LMDB's page
 # takes pages from the free list, a read walks branch pages to the leaf.
 READ_PAGES, WRITE_PAGES = 2, 6
 RESERVE_MIN = 16 << 20      # the least the data file is allocated ahead of its use
+PREFIX = "mpips-tier-"      # the store folders' names: PREFIX + tag + "-" + random
+LOCK = "owner.lock"         # held by the open store (flock), released when its process ends
 SIGN = np.uint64(1 << 63)
 KEY = np.dtype(">u8")
+
+
+def mapped_bytes():
+    """Bytes of shared (file-backed) pages resident in this process: /proc/self/statm's
+    third field."""
+    with open("/proc/self/statm", "rb") as fh:
+        return int(fh.read().split()[2]) * PAGE
+
+
+MEASURE = os.path.exists("/proc/self/statm")
 
 
 def row_dtype(template):
@@ -52,6 +68,30 @@ def encode_keys(keys):
     """int64 ids -> list of 8-byte keys whose byte order is the ids' order."""
     k = (np.ascontiguousarray(keys, np.int64).view(np.uint64) ^ SIGN).astype(KEY)
     return k.view("V8").tolist()
+
+
+def sweep(parent):
+    """Remove the store folders under ``parent`` that no process holds (left by a killed
+    run); return their paths.  A folder without its lock file (being made, or made by an
+    older mpips) is left alone."""
+    gone = []
+    for name in sorted(os.listdir(parent)):
+        path = os.path.join(parent, name)
+        if not name.startswith(PREFIX):
+            continue
+        try:
+            fd = os.open(os.path.join(path, LOCK), os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue                        # held: a live store
+        finally:
+            os.close(fd)                    # (closing releases a lock just taken)
+        shutil.rmtree(path, ignore_errors=True)
+        gone.append(path)
+    return gone
 
 
 def decode_keys(raw):
@@ -71,7 +111,11 @@ class RowStore:
         self.fields = list(template)
         self.dtype = row_dtype(template)
         self._template = {f: a[:0].copy() for f, a in template.items()}
-        self.path = tempfile.mkdtemp(prefix=f"mpips-tier-{tag}-", dir=check_dir(parent))
+        parent = check_dir(parent)
+        self.swept = sweep(parent)          # folders of killed runs (reported by the caller)
+        self.path = tempfile.mkdtemp(prefix=f"{PREFIX}{tag}-", dir=parent)
+        self._lock = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self.map_budget = MAP_BUDGET if map_budget is None else int(map_budget)
         self.txn_rows = max(self.map_budget // (4 * WRITE_PAGES * PAGE), 1)
         self.env, self._touched, self._allocated, self.reopens = None, 0, 0, 0
@@ -84,13 +128,20 @@ class RowStore:
         self.env = lmdb.open(self.path, map_size=MAP_SIZE, subdir=True, sync=False,
                              metasync=False, writemap=True, readahead=False, lock=False,
                              max_dbs=0, meminit=False)
+        self._base = mapped_bytes() if MEASURE else 0
 
     def _touch(self, nbytes):
-        """Count bytes of the map touched; past ``map_budget`` close and reopen the
-        environment, which unmaps its pages (they stay in the page cache, not in this
-        process's RSS)."""
-        self._touched += nbytes
-        if self._touched > self.map_budget:
+        """After a transaction: past ``map_budget`` bytes of the map resident in this
+        process, close and reopen the environment, which unmaps its pages (they stay in
+        the page cache, not in this process's RSS).  The map's resident bytes are measured
+        (``mapped_bytes``: file pages resident, less those after the last opening) where
+        /proc is; else ``nbytes`` (an estimate of the pages touched) are counted."""
+        if MEASURE:
+            over = mapped_bytes() - self._base > self.map_budget
+        else:
+            self._touched += nbytes
+            over = self._touched > self.map_budget
+        if over:
             self.env.close()
             self._open()
             self._touched = 0
@@ -116,11 +167,16 @@ class RowStore:
 
     # ----------------------------------------------------------------- codecs
     def _encode(self, rows):
-        n = len(rows["keys"])
-        rec = np.empty(n, self.dtype)
+        """(keys, records) as lists of bytes, in id order (a B+tree takes sorted inserts
+        faster: the pages they touch are neighbours)."""
+        keys = np.ascontiguousarray(rows["keys"], np.int64)
+        rec = np.empty(len(keys), self.dtype)
         for f in self.dtype.names:
             rec[f] = rows[f]
-        return encode_keys(rows["keys"]), rec.view(f"V{self.dtype.itemsize}").tolist()
+        if len(keys) > 1 and (keys[1:] < keys[:-1]).any():
+            order = np.argsort(keys)
+            keys, rec = keys[order], rec[order]
+        return encode_keys(keys), rec.view(f"V{self.dtype.itemsize}").tolist()
 
     def _decode(self, raw_keys, raw_vals, n):
         if len(raw_vals) != n * self.dtype.itemsize:
@@ -250,3 +306,6 @@ class RowStore:
             os.close(self._fd)
             self.env = None
         shutil.rmtree(self.path, ignore_errors=True)
+        if self._lock is not None:
+            os.close(self._lock)            # (after the folder is gone: never swept live)
+            self._lock = None

@@ -272,6 +272,10 @@ class SparseTable:
         """Names of the per-row arrays ``export_rows`` returns, ``keys`` first."""
         return list(self._spec)
 
+    def field(self, name):
+        """A copy of field ``name`` of every row, in row order."""
+        return self._store.flat(name, self._n)
+
     def rows_of(self, keys):
         """Row index of each key, -1 where the id has no row (int64 (n,), a copy)."""
         return self._rows_for(_as_keys(keys), False).copy()

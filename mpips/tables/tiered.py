@@ -1,26 +1,31 @@
 """A sparse table larger than memory: a bounded SparseTable in front of rows on disk.
 
 :class:`TieredTable` has the SparseTable interface (pull, push, add, assign, shrink, age,
-the change tracking and the row streams a checkpoint reads and writes).  Each id lives in
-exactly one place: *resident* in the numba table (the cache, at most ``cap_rows`` rows
-between calls), or whole on disk (:class:`mpips.tables.disk.RowStore`: embedding,
-optimizer state, admission counters, last-seen).  A call
+the change tracking and the row streams a checkpoint reads and writes).  Every id has a row
+*resident* in the numba table (the cache, at most ``cap_rows`` rows between calls), or on
+disk (:class:`mpips.tables.disk.RowStore`: embedding, optimizer state, admission counters,
+last-seen), or both: a row read in keeps its disk copy, and the resident row is the row
+(the copy may be stale).  Two bits a resident row (``_flags``) say whether it has a disk
+copy (COPY) and whether it changed since it was read in (CHANGED).  A call
 
 1. looks its keys up in the cache (the hit path is the numba table's);
 2. reads the misses from disk in one multi-get;
-3. if the cache would pass its cap, moves the least recently used rows out (never a key
-   of this call) down to ``1 - EVICT_FRACTION`` of the cap, so the cache's compaction is
-   paid once per that many misses;
-4. writes those rows to disk and deletes the ones read, in one batch (LMDB transactions of
-   at most ``RowStore.txn_rows`` rows each, so the map's pages stay within its budget);
-5. imports the rows read, then runs the call on the cache as the in-memory table would.
+3. if the cache would pass its cap, moves rows out (never a key of this call; the
+   fewest sightings first, by ``POLICY``) down to ``1 - EVICT_FRACTION`` of the cap, so
+   the cache's compaction is paid once per that many misses;
+4. writes back only those of them whose disk copy is missing or stale, in one batch sorted
+   by id (LMDB transactions of at most ``RowStore.txn_rows`` rows each, so the map's pages
+   stay within its budget); a clean row is dropped, its copy is already on disk;
+5. imports the rows read (COPY), then runs the call on the cache as the in-memory table
+   would, marking its rows CHANGED if the call changes rows.
 
 A row's fields move with it byte for byte and the optimizer and the shrink's ageing are
 per row, so every value equals the in-memory table's: only the order of the rows differs
 (a checkpoint written from the tier holds the resident rows first, then the disk rows in id
 order).  ``shrink``, ``age``, ``clear_dirty`` and the saves walk the disk rows too, in
-chunks.  A call's own keys are never moved out: the cap is exceeded by at most one call's
-keys (a server's request, or ``LOAD_ROWS`` while loading).
+chunks, skipping the copies of resident rows (``_disk_only``).  A call's own keys are never
+moved out: the cap is exceeded by at most one call's keys (a server's request, or
+``LOAD_ROWS`` while loading).
 
 Row indices (``rows_of``, ``pull``'s return) are the cache's; an id on disk has -1 there
 (``has_rows`` says whether an id has a row anywhere).  Moving rows out compacts the cache,
@@ -35,6 +40,12 @@ from mpips.tables.disk import RowStore
 from mpips.tables.sparse import LOAD_FACTOR, UNSEEN_MAX, SparseTable, _as_keys
 
 EVICT_FRACTION = 0.125      # of the cap moved out when the cache is full
+# Which resident rows move out first: "lru" (least recently used, by call) or "lfu" (fewest
+# sightings: the rows' own seen_count, ties by LRU).  Chosen by `bench_disk_table.py policy`
+# (docs/disk-tier.md): on 1M Criteo-like rows at a quarter of the table, LFU read 292k rows
+# from disk where LRU read 550k.
+POLICIES = ("lru", "lfu")
+POLICY = "lfu"
 # The cap covers the resident rows and the pages of LMDB's map this process touches: a
 # share of it is the map's (dropped and re-mapped when used up), the rest the rows'.  The
 # map's share trades memory for speed: 300 steps of ~6k Zipf ids over 1M rows in one
@@ -43,7 +54,8 @@ MAP_SHARE = 0.25
 MIN_MAP_BUDGET = 16 << 20
 MIN_CAP_ROWS = 1
 SCAN_ROWS = 1 << 16         # disk rows a chunk while walking the store (shrink, saves)
-STAMP_BYTES = 8
+STAMP_BYTES = 9             # the LRU stamp (int64) and the flags (uint8) of a resident row
+COPY, CHANGED = 1, 2        # a resident row's flags: it has a disk copy; it changed since read
 
 
 class TieredTable:
@@ -51,13 +63,16 @@ class TieredTable:
 
     table: the (empty) SparseTable used as the cache; memory_bytes: the cap: MAP_SHARE of
     it (at least MIN_MAP_BUDGET) for the pages of the store's map, the rest for resident
-    rows (their fields, slots and LRU stamps); table_dir: parent of the store's folder;
-    tag: the folder's name prefix (e.g. ``rank3``).
+    rows (their fields, slots, stamps and flags); table_dir: parent of the store's folder;
+    tag: the folder's name prefix (e.g. ``rank3``); policy: which rows move out (POLICIES).
     """
 
-    def __init__(self, table, memory_bytes, table_dir, tag="table"):
+    def __init__(self, table, memory_bytes, table_dir, tag="table", policy=POLICY):
         if not isinstance(table, SparseTable) or len(table):
             raise ValueError("TieredTable needs an empty SparseTable")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}; got {policy!r}")
+        self.policy = policy
         self.cache = table
         template = table.export_rows(np.empty(0, np.int64))
         self.row_bytes = self.bytes_per_row(template)
@@ -66,10 +81,11 @@ class TieredTable:
         self.cap_rows = max((self.memory_bytes - map_budget) // self.row_bytes, MIN_CAP_ROWS)
         self.store = RowStore(table_dir, template, tag, map_budget)
         self._stamp = np.zeros(1024, np.int64)
+        self._flags = np.zeros(1024, np.uint8)
         self._clock = 0
         self.shrinks = 0
         self._evicted = []
-        self.hits = self.misses = self.moved_in = self.moved_out = 0
+        self.hits = self.misses = self.moved_in = self.moved_out = self.written_back = 0
         self.read_s = self.write_s = 0.0
 
     @staticmethod
@@ -86,7 +102,11 @@ class TieredTable:
     compactions = property(lambda self: self.cache.compactions)
 
     def __len__(self):
-        return len(self.cache) + self.store.count
+        return len(self.cache) + self.store.count - self.copies()
+
+    def copies(self):
+        """Resident rows that also have a (possibly stale) copy on disk."""
+        return int(np.count_nonzero(self._flags[:len(self.cache)] & COPY))
 
     @property
     def row_span(self):
@@ -96,7 +116,7 @@ class TieredTable:
     @property
     def nbytes(self):
         """Bytes of the arrays in memory (the cache's and the stamps)."""
-        return self.cache.nbytes + self._stamp.nbytes
+        return self.cache.nbytes + self._stamp.nbytes + self._flags.nbytes
 
     def row_fields(self):
         return self.cache.row_fields()
@@ -114,22 +134,32 @@ class TieredTable:
         return have
 
     # ------------------------------------------------------------- residency
-    def _touch_new(self, lo):
-        """Stamp rows lo .. len-1 of the cache (appended by this call) with the clock."""
+    def _touch_new(self, lo, flags=0):
+        """Stamp rows lo .. len-1 of the cache (appended by this call) with the clock and
+        set their ``flags``."""
         n = len(self.cache)
         if n > self._stamp.shape[0]:
-            grown = np.zeros(max(n, 2 * self._stamp.shape[0]), np.int64)
-            grown[:self._stamp.shape[0]] = self._stamp
-            self._stamp = grown
+            size = max(n, 2 * self._stamp.shape[0])
+            self._stamp = _grown(self._stamp, size)
+            self._flags = _grown(self._flags, size)
         self._stamp[lo:n] = self._clock
+        self._flags[lo:n] = flags
 
-    def _resident(self, keys, create):
+    def _changed(self, lo):
+        """After a call that changes its rows: rows from ``lo`` on (read in or made by it)
+        differ from their disk copies."""
+        self._flags[lo:len(self.cache)] |= CHANGED
+
+    def _resident(self, keys, create, changes):
         """Make every key that has a row resident (moving LRU rows out first); return the
-        number of cache rows before the call's own appends."""
+        number of cache rows before the rows read in.  changes: the call changes its rows
+        (the hits are marked CHANGED here, the rows read in by ``_changed`` after it)."""
         self._clock += 1
         rows = self.cache.rows_of(keys)
         hit = rows >= 0
         self._stamp[rows[hit]] = self._clock
+        if changes:
+            self._flags[rows[hit]] |= CHANGED
         n_hit = int(hit.sum())
         self.hits += n_hit
         self.misses += len(keys) - n_hit
@@ -142,19 +172,21 @@ class TieredTable:
         room = n_in + ((len(keys) - n_hit - n_in) if create else 0)
         out = self._move_out(room)
         t2 = time.perf_counter()
-        self.store.write(put=out, delete=rows_in["keys"])
+        if out is not None:
+            self.store.write(put=out)
         self.read_s += t1 - t0
         self.write_s += time.perf_counter() - t2
         lo = len(self.cache)
         if n_in:
             self.cache.import_rows(rows_in)
             self.moved_in += n_in
-            self._touch_new(lo)
+            self._touch_new(lo, COPY)
         return lo
 
     def _move_out(self, room):
         """Remove the least recently used rows (none of this call) so that ``room`` more
-        fit under the cap; return them (an ``export_rows`` dict) or None."""
+        fit under the cap; return those to write back (no copy on disk, or a stale one: an
+        ``export_rows`` dict) or None."""
         n = len(self.cache)
         if n + room <= self.cap_rows:
             return None
@@ -165,41 +197,62 @@ class TieredTable:
         if k <= 0:
             return None
         if k < len(cold):
-            cold = np.sort(cold[np.argpartition(stamps[cold], k - 1)[:k]])
-        out = self.cache.export_rows(cold)
+            rank = stamps[cold]
+            if self.policy == "lfu":
+                rank = (self.cache.field("seen_count")[cold].astype(np.int64) << 32) + rank
+            cold = np.sort(cold[np.argpartition(rank, k - 1)[:k]])
+        back = cold[self._flags[cold] != COPY]
+        out = self.cache.export_rows(back) if len(back) else None
         keep = np.ones(n, np.bool_)
         keep[cold] = False
-        self._stamp[:n - k] = stamps[keep]
-        self.cache.drop(keep)
+        self._compact(keep)
         self.moved_out += k
+        self.written_back += len(back)
         return out
+
+    def _compact(self, keep):
+        """Drop the cache rows where ``keep`` (bool (len,)) is False, with their stamps."""
+        kept = int(np.count_nonzero(keep))
+        n = len(keep)
+        self._stamp[:kept] = self._stamp[:n][keep]
+        self._flags[:kept] = self._flags[:n][keep]
+        self.cache.drop(keep)
 
     # ------------------------------------------------------------- hot path
     def pull(self, keys, out, create=False, counts=None):
         """As SparseTable.pull; rows on disk are read in first."""
         keys = _as_keys(keys)
-        lo = self._resident(keys, create)
+        lo = self._resident(keys, create, create)
+        mid = len(self.cache)
         rows = self.cache.pull(keys, out, create=create)
-        self._touch_new(lo)
+        self._touch_new(mid)
+        if create:
+            self._changed(lo)
         return rows
 
     def push(self, keys, grads, scale=1.0, create=True, lr_scale=None):
         keys = _as_keys(keys)
-        lo = self._resident(keys, create)
+        lo = self._resident(keys, create, True)
+        mid = len(self.cache)
         self.cache.push(keys, grads, scale, create=create, lr_scale=lr_scale)
-        self._touch_new(lo)
+        self._touch_new(mid)
+        self._changed(lo)
 
     def add(self, keys, deltas, create=True):
         keys = _as_keys(keys)
-        lo = self._resident(keys, create)
+        lo = self._resident(keys, create, True)
+        mid = len(self.cache)
         self.cache.add(keys, deltas, create=create)
-        self._touch_new(lo)
+        self._touch_new(mid)
+        self._changed(lo)
 
     def assign(self, keys, values):
         keys = _as_keys(keys)
-        lo = self._resident(keys, True)
+        lo = self._resident(keys, True, True)
+        mid = len(self.cache)
         self.cache.assign(keys, values)
-        self._touch_new(lo)
+        self._touch_new(mid)
+        self._changed(lo)
 
     # ------------------------------------------------------ checkpoint support
     def import_rows(self, data):
@@ -215,11 +268,12 @@ class TieredTable:
             self._timed_write(put=_select(cols, ~mem))
         if mem.any():
             part = _select(cols, mem)
-            if self.store.count:      # (exactly one place per id: drop older disk copies)
+            if self.store.count:      # (older disk copies go: these rows have none)
                 self._timed_write(discard=part["keys"])
             lo = len(self.cache)
             self.cache.import_rows({f: a for f, a in part.items() if np.ndim(a)})
             self._touch_new(lo)
+            self._flags[self.cache.rows_of(part["keys"])] = 0
 
     def _timed_write(self, **kw):
         t0 = time.perf_counter()
@@ -240,12 +294,12 @@ class TieredTable:
         if not dirty_only:
             return len(self)
         return self.cache.count_rows(True) + sum(
-            int(np.count_nonzero(c["dirty"])) for c in self.store.scan(SCAN_ROWS))
+            int(np.count_nonzero(c["dirty"])) for c in self._disk_only())
 
     def iter_rows(self, dirty_only=False, chunk=1 << 18):
         """The resident rows (cache order), then the disk rows (id order), in chunks."""
         yield from self.cache.iter_rows(dirty_only, chunk)
-        for part in self.store.scan(min(chunk, SCAN_ROWS)):
+        for part in self._disk_only(min(chunk, SCAN_ROWS)):
             if dirty_only:
                 sel = part["dirty"] != 0
                 part = {f: a[sel] for f, a in part.items()}
@@ -256,13 +310,23 @@ class TieredTable:
         parts = [self.cache.dirty_keys()] + [c["keys"] for c in self.iter_disk_dirty()]
         return np.concatenate(parts)
 
+    def _disk_only(self, chunk=SCAN_ROWS):
+        """The disk rows that are not resident (a resident row's copy may be stale), in
+        chunks of at most ``chunk``, in id order."""
+        for part in self.store.scan(chunk):
+            sel = ~self.cache.has_rows(part["keys"])
+            if not sel.all():
+                part = {f: a[sel] for f, a in part.items()}
+            yield part
+
     def iter_disk_dirty(self):
-        for part in self.store.scan(SCAN_ROWS):
+        for part in self._disk_only():
             sel = part["dirty"] != 0
             if sel.any():
                 yield {f: a[sel] for f, a in part.items()}
 
     def clear_dirty(self):
+        self._flags[self.cache.dirty_rows()] |= CHANGED
         self.cache.clear_dirty()
         for part in self.iter_disk_dirty():     # (the scan reads on after each write)
             part["dirty"][:] = 0
@@ -286,7 +350,7 @@ class TieredTable:
         self.shrinks += 1
         removed = self._shrink_cache(int(threshold))
         t0 = time.perf_counter()
-        for part in self.store.scan(SCAN_ROWS):
+        for part in self._disk_only():
             keep = np.empty(len(part["keys"]), np.bool_)
             age_rows(part["unseen"], part["seen_flag"], len(keep), int(threshold), keep)
             gone = part["keys"][~keep]
@@ -300,11 +364,14 @@ class TieredTable:
     def _shrink_cache(self, threshold):
         keep = self.cache.age_mask(threshold)
         n, kept = len(keep), int(keep.sum())
+        self._flags[:n] |= CHANGED                       # (every row was aged)
         if kept == n:
             return 0
-        self._evicted.append(self.cache.export_rows(np.flatnonzero(~keep))["keys"])
-        self._stamp[:kept] = self._stamp[:n][keep]
-        self.cache.drop(keep)
+        gone = np.flatnonzero(~keep)
+        keys = self.cache.export_rows(gone)["keys"]
+        self._evicted.append(keys)
+        self._timed_write(delete=keys[(self._flags[gone] & COPY) != 0])
+        self._compact(keep)
         return n - kept
 
     def age(self, times):
@@ -312,7 +379,8 @@ class TieredTable:
         self.cache.age(times)
         if not int(times):
             return
-        for part in self.store.scan(SCAN_ROWS):
+        self._flags[:len(self.cache)] |= CHANGED
+        for part in self._disk_only():
             keep = np.empty(len(part["keys"]), np.bool_)
             for _ in range(int(times)):
                 age_rows(part["unseen"], part["seen_flag"], len(keep), UNSEEN_MAX, keep)
@@ -326,11 +394,18 @@ class TieredTable:
                 "disk_bytes": self.store.nbytes,
                 "hit_ratio": self.hits / looked if looked else 1.0,
                 "tier_read_s": self.read_s, "tier_write_s": self.write_s,
-                "moved_in": self.moved_in, "moved_out": self.moved_out}
+                "moved_in": self.moved_in, "moved_out": self.moved_out,
+                "written_back": self.written_back}
 
     def close(self):
         """Remove the store's folder (the tier is live state only)."""
         self.store.close()
+
+
+def _grown(arr, size):
+    out = np.zeros(size, arr.dtype)
+    out[:len(arr)] = arr
+    return out
 
 
 def _select(cols, mask):
