@@ -6,7 +6,16 @@ installed mpips, with no home folder), ``cache=True`` would fail at import with 
 ``RuntimeError: cannot cache function ... no locator available``; instead the kernels are
 compiled without the cache, in every run, after one line saying so (:func:`cache_fallback`,
 run before any kernel module is imported).
+
+numba checks a cached kernel against its own source file only, yet a kernel that calls a
+function of another kernel file compiles that function into its own machine code: after an
+upgrade in place, it would run the old code of the function it calls (seen once:
+``csv_parse`` kept an old ``bag_common.emit_bags``).  So every kernel file's cache is keyed
+on the sources of all of them (:func:`key_cache_on_folder`): a change to any kernel file
+recompiles every kernel, once.
 """
+import hashlib
+import os
 import sys
 
 from numba.core import caching, dispatcher
@@ -35,4 +44,43 @@ def cache_fallback(err=None):
         return True
 
 
+_KEYED = {}                 # folder -> digest of its .py files (computed at first use)
+
+
+def _folder_digest(folder):
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), "rb") as fh:
+                h.update(name.encode() + b"\0" + fh.read() + b"\0")
+    return h.hexdigest()
+
+
+def key_cache_on_folder(folder):
+    """Key numba's cache of every function defined in a ``.py`` file of ``folder`` on the
+    sources of all that folder's files, not on its own file alone (see the module doc).
+    Returns False where numba's cache has not the shape this wraps (then nothing changes)."""
+    mixin = getattr(caching, "_SourceFileBackedLocatorMixin", None)
+    if mixin is None or not hasattr(mixin, "get_source_stamp"):
+        return False
+    folder = os.path.realpath(folder)
+    _KEYED.setdefault(folder, None)
+    if not getattr(mixin.get_source_stamp, "_mpips_keyed", False):
+        own = mixin.get_source_stamp
+
+        def get_source_stamp(self):
+            stamp = own(self)
+            where = os.path.dirname(os.path.realpath(getattr(self, "_py_file", "") or "."))
+            if where not in _KEYED:
+                return stamp
+            if _KEYED[where] is None:
+                _KEYED[where] = _folder_digest(where)
+            return (stamp, _KEYED[where])
+
+        get_source_stamp._mpips_keyed = True
+        mixin.get_source_stamp = get_source_stamp
+    return True
+
+
 CACHE_OFF_NOW = cache_fallback()
+key_cache_on_folder(os.path.dirname(__file__))
