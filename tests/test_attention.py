@@ -8,6 +8,7 @@ import pytest
 from mpips.data.formats import TextFormat
 from mpips.models import zoo
 from mpips.schema import Schema, SchemaError
+from tests.gradcheck import check_gradients
 
 pytestmark = pytest.mark.unit
 
@@ -94,19 +95,8 @@ def test_gradients_match_central_differences(softmax, name):
     m = net(softmax, name)
     params, rows, ids, off, dense, label = problem(m, seed=1)
     _, grad, grows, _ = run(m, params, rows, ids, off, dense, label)
-    eps = 1e-6
-
-    def fd(arr, k, f):
-        a, b = arr.copy(), arr.copy()
-        a.flat[k] += eps
-        b.flat[k] -= eps
-        return (f(a) - f(b)) / (2 * eps)
-    gp = [fd(params, k, lambda p: run(m, p, rows, ids, off, dense, label)[0])
-          for k in range(m.n_params)]
-    np.testing.assert_allclose(grad, gp, rtol=1e-5, atol=1e-9)
-    gr = [fd(rows, k, lambda r: run(m, params, r, ids, off, dense, label)[0])
-          for k in range(rows.size)]
-    np.testing.assert_allclose(grows.ravel(), gr, rtol=1e-5, atol=1e-9)
+    check_gradients(lambda p, r: run(m, p, r, ids, off, dense, label)[0],
+                    params, rows, grad, grows)
     attn = [off for name_, off, _ in m.layout if name_.startswith("attn_")]
     assert np.abs(grad[min(attn):]).max() > 1e-4      # the unit's weights learn
 

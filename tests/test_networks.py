@@ -10,6 +10,7 @@ from mpips.models import zoo
 from mpips.models.network import Network
 from mpips.models.spec import NetworkError, builtin_text
 from tests.legacy_models import MODELS as LEGACY
+from tests.gradcheck import check_gradients
 
 S, D, DIM = 4, 3, 3
 
@@ -51,22 +52,11 @@ def problem(m, seed=0, n=6):
         (rng.random(n) < 0.5).astype(np.float64)
 
 
-def check_gradients(m, seed=0):
+def check_network_gradients(m, seed=0):
     params, rows, ids, off, dense, label = problem(m, seed)
     _, grad, grows = loss_of(m, params, rows, ids, off, dense, label)
-    eps = 1e-6
-
-    def fd(arr, k, f):
-        a, b = arr.copy(), arr.copy()
-        a.flat[k] += eps
-        b.flat[k] -= eps
-        return (f(a) - f(b)) / (2 * eps)
-    gp = [fd(params, k, lambda p: loss_of(m, p, rows, ids, off, dense, label)[0])
-          for k in range(m.n_params)]
-    np.testing.assert_allclose(grad, gp, rtol=1e-5, atol=1e-9)
-    gr = [fd(rows, k, lambda r: loss_of(m, params, r, ids, off, dense, label)[0])
-          for k in range(rows.size)]
-    np.testing.assert_allclose(grows.ravel(), gr, rtol=1e-5, atol=1e-9)
+    check_gradients(lambda p, r: loss_of(m, p, r, ids, off, dense, label)[0],
+                    params, rows, grad, grows)
     assert np.abs(grad).max() > 0 and np.abs(grows).max() > 0
 
 
@@ -214,13 +204,13 @@ logits = ["out"]
 @pytest.mark.parametrize("pooling", [None, [0, 1, 1, 0]], ids=["sum", "mean"])
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_layer_gradients_match_central_differences(name, pooling):
-    check_gradients(make(LAYERS[name], pooling=pooling), seed=len(name))
+    check_network_gradients(make(LAYERS[name], pooling=pooling), seed=len(name))
 
 
 @pytest.mark.parametrize("name", zoo.MODELS)
 def test_builtin_gradients_match_central_differences(name):
     m = Network(builtin_text(name), S, DIM, D, (5, 4), dtype=np.float64, pooling=[1, 0, 0, 1])
-    check_gradients(m, seed=3)
+    check_network_gradients(m, seed=3)
 
 
 def _ref_mlp(x, v, pre, n):
@@ -367,7 +357,7 @@ width = 1
 logits = ["out"]
 """
     m = Network(two, S, DIM, D, (5,), dtype=np.float64, slot_names=["C1", "C2", "C3", "C4"])
-    check_gradients(m, seed=4)
+    check_network_gradients(m, seed=4)
     with pytest.raises(NetworkError, match="slot C4 is in no input"):
         Network(two.replace('"C3", "C4"', '"C3"'), S, DIM, D, (5,),
                 slot_names=["C1", "C2", "C3", "C4"])

@@ -12,6 +12,7 @@ from mpips.models.network import Network
 from mpips.models.spec import NetworkError, builtin_text
 from mpips.schema import Schema, SchemaError, load_schema
 from mpips.metrics import BinaryMetrics, TaskMetrics
+from tests.gradcheck import check_gradients
 
 pytestmark = pytest.mark.unit
 
@@ -83,22 +84,11 @@ def loss_of(m, params, rows, ids, off, dense, label):
     return loss, grad, grows, probs.copy(), emb
 
 
-def check_gradients(m, seed=0):
+def check_network_gradients(m, seed=0):
     params, rows, ids, off, dense, label = problem(m, seed)
     _, grad, grows, _, _ = loss_of(m, params, rows, ids, off, dense, label)
-    eps = 1e-6
-
-    def fd(arr, k, f):
-        a, b = arr.copy(), arr.copy()
-        a.flat[k] += eps
-        b.flat[k] -= eps
-        return (f(a) - f(b)) / (2 * eps)
-    gp = [fd(params, k, lambda p: loss_of(m, p, rows, ids, off, dense, label)[0])
-          for k in range(m.n_params)]
-    np.testing.assert_allclose(grad, gp, rtol=1e-5, atol=1e-9)
-    gr = [fd(rows, k, lambda r: loss_of(m, params, r, ids, off, dense, label)[0])
-          for k in range(rows.size)]
-    np.testing.assert_allclose(grows.ravel(), gr, rtol=1e-5, atol=1e-9)
+    check_gradients(lambda p, r: loss_of(m, p, r, ids, off, dense, label)[0],
+                    params, rows, grad, grows)
     assert np.abs(grad).max() > 0 and np.abs(grows).max() > 0
 
 
@@ -112,7 +102,7 @@ def bce(y, p):
 
 def test_gate_network_matches_numpy_and_central_differences():
     m = Network(GATE, S, DIM, D, (5,), dtype=np.float64, pooling=[0, 1, 0])
-    check_gradients(m, seed=1)
+    check_network_gradients(m, seed=1)
     params, rows, ids, off, dense, label = problem(m, 2)
     loss, _, _, probs, emb = loss_of(m, params, rows, ids, off, dense, label)
     v = m.views(params)
@@ -140,7 +130,7 @@ def test_multitask_builtins_gradients(name):
     text = builtin_text(name).replace("[256, 128]", "[4, 3]").replace("[64]", "[3]")
     m = Network(text, S, DIM, D, (5, 4), dtype=np.float64, pooling=[1, 0, 0])
     assert m.n_tasks == 2
-    check_gradients(m, seed=3)
+    check_network_gradients(m, seed=3)
 
 
 def test_esmm_head_is_pctr_times_pcvr_with_losses_over_all_impressions():

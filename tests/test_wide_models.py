@@ -7,6 +7,7 @@ import pytest
 from mpips.kernels.layers import first_order_fm_forward_, fm2_backward_, fm2_forward_
 from mpips.kernels.pooling import pool_backward, pool_forward
 from mpips.models import zoo
+from tests.gradcheck import check_gradients
 
 S, D, DIM, HID = 4, 2, 3, (5, 4)
 NAMES = ("wide_deep", "deepfm")
@@ -86,19 +87,8 @@ def test_gradients_match_central_differences(name, multi):
     pooling = [1, 0, 1, 0] if multi else None
     m, params, rows, ids, off, dense, label = problem(name, multi, 2, pooling)
     _, grad, grows = loss_of(m, params, rows, ids, off, dense, label)
-    eps = 1e-6
-
-    def fd(arr, k, f):
-        a, b = arr.copy(), arr.copy()
-        a.flat[k] += eps
-        b.flat[k] -= eps
-        return (f(a) - f(b)) / (2 * eps)
-    gp = [fd(params, k, lambda p: loss_of(m, p, rows, ids, off, dense, label)[0])
-          for k in range(m.n_params)]
-    np.testing.assert_allclose(grad, gp, rtol=1e-5, atol=1e-9)
-    gr = [fd(rows, k, lambda r: loss_of(m, params, r, ids, off, dense, label)[0])
-          for k in range(rows.size)]
-    np.testing.assert_allclose(grows.ravel(), gr, rtol=1e-5, atol=1e-9)
+    check_gradients(lambda p, r: loss_of(m, p, r, ids, off, dense, label)[0],
+                    params, rows, grad, grows)
     assert np.abs(grows[:, 0]).max() > 0 and np.abs(grad[-D - 1:]).max() > 0  # w, w_0, u
 
 
