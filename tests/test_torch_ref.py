@@ -138,18 +138,17 @@ def test_wide_models_loss_and_gradients_equal_mpips(name):
                                atol=1e-15)
 
 
-@pytest.mark.parametrize("name", ["dcn_v2", "dlrm"])
-def test_layer_networks_loss_and_gradients_equal_mpips(name):
-    """DCN-v2 and DLRM: the reference's forward (its own maths, not mpips's kernels) gives
-    mpips's loss and probabilities, and autograd gives mpips's gradient of every dense
-    parameter and of every pooled slot row, in float64."""
-    rng = np.random.default_rng(2)
+def _equal_to_the_reference(name, seed, make_label, loss_of, probs_of):
+    """mpips's float64 loss, probabilities and gradients (dense parameters and pooled slot
+    rows) against the reference's forward and autograd, from the same weights; returns the
+    reference model."""
+    rng = np.random.default_rng(seed)
     B, S, dim = 16, 26, 4
     ours = zoo.builtin(name, S, dim, 13, HIDDEN, dtype=np.float64)
     params = ours.init_params(0) + 0.05 * rng.standard_normal(ours.n_params)
     emb = rng.normal(0, 0.3, (B, S * dim))
     dense = rng.random((B, 13))
-    label = (rng.random(B) < 0.3).astype(np.float64)
+    label = make_label(rng, B)
     grad, grad_emb = np.empty_like(params), np.empty_like(emb)
     loss, probs = ours.forward_backward(params, emb, dense, label, grad, grad_emb)
     probs = probs.copy()
@@ -161,17 +160,29 @@ def test_layer_networks_loss_and_gradients_equal_mpips(name):
         for pname, _, _ in ref.layout:
             ref.param(pname).copy_(torch.from_numpy(v[pname]))
         ref.emb.weight.copy_(torch.from_numpy(emb.reshape(B * S, dim)))
-    logit = ref(torch.arange(B * S).reshape(B, S), torch.from_numpy(dense))
-    tl = torch.nn.BCEWithLogitsLoss()(logit, torch.from_numpy(label))
+    logits = ref(torch.arange(B * S).reshape(B, S), torch.from_numpy(dense))
+    tl = loss_of(ref, logits, torch.from_numpy(label))
     tl.backward()
     assert tl.item() == pytest.approx(loss, rel=1e-12)
-    np.testing.assert_allclose(torch.sigmoid(logit).detach().numpy(), probs, rtol=1e-10)
+    np.testing.assert_allclose(probs_of(ref, logits).detach().numpy(), probs, rtol=1e-10)
     np.testing.assert_allclose(ref.emb.weight.grad.to_dense().numpy().reshape(B, -1), grad_emb,
                                rtol=1e-9, atol=1e-15)
     g = ours.views(grad)
     for pname, _, _ in ref.layout:
         np.testing.assert_allclose(ref.param(pname).grad.numpy(), g[pname], rtol=1e-9,
                                    atol=1e-15, err_msg=f"{name}: d loss / d {pname}")
+    return ref
+
+
+@pytest.mark.parametrize("name", ["dcn_v2", "dlrm"])
+def test_layer_networks_loss_and_gradients_equal_mpips(name):
+    """DCN-v2 and DLRM: the reference's forward (its own maths, not mpips's kernels) gives
+    mpips's loss and probabilities, and autograd gives mpips's gradient of every dense
+    parameter and of every pooled slot row, in float64."""
+    ref = _equal_to_the_reference(
+        name, 2, lambda rng, B: (rng.random(B) < 0.3).astype(np.float64),
+        lambda ref, logit, y: torch.nn.BCEWithLogitsLoss()(logit, y),
+        lambda ref, logit: torch.sigmoid(logit))
     assert {n.split("_")[0].rstrip("0123456789") for n in ref.p} >= \
         ({"cross", "fc", "out"} if name == "dcn_v2" else {"bottom", "fc", "out"})
 
@@ -191,36 +202,11 @@ def test_multitask_networks_loss_and_gradients_equal_mpips(name):
     """Several tasks (issue 47): the reference's own maths (softmax gates by torch, ESMM's
     pCTCVR in logs) gives mpips's loss and (n, 2) probabilities, and autograd mpips's
     gradient of every dense parameter and pooled slot row, in float64."""
-    rng = np.random.default_rng(4)
-    B, S, dim = 16, 26, 4
-    ours = zoo.builtin(name, S, dim, 13, HIDDEN, dtype=np.float64)
-    params = ours.init_params(0) + 0.05 * rng.standard_normal(ours.n_params)
-    emb = rng.normal(0, 0.3, (B, S * dim))
-    dense = rng.random((B, 13))
-    click = (rng.random(B) < 0.5).astype(np.float64)
-    label = np.stack([click, click * (rng.random(B) < 0.5)], 1)
-    grad, grad_emb = np.empty_like(params), np.empty_like(emb)
-    loss, probs = ours.forward_backward(params, emb, dense, label, grad, grad_emb)
-    probs = probs.copy()
-    ref = torch_ref.MODELS[name](B * S, dim=dim, hidden=HIDDEN).double()
-    assert [(n, tuple(s)) for n, s, _ in ref.layout] == \
-        [(n, tuple(s)) for n, _, s in ours.layout]             # same names, shapes, order
-    v = ours.views(params)
-    with torch.no_grad():
-        for pname, _, _ in ref.layout:
-            ref.param(pname).copy_(torch.from_numpy(v[pname]))
-        ref.emb.weight.copy_(torch.from_numpy(emb.reshape(B * S, dim)))
-    logits = ref(torch.arange(B * S).reshape(B, S), torch.from_numpy(dense))
-    tl = ref.task_loss(logits, torch.from_numpy(label))
-    tl.backward()
-    assert tl.item() == pytest.approx(loss, rel=1e-12)
-    np.testing.assert_allclose(ref.probs(logits).detach().numpy(), probs, rtol=1e-10)
-    np.testing.assert_allclose(ref.emb.weight.grad.to_dense().numpy().reshape(B, -1), grad_emb,
-                               rtol=1e-9, atol=1e-15)
-    g = ours.views(grad)
-    for pname, _, _ in ref.layout:
-        np.testing.assert_allclose(ref.param(pname).grad.numpy(), g[pname], rtol=1e-9,
-                                   atol=1e-15, err_msg=f"{name}: d loss / d {pname}")
+    def two_labels(rng, B):
+        click = (rng.random(B) < 0.5).astype(np.float64)
+        return np.stack([click, click * (rng.random(B) < 0.5)], 1)
+    _equal_to_the_reference(name, 4, two_labels, lambda ref, logits, y: ref.task_loss(logits, y),
+                            lambda ref, logits: ref.probs(logits))
 
 
 @pytest.mark.parametrize("softmax", [False, True])
