@@ -447,7 +447,7 @@ def din_kwargs(schema, dim, hidden):
     """DIN's extra arguments: the schema's attention slots and mpips's own flat layout."""
     from mpips.models.zoo import make_net
     net = make_net("dnn", schema, dim, hidden)
-    layout = [(name, shape, net._fans[name]) for name, _, shape in net.layout]
+    layout = [(name, shape, net.fans[name]) for name, _, shape in net.layout]
     return {"attention": schema.attention(), "layout": layout,
             "slot_names": schema.sparse_names}
 

@@ -234,11 +234,13 @@ class Network:
                 L.fuse_relu_below(below)
 
     def _layout(self, in_file_order):
-        self.layout, self._fans, off = [], {}, 0
+        """``layout``: (name, offset, shape) of every parameter in the flat vector; ``fans``:
+        name -> the (fan_in, fan_out) its initialiser draws with, or None (starts at zero)."""
+        self.layout, self.fans, off = [], {}, 0
         for layer in in_file_order:
             for pname, shape, fan in layer.params:
                 self.layout.append((pname, off, shape))
-                self._fans[pname] = fan
+                self.fans[pname] = fan
                 off += int(np.prod(shape))
         self.n_params = off
         if off == 0:
@@ -251,7 +253,7 @@ class Network:
         params = np.zeros(self.n_params, self.dtype)
         sampler = INITS[self.init]
         for name, off, shape in self.layout:
-            fan = self._fans[name]
+            fan = self.fans[name]
             if fan is not None:
                 n = int(np.prod(shape))
                 params[off:off + n] = sampler(rng, fan[0], fan[1], n)
