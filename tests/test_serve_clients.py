@@ -11,9 +11,11 @@ import json
 import os
 import random
 import struct
+import urllib.request
 
 import numpy as np
 import pytest
+from google.protobuf import json_format
 
 from mpips.serving import Predictor
 from tests import serve_models as sm
@@ -111,6 +113,17 @@ def test_tritonclient_grpc_equals_predictor_with_version(server, model):
         assert not c.is_model_ready("ctr", "ckpt-000009-delta")
         meta = c.get_model_metadata("ctr", as_json=True)
         assert meta["versions"] == [VERSION] and [x["name"] for x in meta["inputs"]] == NAMES
+        # ModelConfig: the HTTP /config answer read into Triton's own ModelConfig message
+        config = c.get_model_config("ctr").config
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/v2/models/ctr/config",
+                                    timeout=30) as r:
+            want = json_format.ParseDict(json.loads(r.read()), type(config)())
+        assert config == want and config.max_batch_size == 500, config
+        assert [x.name for x in config.input] == NAMES and config.output[0].data_type == 11
+        assert config.input[0].data_type == 11 and config.input[-1].data_type == 13
+        assert c.get_model_config("ctr", VERSION).config == want
+        with pytest.raises(Exception, match="unknown model version"):
+            c.get_model_config("ctr", "ckpt-000009-delta")
         got = []
         for part in batches(model):
             r = c.infer("ctr", triton_inputs(tg, part), request_id="q7")
