@@ -283,6 +283,68 @@ def _hs(b):                                     # an HPACK string: raw, under 12
     return bytes((len(b),)) + b
 
 
+def _hint(b, i, bits):
+    """(integer of an ``bits``-bit prefix at b[i] (RFC 7541 5.1), next index)."""
+    mask = (1 << bits) - 1
+    v, i = b[i] & mask, i + 1
+    if v < mask:
+        return v, i
+    shift = 0
+    while True:
+        v += (b[i] & 0x7F) << shift
+        shift += 7
+        i += 1
+        if not b[i - 1] & 0x80:
+            return v, i
+
+
+class _Hpack:
+    """An HPACK decoder of header blocks (RFC 7541) enough to read the trailers' grpc-status:
+    the dynamic table kept, a static entry named by its index only (no gRPC name is in the
+    static table), a Huffman-coded string as None (grpc's C core writes these raw)."""
+
+    def __init__(self):
+        self.table, self.size, self.max = [], 0, 4096
+
+    def _str(self, b, i):
+        n, j = _hint(b, i, 7)
+        return (None if b[i] & 0x80 else b[j:j + n].decode("latin-1")), j + n
+
+    def _entry(self, k):
+        return (f"static {k}", None) if k <= 61 else self.table[k - 62]
+
+    def _add(self, name, value):
+        self.table.insert(0, (name, value))
+        self.size += 32 + len(name or "") + len(value or "")
+        while self.size > self.max:
+            n, v = self.table.pop()
+            self.size -= 32 + len(n or "") + len(v or "")
+
+    def decode(self, b):
+        out, i = {}, 0
+        while i < len(b):
+            c = b[i]
+            if c & 0x80:                                # indexed
+                k, i = _hint(b, i, 7)
+                name, value = self._entry(k)
+            elif c & 0xE0 == 0x20:                      # table size update
+                self.max, i = _hint(b, i, 5)
+                while self.size > self.max:
+                    n, v = self.table.pop()
+                    self.size -= 32 + len(n or "") + len(v or "")
+                continue
+            else:                                       # literal (indexed or not)
+                k, i = _hint(b, i, 6 if c & 0x40 else 4)
+                name = self._entry(k)[0] if k else None
+                if not k:
+                    name, i = self._str(b, i)
+                value, i = self._str(b, i)
+                if c & 0x40:
+                    self._add(name, value)
+            out[name] = value
+        return out
+
+
 # HPACK (RFC 7541) of a gRPC call, no dynamic table, no Huffman: :method POST (static 3),
 # :scheme http (6), then literals without indexing: :path (name 4), :authority (1),
 # content-type (31: 15 + 16), te: trailers (a new name)
@@ -296,20 +358,21 @@ class _GrpcConn(_Conn):
     preface, SETTINGS and PING answered, flow control kept on what it sends), one call at a
     time: the client's counterpart of the raw HTTP/1.1 connections, so the latency is the
     server's, not a client library's.  A call is OK when its answer carries a whole gRPC
-    message then ends (an error status is a trailers-only answer: no message); the last
-    message is read back as a ModelInferResponse (``check``)."""
+    message and its trailers grpc-status 0 (``_Hpack``); the last message is read back as
+    a ModelInferResponse (``check``)."""
 
     def __init__(self, port):
         super().__init__(port)
         self.sid, self.win, self.swin, self.init_win, self.max_frame = -1, 65535, 0, 65535, 16384
-        self.got, self.last = None, b""
+        self.got, self.last, self.hpack = None, b"", _Hpack()
         self._sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" +   # receive window: 2^31-1
                           _h2(4, 0, 0, (4).to_bytes(2, "big") + (2 ** 31 - 1).to_bytes(4, "big")) +
                           _h2(8, 0, 0, (2 ** 31 - 1 - 65535).to_bytes(4, "big")))
 
     def send(self, req):
         self.sid += 2
-        self.swin, self.got = self.init_win, b""
+        self.swin, self.got, self.head, self.ending = self.init_win, b"", b"", False
+        self.status, self.message, self.pending = None, "", False
         data = len(req).to_bytes(5, "big") + req        # gRPC: not compressed, length
         out, pos = [_h2(1, 4, self.sid, GRPC_HEADERS)], 0
         while pos < len(data):
@@ -364,13 +427,27 @@ class _GrpcConn(_Conn):
                 continue
             elif kind == 0:                             # DATA (unpadded: the server's)
                 self.got += body
+            elif kind in (1, 9):                        # HEADERS, CONTINUATION
+                if kind == 1 and flags & 8:             # PADDED
+                    body = body[1:len(body) - body[0]]
+                if kind == 1 and flags & 0x20:          # PRIORITY: 5 bytes first
+                    body = body[5:]
+                self.head += body
+                self.pending = not flags & 4
+                if flags & 4:                           # END_HEADERS: a whole block
+                    fields, self.head = self.hpack.decode(self.head), b""
+                    self.status = fields.get("grpc-status", self.status)
+                    self.message = fields.get("grpc-message", self.message)
+            if kind in (0, 1) and flags & 1:
+                self.ending = True
             if sid == self.sid and self.got is not None and (
-                    kind in (0, 1) and flags & 1 or kind == 3):   # the call ended
+                    self.ending and not self.pending or kind == 3):   # the call ended
                 whole = len(self.got) >= 5 and int.from_bytes(self.got[1:5], "big") == \
                     len(self.got) - 5
-                out.append((kind != 3 and whole, None if kind != 3 and whole else
-                            "RST_STREAM" if kind == 3 else "a gRPC error status (no message)"))
-                if whole:
+                ok = kind != 3 and whole and self.status == "0"
+                out.append((ok, None if ok else "RST_STREAM" if kind == 3 else
+                            f"grpc-status {self.status} {str(self.message)[:120]}"))
+                if ok:
                     self.last = self.got[5:]
                 self.got = None
         if reply:
