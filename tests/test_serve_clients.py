@@ -323,6 +323,53 @@ def test_grpc_fuzz_answers_statuses_and_stays_ready(server, model):
     assert code == grpc.StatusCode.OK and resp.ready
 
 
+def test_bench_raw_grpc_client_counts_like_grpcio(server, model):
+    """bench/bench_serve.py's raw HTTP/2 gRPC client (prebuilt frames, its own HPACK
+    reading of grpc-status) on a mix of good and bad calls, 200 rows a call (flow control:
+    more than one DATA frame): as many OK and failed as grpcio's client counts on the same
+    calls, and the last answer's scores equal the Predictor's."""
+    import importlib.util
+    from mpips.serving.proto import kserve_v2_pb2 as pb
+    spec = importlib.util.spec_from_file_location(
+        "bench_serve", os.path.join(os.path.dirname(__file__), "..", "bench", "bench_serve.py"))
+    bs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bs)
+    part = model["lines"][:200]
+    good = raw_request([(n, "FP32" if n[0] == "I" else "BYTES", [200],
+                         col.tobytes() if n[0] == "I" else blob(list(col)))
+                        for n, col in columns(part)])
+    bad = raw_request([("I1", "FP32", [1], b"\0\0\0\0")], model_name="other")
+    calls = [good, bad, good, good, bad, good] * 3
+    want = {True: 0, False: 0}
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc}") as ch:
+        fn = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                            request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        for c in calls:
+            try:
+                fn(c, timeout=30)
+                want[True] += 1
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.NOT_FOUND
+                want[False] += 1
+    lat, fails, issued, _ = bs.load(server.grpc, calls, "closed", 0, 1, 60, len(calls),
+                                    conn=bs._GrpcConn)
+    assert (issued, len(lat), fails) == (len(calls), want[True], want[False]) == (18, 12, 6)
+    assert list(bs.ERRORS) == ["grpc-status 5 unknown model 'other'; this server serves "
+                               "'ctr'"] and sum(bs.ERRORS.values()) == 6
+    bs.ERRORS.clear()
+    c = bs._GrpcConn(server.grpc)                  # one good call: its answer read back
+    c.send(good)
+    c.sock.setblocking(True)
+    got = []
+    while not got:
+        got = c.answers(c.sock.recv(1 << 16))
+    c.sock.close()
+    r = pb.ModelInferResponse.FromString(c.last)
+    assert got == [(True, None)] and r.model_version == VERSION
+    assert np.array_equal(np.frombuffer(r.raw_output_contents[0], "<f4"),
+                          model["predictor"].predict_lines(part))
+
+
 def scrape(port):
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     c.request("GET", "/metrics")
