@@ -5,8 +5,9 @@ core (``mpips.serving.v2.score``), the same model reference (``Live.current``, r
 per call: hot reload swaps it between two calls) and the same metrics.  Methods of
 ``inference.GRPCInferenceService``: ServerLive, ServerReady, ModelReady, ServerMetadata,
 ModelMetadata, ModelConfig (Triton's model configuration extension: the configuration
-``GET /v2/models/{name}/config`` answers, as a ModelConfig message), ModelInfer (inputs as ``raw_input_contents`` or typed ``contents``; the
-output ``probability`` FP32 in ``raw_output_contents``, as Triton answers).  Every answer
+``GET /v2/models/{name}/config`` answers, as a ModelConfig message), ModelInfer (inputs
+as ``raw_input_contents`` or typed ``contents``; the output ``probability`` FP32 in
+``raw_output_contents``, as Triton answers).  Every answer
 carries the version that made it: ``model_version`` in the infer answer, and the trailing
 metadata ``model-version`` on every call, errors included.  A bad request is an
 INVALID_ARGUMENT (NOT_FOUND for another model or version, RESOURCE_EXHAUSTED over
