@@ -22,7 +22,10 @@ protocol and server processes, while patches land, against the in-process limit.
    for ``--seconds`` and at most ``--max-requests``; batch 1, 32, 256; TF ``:predict``
    instances (the wide shape's: slots as lists of integer feasigns), raw ``:lines``, and
    (``--protocols``) the V2 binary tensor data extension over HTTP (``binary``) and V2
-   over gRPC (``grpc``: grpcio's client, raw_input_contents), Criteo shape.
+   over gRPC, raw_input_contents, Criteo shape: ``grpc`` sends prebuilt HTTP/2 frames on
+   raw sockets (``_GrpcConn``, as the HTTP loads send prebuilt requests: the latency is the
+   server's), ``grpcio`` goes through grpcio's client (its threads share the 2 cores and
+   its cost a call is in the latency: what a grpcio user sees).
    Reported: requests/s, instances/s, p50, p99, p99.9,
    failed requests (non-2xx or no answer), the server's CPU time per request (user +
    system of its processes: the cost a busy machine does not hide), and the server's
@@ -187,7 +190,7 @@ def grpc_bodies(lines, batch, name, k=16):
 
 def bodies(lines, insts, batch, proto, name, k=16):
     """k distinct raw HTTP requests of ``batch`` rows (gRPC: serialized messages)."""
-    if proto == "grpc":
+    if proto in GRPC:
         return grpc_bodies(lines, batch, name, k)
     out = []
     for j in range(k):
@@ -238,17 +241,234 @@ def in_process(bundle, lines, schema, batch, seconds):
 
 # ---------------------------------------------------------------------- load generator
 ERRORS = collections.Counter()     # answers other than 200, by status and message
+GRPC = {"grpc", "grpcio"}          # the protocols served on --grpc-port
 
 
 class _Conn:
+    """One HTTP/1.1 connection, one request at a time."""
+
     def __init__(self, port):
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.setblocking(False)
         self.buf, self.sent_at = b"", None
 
+    def send(self, req):
+        self.sock.sendall(req)                  # small: fits the socket buffer
 
-def load(port, reqs, mode, rate, concurrency, seconds, max_requests, spin=False):
+    def answers(self, chunk):
+        """[(ok, error text)] of the answers completed by ``chunk``."""
+        self.buf += chunk
+        out = []
+        while True:
+            i = self.buf.find(b"\r\n\r\n")
+            if i < 0:
+                return out
+            head = self.buf[:i].lower()
+            n = int(head.split(b"content-length:")[1].split(b"\r\n")[0])
+            if len(self.buf) < i + 4 + n:
+                return out
+            ok = self.buf[9:12] == b"200"
+            out.append((ok, None if ok else self.buf[9:12].decode("latin-1") + " " +
+                        self.buf[i + 4:i + 4 + n][:120].decode("utf-8", "replace")))
+            self.buf = self.buf[i + 4 + n:]
+
+
+def _h2(kind, flags, stream, payload=b""):
+    return (len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big")
+            + payload)
+
+
+def _hs(b):                                     # an HPACK string: raw, under 127 bytes
+    return bytes((len(b),)) + b
+
+
+def _hint(b, i, bits):
+    """(integer of an ``bits``-bit prefix at b[i] (RFC 7541 5.1), next index)."""
+    mask = (1 << bits) - 1
+    v, i = b[i] & mask, i + 1
+    if v < mask:
+        return v, i
+    shift = 0
+    while True:
+        v += (b[i] & 0x7F) << shift
+        shift += 7
+        i += 1
+        if not b[i - 1] & 0x80:
+            return v, i
+
+
+class _Hpack:
+    """An HPACK decoder of header blocks (RFC 7541) enough to read the trailers' grpc-status:
+    the dynamic table kept, a static entry named by its index only (no gRPC name is in the
+    static table), a Huffman-coded string as None (grpc's C core writes these raw)."""
+
+    def __init__(self):
+        self.table, self.size, self.max = [], 0, 4096
+
+    def _str(self, b, i):
+        n, j = _hint(b, i, 7)
+        return (None if b[i] & 0x80 else b[j:j + n].decode("latin-1")), j + n
+
+    def _entry(self, k):
+        return (f"static {k}", None) if k <= 61 else self.table[k - 62]
+
+    def _add(self, name, value):
+        self.table.insert(0, (name, value))
+        self.size += 32 + len(name or "") + len(value or "")
+        while self.size > self.max:
+            n, v = self.table.pop()
+            self.size -= 32 + len(n or "") + len(v or "")
+
+    def decode(self, b):
+        out, i = {}, 0
+        while i < len(b):
+            c = b[i]
+            if c & 0x80:                                # indexed
+                k, i = _hint(b, i, 7)
+                name, value = self._entry(k)
+            elif c & 0xE0 == 0x20:                      # table size update
+                self.max, i = _hint(b, i, 5)
+                while self.size > self.max:
+                    n, v = self.table.pop()
+                    self.size -= 32 + len(n or "") + len(v or "")
+                continue
+            else:                                       # literal (indexed or not)
+                k, i = _hint(b, i, 6 if c & 0x40 else 4)
+                name = self._entry(k)[0] if k else None
+                if not k:
+                    name, i = self._str(b, i)
+                value, i = self._str(b, i)
+                if c & 0x40:
+                    self._add(name, value)
+            out[name] = value
+        return out
+
+
+# HPACK (RFC 7541) of a gRPC call, no dynamic table, no Huffman: :method POST (static 3),
+# :scheme http (6), then literals without indexing: :path (name 4), :authority (1),
+# content-type (31: 15 + 16), te: trailers (a new name)
+GRPC_HEADERS = (b"\x83\x86\x04" + _hs(b"/inference.GRPCInferenceService/ModelInfer") +
+                b"\x01" + _hs(b"127.0.0.1") + b"\x0f\x10" + _hs(b"application/grpc") +
+                b"\x00" + _hs(b"te") + _hs(b"trailers"))
+
+
+class _GrpcConn(_Conn):
+    """One HTTP/2 connection speaking gRPC unary calls from prebuilt frames (RFC 7540: the
+    preface, SETTINGS and PING answered, flow control kept on what it sends), one call at a
+    time: the client's counterpart of the raw HTTP/1.1 connections, so the latency is the
+    server's, not a client library's.  A call is OK when its answer carries a whole gRPC
+    message and its trailers grpc-status 0 (``_Hpack``); the last message is read back as
+    a ModelInferResponse (``check``)."""
+
+    def __init__(self, port):
+        super().__init__(port)
+        self.sid, self.win, self.swin, self.init_win, self.max_frame = -1, 65535, 0, 65535, 16384
+        self.got, self.last, self.hpack = None, b"", _Hpack()
+        self._sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" +   # receive window: 2^31-1
+                          _h2(4, 0, 0, (4).to_bytes(2, "big") + (2 ** 31 - 1).to_bytes(4, "big")) +
+                          _h2(8, 0, 0, (2 ** 31 - 1 - 65535).to_bytes(4, "big")))
+
+    def send(self, req):
+        self.sid += 2
+        self.swin, self.got, self.head, self.ending = self.init_win, b"", b"", False
+        self.status, self.message, self.pending = None, "", False
+        data = len(req).to_bytes(5, "big") + req        # gRPC: not compressed, length
+        out, pos = [_h2(1, 4, self.sid, GRPC_HEADERS)], 0
+        while pos < len(data):
+            room = min(self.win, self.swin, self.max_frame)
+            if room <= 0:                               # wait for the server's WINDOW_UPDATE
+                self._sendall(b"".join(out))
+                out = []
+                self.sock.settimeout(10)
+                chunk = self.sock.recv(1 << 16)
+                if not chunk:
+                    raise OSError("the server closed the connection")
+                self.answers(chunk)
+                continue
+            piece = data[pos:pos + room]
+            pos += len(piece)
+            self.win -= len(piece)
+            self.swin -= len(piece)
+            out.append(_h2(0, 1 if pos == len(data) else 0, self.sid, piece))
+        self._sendall(b"".join(out))
+
+    def answers(self, chunk):
+        self.buf += chunk
+        out, reply = [], []
+        while len(self.buf) >= 9:
+            n = int.from_bytes(self.buf[:3], "big")
+            if len(self.buf) < 9 + n:
+                break
+            kind, flags = self.buf[3], self.buf[4]
+            sid = int.from_bytes(self.buf[5:9], "big") & 0x7FFFFFFF
+            body, self.buf = self.buf[9:9 + n], self.buf[9 + n:]
+            if kind == 4 and not flags & 1:             # SETTINGS: ack; note windows, frames
+                for i in range(0, n - 5, 6):
+                    key, val = int.from_bytes(body[i:i + 2], "big"), int.from_bytes(
+                        body[i + 2:i + 6], "big")
+                    if key == 4:
+                        self.swin += val - self.init_win
+                        self.init_win = val
+                    elif key == 5:
+                        self.max_frame = val
+                reply.append(_h2(4, 1, 0))
+            elif kind == 6 and not flags & 1:           # PING: ack
+                reply.append(_h2(6, 1, 0, body))
+            elif kind == 8:                             # WINDOW_UPDATE
+                inc = int.from_bytes(body[:4], "big") & 0x7FFFFFFF
+                if sid == 0:
+                    self.win += inc
+                elif sid == self.sid:
+                    self.swin += inc
+            elif kind == 7:                             # GOAWAY: the calls after fail
+                raise OSError("GOAWAY: " + body[8:120].decode("utf-8", "replace"))
+            elif sid != self.sid or self.got is None:
+                continue
+            elif kind == 0:                             # DATA (unpadded: the server's)
+                self.got += body
+            elif kind in (1, 9):                        # HEADERS, CONTINUATION
+                if kind == 1 and flags & 8:             # PADDED
+                    body = body[1:len(body) - body[0]]
+                if kind == 1 and flags & 0x20:          # PRIORITY: 5 bytes first
+                    body = body[5:]
+                self.head += body
+                self.pending = not flags & 4
+                if flags & 4:                           # END_HEADERS: a whole block
+                    fields, self.head = self.hpack.decode(self.head), b""
+                    self.status = fields.get("grpc-status", self.status)
+                    self.message = fields.get("grpc-message", self.message)
+            if kind in (0, 1) and flags & 1:
+                self.ending = True
+            if sid == self.sid and self.got is not None and (
+                    self.ending and not self.pending or kind == 3):   # the call ended
+                whole = len(self.got) >= 5 and int.from_bytes(self.got[1:5], "big") == \
+                    len(self.got) - 5
+                ok = kind != 3 and whole and self.status == "0"
+                out.append((ok, None if ok else "RST_STREAM" if kind == 3 else
+                            f"grpc-status {self.status} {str(self.message)[:120]}"))
+                if ok:
+                    self.last = self.got[5:]
+                self.got = None
+        if reply:
+            self._sendall(b"".join(reply))
+        return out
+
+    def _sendall(self, data):
+        self.sock.setblocking(True)
+        self.sock.sendall(data)
+        self.sock.setblocking(False)
+
+    def check(self):
+        from mpips.serving.proto import kserve_v2_pb2 as pb
+        r = pb.ModelInferResponse.FromString(self.last)
+        if not (r.outputs and r.model_version and len(r.raw_output_contents[0]) ==
+                4 * r.outputs[0].shape[0]):
+            raise RuntimeError(f"the gRPC answers do not read back: {r}")
+
+
+def load(port, reqs, mode, rate, concurrency, seconds, max_requests, spin=False,
+         conn=_Conn):
     """Send requests for ``seconds`` (open loop at ``rate``/s or closed loop), bounded by
     ``max_requests`` and a hard deadline (30 s more: what is scheduled by the end is still
     sent and waited for until then); return (latencies s, failures, requests, wall).
@@ -257,7 +477,7 @@ def load(port, reqs, mode, rate, concurrency, seconds, max_requests, spin=False)
     (``--floor``), is not counted as the server's latency.
     A failure: an answer other than 200, a connection closed, or no answer by the hard
     deadline (requests still scheduled or in flight then)."""
-    conns = [_Conn(port) for _ in range(concurrency)]
+    conns = [conn(port) for _ in range(concurrency)]
     sel = selectors.DefaultSelector()
     for c in conns:
         sel.register(c.sock, selectors.EVENT_READ, c)
@@ -271,7 +491,7 @@ def load(port, reqs, mode, rate, concurrency, seconds, max_requests, spin=False)
     def send(c, at):
         nonlocal issued, k
         c.sent_at = at
-        c.sock.sendall(reqs[k % len(reqs)])       # small: fits the socket buffer
+        c.send(reqs[k % len(reqs)])
         k += 1
         issued += 1
     while True:
@@ -317,27 +537,17 @@ def load(port, reqs, mode, rate, concurrency, seconds, max_requests, spin=False)
                 sel.unregister(c.sock)
                 conns.remove(c)
                 continue
-            c.buf += chunk
-            while True:
-                i = c.buf.find(b"\r\n\r\n")
-                if i < 0:
-                    break
-                head = c.buf[:i].lower()
-                n = int(head.split(b"content-length:")[1].split(b"\r\n")[0])
-                if len(c.buf) < i + 4 + n:
-                    break
-                ok = c.buf[9:12] == b"200"
-                if not ok:
-                    ERRORS[c.buf[9:12].decode("latin-1") + " " + c.buf[i + 4:i + 4 + n][:120]
-                           .decode("utf-8", "replace")] += 1
-                c.buf = c.buf[i + 4 + n:]
-                t = time.perf_counter()
+            t = time.perf_counter()
+            for ok, err in c.answers(chunk):
                 if ok:
                     lat.append(t - c.sent_at)
                 else:
+                    ERRORS[err] += 1
                     fails += 1
                 idle.append(c)
     wall = time.perf_counter() - t0
+    if lat and conn is not _Conn:
+        next(c for c in conns if c.last).check()
     for c in conns:
         c.sock.close()
     return np.array(lat), fails, issued, wall
@@ -562,7 +772,9 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,32,256")
     ap.add_argument("--protocols", default="predict,lines", help="comma list of predict (TF "
                     "instances), lines (raw), binary (V2 binary tensors over HTTP; Criteo "
-                    "shape), grpc (V2 over gRPC, raw_input_contents; Criteo shape)")
+                    "shape), grpc (V2 over gRPC, raw_input_contents, from prebuilt HTTP/2 "
+                    "frames as the HTTP loads send prebuilt requests; Criteo shape), grpcio "
+                    "(the same calls by grpcio's client: its own threads, its cost a call)")
     ap.add_argument("--rate", type=float, default=500, help="open loop requests/s (batch 1)")
     ap.add_argument("--concurrency", type=int, default=8, help="closed loop connections")
     ap.add_argument("--seconds", type=float, default=10)
@@ -593,7 +805,7 @@ def main(argv=None):
         folder, lines, schema, m, keys = make_model(a, tmp)
         insts = instances(lines, schema)
         protos = a.protocols.split(",")
-        http_proto = next((x for x in protos if x != "grpc"), "lines")   # floor, patches
+        http_proto = next((x for x in protos if x not in GRPC), "lines")   # floor, patches
         batches = [int(b) for b in a.batches.split(",")]
         for b in batches:
             arr, arr_cpu, lin, lin_cpu = in_process(os.path.join(folder, "full-000001.h5"),
@@ -620,7 +832,7 @@ def main(argv=None):
                 proc.terminate()
                 proc.wait(60)
         for procs in [int(x) for x in a.processes.split(",") if x]:
-            proc, port, gport = start(folder, procs, "ctr", grpc="grpc" in protos)
+            proc, port, gport = start(folder, procs, "ctr", grpc=bool(GRPC & set(protos)))
             try:
                 res.setdefault("pss_mb", {})[procs] = pss_mb(proc.pid)
                 print(f"server processes {procs}: PSS {res['pss_mb'][procs]} MB", flush=True)
@@ -631,10 +843,11 @@ def main(argv=None):
                             ([("open", a.rate, c) for c in clients] if b == 1 else [])
                         for mode, rate, client in runs:
                             c0 = cpu_seconds(proc.pid)
-                            fn = load_grpc if proto == "grpc" else load
-                            out = fn(gport if proto == "grpc" else port, reqs, mode, rate or 0,
+                            fn = load_grpc if proto == "grpcio" else load
+                            out = fn(gport if proto in GRPC else port, reqs, mode, rate or 0,
                                      a.concurrency if mode == "closed" else 32, a.seconds,
-                                     a.max_requests, spin=client == "spin")
+                                     a.max_requests, spin=client == "spin",
+                                     **({"conn": _GrpcConn} if proto == "grpc" else {}))
                             cpu = cpu_seconds(proc.pid) - c0
                             r = summary(*out, b)
                             r.update(processes=procs, protocol=proto, batch=b, mode=mode,

@@ -11,9 +11,11 @@ import json
 import os
 import random
 import struct
+import urllib.request
 
 import numpy as np
 import pytest
+from google.protobuf import json_format
 
 from mpips.serving import Predictor
 from tests import serve_models as sm
@@ -111,6 +113,17 @@ def test_tritonclient_grpc_equals_predictor_with_version(server, model):
         assert not c.is_model_ready("ctr", "ckpt-000009-delta")
         meta = c.get_model_metadata("ctr", as_json=True)
         assert meta["versions"] == [VERSION] and [x["name"] for x in meta["inputs"]] == NAMES
+        # ModelConfig: the HTTP /config answer read into Triton's own ModelConfig message
+        config = c.get_model_config("ctr").config
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/v2/models/ctr/config",
+                                    timeout=30) as r:
+            want = json_format.ParseDict(json.loads(r.read()), type(config)())
+        assert config == want and config.max_batch_size == 500, config
+        assert [x.name for x in config.input] == NAMES and config.output[0].data_type == 11
+        assert config.input[0].data_type == 11 and config.input[-1].data_type == 13
+        assert c.get_model_config("ctr", VERSION).config == want
+        with pytest.raises(Exception, match="unknown model version"):
+            c.get_model_config("ctr", "ckpt-000009-delta")
         got = []
         for part in batches(model):
             r = c.infer("ctr", triton_inputs(tg, part), request_id="q7")
@@ -308,6 +321,53 @@ def test_grpc_fuzz_answers_statuses_and_stays_ready(server, model):
     assert codes.get(grpc.StatusCode.OK, 0) > 5 and len(codes) > 1, codes
     resp, code, _, _ = grpc_call(server, "ServerReady", b"", pb.ServerReadyResponse)
     assert code == grpc.StatusCode.OK and resp.ready
+
+
+def test_bench_raw_grpc_client_counts_like_grpcio(server, model):
+    """bench/bench_serve.py's raw HTTP/2 gRPC client (prebuilt frames, its own HPACK
+    reading of grpc-status) on a mix of good and bad calls, 200 rows a call (flow control:
+    more than one DATA frame): as many OK and failed as grpcio's client counts on the same
+    calls, and the last answer's scores equal the Predictor's."""
+    import importlib.util
+    from mpips.serving.proto import kserve_v2_pb2 as pb
+    spec = importlib.util.spec_from_file_location(
+        "bench_serve", os.path.join(os.path.dirname(__file__), "..", "bench", "bench_serve.py"))
+    bs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bs)
+    part = model["lines"][:200]
+    good = raw_request([(n, "FP32" if n[0] == "I" else "BYTES", [200],
+                         col.tobytes() if n[0] == "I" else blob(list(col)))
+                        for n, col in columns(part)])
+    bad = raw_request([("I1", "FP32", [1], b"\0\0\0\0")], model_name="other")
+    calls = [good, bad, good, good, bad, good] * 3
+    want = {True: 0, False: 0}
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc}") as ch:
+        fn = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                            request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        for c in calls:
+            try:
+                fn(c, timeout=30)
+                want[True] += 1
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.NOT_FOUND
+                want[False] += 1
+    lat, fails, issued, _ = bs.load(server.grpc, calls, "closed", 0, 1, 60, len(calls),
+                                    conn=bs._GrpcConn)
+    assert (issued, len(lat), fails) == (len(calls), want[True], want[False]) == (18, 12, 6)
+    assert list(bs.ERRORS) == ["grpc-status 5 unknown model 'other'; this server serves "
+                               "'ctr'"] and sum(bs.ERRORS.values()) == 6
+    bs.ERRORS.clear()
+    c = bs._GrpcConn(server.grpc)                  # one good call: its answer read back
+    c.send(good)
+    c.sock.setblocking(True)
+    got = []
+    while not got:
+        got = c.answers(c.sock.recv(1 << 16))
+    c.sock.close()
+    r = pb.ModelInferResponse.FromString(c.last)
+    assert got == [(True, None)] and r.model_version == VERSION
+    assert np.array_equal(np.frombuffer(r.raw_output_contents[0], "<f4"),
+                          model["predictor"].predict_lines(part))
 
 
 def scrape(port):

@@ -4,8 +4,10 @@ Served by ``grpc.aio`` in the same event loop as the HTTP server, over the same 
 core (``mpips.serving.v2.score``), the same model reference (``Live.current``, read once
 per call: hot reload swaps it between two calls) and the same metrics.  Methods of
 ``inference.GRPCInferenceService``: ServerLive, ServerReady, ModelReady, ServerMetadata,
-ModelMetadata, ModelInfer (inputs as ``raw_input_contents`` or typed ``contents``; the
-output ``probability`` FP32 in ``raw_output_contents``, as Triton answers).  Every answer
+ModelMetadata, ModelConfig (Triton's model configuration extension: the configuration
+``GET /v2/models/{name}/config`` answers, as a ModelConfig message), ModelInfer (inputs
+as ``raw_input_contents`` or typed ``contents``; the output ``probability`` FP32 in
+``raw_output_contents``, as Triton answers).  Every answer
 carries the version that made it: ``model_version`` in the infer answer, and the trailing
 metadata ``model-version`` on every call, errors included.  A bad request is an
 INVALID_ARGUMENT (NOT_FOUND for another model or version, RESOURCE_EXHAUSTED over
@@ -18,6 +20,7 @@ import time
 
 import grpc
 import numpy as np
+from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from grpc import aio
 
@@ -128,6 +131,11 @@ class GrpcV2:
                     for n, d, s in serving.encoder.describe_inputs()],
             outputs=[T(name=o, datatype="FP32", shape=[-1]) for o in v2.output_names(serving)])
 
+    def model_config(self, req, serving):               # the HTTP answer, as the message
+        self._check_model(req.name, req.version, serving)
+        return pb.ModelConfigResponse(config=json_format.ParseDict(
+            v2.model_config(self.api.name, serving, self.api.max_instances), pb.ModelConfig()))
+
     def infer(self, req, serving):
         self._check_model(req.model_name, req.model_version, serving)
         names = v2.output_names(serving)
@@ -168,6 +176,8 @@ class GrpcV2:
                                     pb.ServerMetadataResponse),
             "ModelMetadata": unary("metadata", self.model_metadata, pb.ModelMetadataRequest,
                                    pb.ModelMetadataResponse),
+            "ModelConfig": unary("metadata", self.model_config, pb.ModelConfigRequest,
+                                 pb.ModelConfigResponse),
             "ModelInfer": unary("infer", self.infer, pb.ModelInferRequest,
                                 pb.ModelInferResponse)})
 
