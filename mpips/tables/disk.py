@@ -107,6 +107,8 @@ class RowStore:
     may touch before the map is dropped (what the store adds to the RSS, about).
     """
 
+    writemap = False        # LMDB writes by pwrite from its own pages (True: through its map)
+
     def __init__(self, parent, template, tag="table", map_budget=None):
         self.fields = list(template)
         self.dtype = row_dtype(template)
@@ -126,7 +128,7 @@ class RowStore:
     def _open(self):
         import lmdb             # the disk extra: imported only when a tier is made
         self.env = lmdb.open(self.path, map_size=MAP_SIZE, subdir=True, sync=False,
-                             metasync=False, writemap=True, readahead=False, lock=False,
+                             metasync=False, writemap=self.writemap, readahead=False, lock=False,
                              max_dbs=0, meminit=False)
         self._base = mapped_bytes() if MEASURE else 0
 
