@@ -29,6 +29,7 @@ a full disk is an error of the commit, not a SIGBUS.  Writing through the map co
 bounded store 1.6x the CPU in training steps and 8x in filling (a write fault a page
 touched, after each drop of the map; docs/disk-tier.md, "The engine").
 """
+import ctypes
 import errno
 import fcntl
 import os
@@ -83,7 +84,6 @@ def _map_address(path):
 @lru_cache(maxsize=1)
 def _libc():
     """libc with ``madvise`` typed (ctypes)."""
-    import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     return libc
