@@ -154,7 +154,8 @@ def exact_run(args, work, name, extra, n):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **ENV),
                           cwd=str(ROOT), timeout=args.timeout)
     if proc.returncode:
-        raise SystemExit(f"{name} failed ({proc.returncode}): {(proc.stdout + proc.stderr)[-2000:]}")
+        text = proc.stdout + proc.stderr
+        raise SystemExit(f"{name} failed ({proc.returncode}): {text[-2000:]}")
     with open(metrics) as fh:
         rec = [json.loads(x) for x in fh if x.strip()][-1]
     print(f"{name}: {time.time() - t0:.0f} s, test AUC {rec['test_auc']!r} logloss "
