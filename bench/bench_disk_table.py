@@ -5,6 +5,7 @@
     python bench/bench_disk_table.py saveload [--rows 4000000] [--ratio 4]
     python bench/bench_disk_table.py scale --ids 20000000 --cap 512M [--steps 300]
     python bench/bench_disk_table.py policy --data DATA [--ratio 4] --batch 1024
+    python bench/bench_disk_table.py exact --data DATA [--ratio 4]
 
 ``train``: 2 servers x 2 workers, --mode async, one epoch over DATA/train, evaluated on
 DATA/test.  The first run is in memory and gives each server's table bytes (its SERVER
@@ -27,6 +28,12 @@ peak): the peak is what the cap bounds, whatever ``--ids``.
 ``policy``: the cache policies' hit ratios on DATA/train's ids: each batch's unique ids
 pulled (create=True) in file order through one TieredTable per policy, capped at the
 in-memory table's bytes / ``--ratio``.
+
+``exact``: ``--local`` and 2x2 ``--mode sync`` (admission ``--entry count:2``), each in
+memory and then under a tier capped at a quarter (``--ratio``) of each server's in-memory
+table (the record's table bytes over the servers): prints PASS or FAIL for the test AUC,
+logloss and train loss and for every array of the final checkpoint (rows aligned by id),
+then ``EXACT PASS`` or ``EXACT FAIL``.
 
 Results go to bench/out/bench_disk_table.json (appended per invocation).  On a shared
 machine, wall-clock figures move with the other load: compare the CPU seconds too.
@@ -106,6 +113,93 @@ def train(args):
                "speed_ratio": round(sum(tier) / len(tier) / (sum(mem) / len(mem)), 3)}
     print("SUMMARY", json.dumps(summary), flush=True)
     return {"bench": "train", "data": args.data, "runs": runs, "summary": summary}
+
+
+ROW_GROUPS = ("sparse", "admission")
+
+
+def checkpoint_arrays(root):
+    """{dataset: array} of the newest checkpoint under ``root``, all shards: row fields
+    ordered by id, evicted ids sorted, dense slices in shard order (the tier writes its
+    resident rows first, then the disk rows in id order; the rows must be equal)."""
+    import h5py
+    import numpy as np
+    ckpt = os.path.join(root, sorted(d for d in os.listdir(root) if d.startswith("ckpt-"))[-1])
+    parts = {}
+    for name in sorted(os.listdir(ckpt)):
+        if name.endswith(".h5"):
+            with h5py.File(os.path.join(ckpt, name), "r") as f:
+                f.visititems(lambda path, obj: parts.setdefault(path, []).append(obj[()])
+                             if isinstance(obj, h5py.Dataset) else None)
+    out = {k: np.concatenate([np.atleast_1d(a) for a in v]) for k, v in parts.items()}
+    for g in ROW_GROUPS:
+        if f"{g}/keys" in out:
+            order = np.argsort(out[f"{g}/keys"], kind="stable")
+            for k in [k for k in out if k.startswith(g + "/") and k.count("/") == 1]:
+                if k not in (f"{g}/evicted", f"{g}/admitted"):
+                    out[k] = out[k][order]
+            out[f"{g}/evicted"] = np.sort(out[f"{g}/evicted"])
+    return os.path.basename(ckpt), out
+
+
+def exact_run(args, work, name, extra, n):
+    """One run of the ``exact`` bench: its last metrics record and its newest checkpoint."""
+    save, metrics = os.path.join(work, name), os.path.join(work, name + ".jsonl")
+    cmd = ([mpiexec(), "-n", str(n)] if n > 1 else []) + [
+        sys.executable, "-m", "mpips.train", "--train", os.path.join(args.data, "train"),
+        "--test", os.path.join(args.data, "test"), "--fc", args.fc, "--print-every",
+        "1000000", "--progress-every", "0", "--save-dir", save, "--metrics-out", metrics,
+        "--entry", "count:2"] + extra
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **ENV),
+                          cwd=str(ROOT), timeout=args.timeout)
+    if proc.returncode:
+        text = proc.stdout + proc.stderr
+        raise SystemExit(f"{name} failed ({proc.returncode}): {text[-2000:]}")
+    with open(metrics) as fh:
+        rec = [json.loads(x) for x in fh if x.strip()][-1]
+    print(f"{name}: {time.time() - t0:.0f} s, test AUC {rec['test_auc']!r} logloss "
+          f"{rec['test_logloss']!r}" + "".join(f" {k} {rec[k]}" for k in (
+              "tier_resident_rows", "tier_disk_rows", "tier_hit_ratio") if k in rec), flush=True)
+    return rec, checkpoint_arrays(save)
+
+
+def exact(args):
+    """``--local`` and 2x2 ``--mode sync``, each in memory and under a tier capped at a
+    quarter of each server's in-memory table: PASS when the test AUC, logloss and train loss
+    are equal and so is every array of the final checkpoint (rows aligned by id)."""
+    import numpy as np
+    work = tempfile.mkdtemp(prefix="bench-exact-", dir=args.dir or None)
+    result, ok = {"bench": "exact", "data": args.data, "ratio": args.ratio, "kinds": []}, True
+    try:
+        for kind, extra, n, servers in (("local", ["--local"], 1, 1),
+                                        ("sync", ["--mode", "sync"], 4, 2)):
+            rm, (cm, am) = exact_run(args, work, f"{kind}-memory", extra, n)
+            cap = rm["table_bytes"] // servers // args.ratio
+            tier_dir = os.path.join(work, "tierdir")
+            os.makedirs(tier_dir, exist_ok=True)
+            rt, (ct, at) = exact_run(args, work, f"{kind}-tier", extra + [
+                "--table-memory", str(cap), "--table-dir", tier_dir], n)
+            checks = {m: rt[m] == rm[m] for m in ("test_auc", "test_logloss",
+                                                             "train_loss")}
+            checks["same arrays"] = sorted(am) == sorted(at)
+            for k in sorted(am):
+                checks[k] = k in at and am[k].shape == at[k].shape and np.array_equal(am[k], at[k])
+            checks["tier folder removed"] = not os.listdir(tier_dir)
+            for k, v in checks.items():
+                print(f"{kind} {k}: {'PASS' if v else 'FAIL'}", flush=True)
+            ok &= all(checks.values())
+            result["kinds"].append({
+                "kind": kind, "cap_bytes": cap, "checkpoint": [cm, ct],
+                "auc": [rm["test_auc"], rt["test_auc"]],
+                "tier": {k: rt[k] for k in rt if k.startswith("tier_")},
+                "rows": int(len(am.get("sparse/keys", []))), "checks": checks})
+            for name in (f"{kind}-memory", f"{kind}-tier"):
+                shutil.rmtree(os.path.join(work, name), ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print("EXACT", "PASS" if ok else "FAIL", flush=True)
+    return result
 
 
 def saveload_one(kind, rows, ratio):
@@ -193,6 +287,10 @@ def scale(args):
             return t
         t = TieredTable(t, parse_size(args.cap), work, "scale")
         t.store.map_budget = args.map_budget or t.store.map_budget
+        if args.writemap != t.store.writemap:
+            t.store.writemap = args.writemap
+            t.store.env.close()
+            t.store._open()
         return t
     try:
         t, buf = table(), np.empty((b, 10), np.float32)
@@ -284,7 +382,7 @@ def main():
     if len(sys.argv) > 1 and sys.argv[1] == "saveload-one":
         return saveload_one(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=("train", "saveload", "scale", "policy"))
+    p.add_argument("what", choices=("train", "saveload", "scale", "policy", "exact"))
     p.add_argument("--data", default="", help="a data_prep.criteo_like folder (train)")
     p.add_argument("--ratio", type=int, default=4, help="table bytes / --table-memory")
     p.add_argument("--rounds", type=int, default=2)
@@ -299,13 +397,15 @@ def main():
     p.add_argument("--steps", type=int, default=300, help="scale: training steps")
     p.add_argument("--map-budget", type=int, default=0, help="scale: bytes of LMDB's map "
                    "before it is dropped (0: the tier's own share of --cap)")
+    p.add_argument("--writemap", type=int, default=0, help="scale: LMDB writes through its "
+                   "map (1) or by pwrite (0)")
     p.add_argument("--no-saveload", action="store_true", help="scale: stop after training")
     p.add_argument("--dir", default="", help="scale: where the tier and checkpoint go")
     args = p.parse_args()
-    if args.what in ("train", "policy") and not args.data:
+    if args.what in ("train", "policy", "exact") and not args.data:
         p.error("train needs --data (see the usage above)")
     result = {"train": train, "saveload": saveload, "scale": scale,
-              "policy": policy}[args.what](args)
+              "policy": policy, "exact": exact}[args.what](args)
     OUT.parent.mkdir(exist_ok=True)
     with open(OUT, "a") as fh:
         fh.write(json.dumps(result) + "\n")

@@ -254,6 +254,42 @@ def test_store_rows_round_trip_and_scan(tmp_path):
     store.close()
 
 
+def map_rss(path):
+    """Bytes of ``path``'s mapping resident in this process (/proc/self/smaps' Rss)."""
+    path, rss, ours = os.path.realpath(path), 0, False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            if "-" in line.split(" ", 1)[0]:            # a mapping's header line
+                ours = line.rstrip("\n").endswith(" " + path)
+            elif ours and line.startswith("Rss:"):
+                rss += int(line.split()[1]) * 1024
+    return rss
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs /proc")
+def test_store_map_dropped_within_its_budget(tmp_path):
+    """The map's pages resident in the process (smaps, not the store's own measure) stay
+    within ``map_budget`` plus one transaction's pages, by madvise, with the rows kept."""
+    t = SparseTable(DIM, OPTS[0], seed=1)
+    store = RowStore(str(tmp_path), t.export_rows(np.empty(0, np.int64)), map_budget=1 << 18)
+    keys = np.arange(20000, dtype=np.int64) * 7919
+    t.pull(keys, np.empty((len(keys), DIM), np.float32), create=True)
+    rows = t.export_rows()
+    data = os.path.join(store.path, "data.mdb")
+    peak = 0
+    for lo in range(0, len(keys), 2000):
+        store.write(put={f: a[lo:lo + 2000] for f, a in rows.items()})
+        peak = max(peak, map_rss(data))
+    for lo in range(0, len(keys), 3000):
+        found, got = store.get(keys[lo:lo + 3000][::-1])
+        assert found.all()
+        np.testing.assert_array_equal(got["values"], rows["values"][lo:lo + 3000][::-1])
+        peak = max(peak, map_rss(data))
+    assert store.reopens >= 5 and store._addr            # dropped by madvise, not reopened
+    assert peak <= store.map_budget + 64 * store.txn_rows * 4096, peak
+    store.close()
+
+
 def test_store_folders_fresh_removed_and_unwritable_refused(tmp_path):
     t = SparseTable(DIM, OPTS[0], seed=1)
     tpl = t.export_rows(np.empty(0, np.int64))

@@ -18,15 +18,25 @@ is open; the kernel lets go of it when its process dies, so a folder whose lock 
 holds was left by a killed run and ``sweep`` removes it (each new store sweeps its
 parent).  LMDB was chosen over RocksDB (rocksdict) by
 ``bench/bench_engine.py`` on this 2-core machine (docs/disk-tier.md): its multi-get of a
-step's misses is about 4x faster, and a B+tree has no background compaction to compete
-with training for the cores (LMDB runs no thread of its own).
+step's misses is about 4x faster with the map resident, and a B+tree has no background
+compaction to compete with training for the cores (LMDB runs no thread of its own).
+
+LMDB reads through a memory map; the pages a process touches count in its RSS (and the
+kernel maps about 16 neighbours with each page it faults in), so the map is dropped each
+time ``map_budget`` bytes of it are resident.  Writes do not go through the map
+(``writemap`` off): LMDB writes its pages with pwrite, so a write takes no page fault and
+a full disk is an error of the commit, not a SIGBUS.  Writing through the map cost the
+bounded store 1.6x the CPU in training steps and 8x in filling (a write fault a page
+touched, after each drop of the map; docs/disk-tier.md, "The engine").
 """
+import ctypes
 import errno
 import fcntl
 import os
 import shutil
 import tempfile
 from contextlib import contextmanager
+from functools import lru_cache
 from itertools import islice
 from operator import itemgetter
 
@@ -57,6 +67,26 @@ def mapped_bytes():
 
 
 MEASURE = os.path.exists("/proc/self/statm")
+MADV_DONTNEED = 4
+
+
+def _map_address(path):
+    """Start address of this process's mapping of the file ``path`` (/proc/self/maps), or
+    0 if there is none."""
+    path = os.path.realpath(path)
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            if line.rstrip("\n").endswith(" " + path):
+                return int(line.split("-", 1)[0], 16)
+    return 0
+
+
+@lru_cache(maxsize=1)
+def _libc():
+    """libc with ``madvise`` typed (ctypes)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc
 
 
 def row_dtype(template):
@@ -107,6 +137,8 @@ class RowStore:
     may touch before the map is dropped (what the store adds to the RSS, about).
     """
 
+    writemap = False        # LMDB writes by pwrite from its own pages (True: through its map)
+
     def __init__(self, parent, template, tag="table", map_budget=None):
         self.fields = list(template)
         self.dtype = row_dtype(template)
@@ -119,14 +151,16 @@ class RowStore:
         self.map_budget = MAP_BUDGET if map_budget is None else int(map_budget)
         self.txn_rows = max(self.map_budget // (4 * WRITE_PAGES * PAGE), 1)
         self.env, self._touched, self._allocated, self.reopens = None, 0, 0, 0
+        self._addr = None                   # the map's address (``_unmap``), once found
         self._open()
         self._fd = os.open(os.path.join(self.path, "data.mdb"), os.O_RDWR)
         self.count = 0                      # rows stored
 
     def _open(self):
         import lmdb             # the disk extra: imported only when a tier is made
+        self._addr = None       # (a new map)
         self.env = lmdb.open(self.path, map_size=MAP_SIZE, subdir=True, sync=False,
-                             metasync=False, writemap=True, readahead=False, lock=False,
+                             metasync=False, writemap=self.writemap, readahead=False, lock=False,
                              max_dbs=0, meminit=False)
         self._base = mapped_bytes() if MEASURE else 0
 
@@ -142,15 +176,33 @@ class RowStore:
             self._touched += nbytes
             over = self._touched > self.map_budget
         if over:
-            self.env.close()
-            self._open()
+            if not self._unmap():
+                self.env.close()
+                self._open()
             self._touched = 0
             self.reopens += 1
 
+    def _unmap(self):
+        """Drop the map's resident pages from this process (``madvise(MADV_DONTNEED)``
+        over the data file's pages: LMDB's pages are in the file, written by pwrite, so
+        nothing is lost; the next touch maps them from the page cache again).  About 13%
+        less CPU than closing and reopening LMDB (docs/disk-tier.md).  False where the
+        map is not found in /proc/self/maps (then the caller reopens)."""
+        if self._addr is None:
+            self._addr = _map_address(os.path.join(self.path, "data.mdb")) if MEASURE else 0
+        if not self._addr:
+            return False
+        n = (self.env.info()["last_pgno"] + 1) * PAGE
+        if _libc().madvise(self._addr, n, MADV_DONTNEED):
+            return False
+        self._base = mapped_bytes()
+        return True
+
     def _reserve(self, n_rows):
-        """Allocate the file's blocks ahead of a write of ``n_rows`` rows.  LMDB writes
-        through its map into a sparse file, where a full disk would be a SIGBUS; written
-        into blocks already allocated it cannot fail, and the allocation fails cleanly."""
+        """Allocate the file's blocks ahead of a write of ``n_rows`` rows, so that a full
+        disk is found before a transaction, with the line that says what to do (LMDB's
+        own ENOSPC would come from its commit; through a map, with ``writemap``, it would
+        be a SIGBUS)."""
         used = (self.env.info()["last_pgno"] + 1) * PAGE
         need = used + 4 * n_rows * (self.dtype.itemsize + 24) + RESERVE_MIN
         if need <= self._allocated:
