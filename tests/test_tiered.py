@@ -324,6 +324,37 @@ def test_killed_runs_folders_swept_live_ones_kept(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mpips-tier-nolock-x"]
 
 
+def test_a_sweep_while_a_store_is_made_leaves_it_alone(tmp_path, monkeypatch):
+    """Two servers of one node start their stores at once under one --table-dir: one's
+    sweep runs in the moment the other's folder exists but its lock is not yet taken.  The
+    folder must not be taken for a killed run's (it was: the owner's flock failed with
+    EAGAIN and the folder was removed, on an 8M-row 2x2 run)."""
+    from mpips.tables import disk
+    tpl = SparseTable(DIM, OPTS[0], seed=1).export_rows(np.empty(0, np.int64))
+    real, seen = disk.fcntl.flock, []
+
+    def flock(fd, op):          # the owner's first flock: another process sweeps just before
+        if not seen:
+            seen.append(None)
+            seen.append(disk.sweep(str(tmp_path)))
+        return real(fd, op)
+    monkeypatch.setattr(disk.fcntl, "flock", flock)
+    store = RowStore(str(tmp_path), tpl, "rank1")
+    monkeypatch.setattr(disk.fcntl, "flock", real)
+    assert seen == [None, []]                   # the sweep saw no folder to remove
+    assert os.path.basename(store.path).startswith(disk.PREFIX + "rank1-")
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(store.path)]
+    assert disk.sweep(str(tmp_path)) == []      # held: a live store
+    t = SparseTable(DIM, OPTS[0], seed=1)
+    t.pull(np.arange(5, dtype=np.int64), np.empty((5, DIM), np.float32), create=True)
+    store.write(put=t.export_rows())
+    found, got = store.get(np.arange(5, dtype=np.int64))
+    assert found.all()
+    np.testing.assert_array_equal(got["keys"], np.arange(5))
+    store.close()
+    assert os.listdir(tmp_path) == []
+
+
 def _filled_store(tmp_path, n=2000):
     t = SparseTable(DIM, OPTS[0], seed=1)
     t.pull(np.arange(n, dtype=np.int64), np.empty((n, DIM), np.float32), create=True)

@@ -12,7 +12,8 @@ delete, one write transaction) and ``scan`` (every row, in id order, in chunks).
 (``view`` / ``frombuffer``); py-lmdb iterates the lists in C, never a Python loop a row.
 
 The store is live state only.  Its folder is made fresh by ``tempfile.mkdtemp`` inside
-the directory given (never an existing one: a folder left by another run is never read)
+the directory given (never an existing one: a folder left by another run is never read;
+made hidden and renamed into view once its lock is held: ``_locked_folder``)
 and removed by ``close``.  The folder's ``owner.lock`` is held (``flock``) while the store
 is open; the kernel lets go of it when its process dies, so a folder whose lock nobody
 holds was left by a killed run and ``sweep`` removes it (each new store sweeps its
@@ -124,6 +125,28 @@ def sweep(parent):
     return gone
 
 
+def _locked_folder(parent, prefix):
+    """A fresh folder ``parent/prefix<random>`` with its ``LOCK`` held; (path, lock fd).
+
+    The folder is made under a hidden name (``.`` + the name, which ``sweep`` passes by),
+    its lock taken, and only then renamed to its name: a store folder is never visible to
+    another process's sweep before its lock is held.  (Made and locked in place, two
+    servers starting on one node raced: one's sweep took the other's lock in the moment
+    before its owner did, the owner's flock failed with EAGAIN, and the sweep removed the
+    live folder.)  A process killed between the two steps leaves an empty hidden folder."""
+    hidden = tempfile.mkdtemp(prefix="." + prefix, dir=parent)
+    lock = os.open(os.path.join(hidden, LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)   # (nobody else knows the folder)
+        path = os.path.join(parent, os.path.basename(hidden)[1:])
+        os.rename(hidden, path)                 # (a folder of that name: ENOTEMPTY/EEXIST)
+    except OSError:
+        os.close(lock)
+        shutil.rmtree(hidden, ignore_errors=True)
+        raise
+    return path, lock
+
+
 def decode_keys(raw):
     """Concatenated 8-byte keys -> int64 ids."""
     return (np.frombuffer(raw, KEY).astype(np.uint64) ^ SIGN).view(np.int64)
@@ -145,9 +168,7 @@ class RowStore:
         self._template = {f: a[:0].copy() for f, a in template.items()}
         parent = check_dir(parent)
         self.swept = sweep(parent)          # folders of killed runs (reported by the caller)
-        self.path = tempfile.mkdtemp(prefix=f"{PREFIX}{tag}-", dir=parent)
-        self._lock = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.path, self._lock = _locked_folder(parent, f"{PREFIX}{tag}-")
         self.map_budget = MAP_BUDGET if map_budget is None else int(map_budget)
         self.txn_rows = max(self.map_budget // (4 * WRITE_PAGES * PAGE), 1)
         self.env, self._touched, self._allocated, self.reopens = None, 0, 0, 0
