@@ -172,14 +172,13 @@ class RowStore:
         self.map_budget = MAP_BUDGET if map_budget is None else int(map_budget)
         self.txn_rows = max(self.map_budget // (4 * WRITE_PAGES * PAGE), 1)
         self.env, self._touched, self._allocated, self.reopens = None, 0, 0, 0
-        self._addr = None                   # the map's address (``_unmap``), once found
         self._open()
         self._fd = os.open(os.path.join(self.path, "data.mdb"), os.O_RDWR)
         self.count = 0                      # rows stored
 
     def _open(self):
         import lmdb             # the disk extra: imported only when a tier is made
-        self._addr = None       # (a new map)
+        self._addr = None       # the map's address (``_unmap``), found at the first drop
         self.env = lmdb.open(self.path, map_size=MAP_SIZE, subdir=True, sync=False,
                              metasync=False, writemap=self.writemap, readahead=False, lock=False,
                              max_dbs=0, meminit=False)
@@ -187,8 +186,8 @@ class RowStore:
 
     def _touch(self, nbytes):
         """After a transaction: past ``map_budget`` bytes of the map resident in this
-        process, close and reopen the environment, which unmaps its pages (they stay in
-        the page cache, not in this process's RSS).  The map's resident bytes are measured
+        process, drop them (``_unmap``; closing and reopening the environment where that
+        cannot be done): they stay in the page cache, not in this process's RSS.  The map's resident bytes are measured
         (``mapped_bytes``: file pages resident, less those after the last opening) where
         /proc is; else ``nbytes`` (an estimate of the pages touched) are counted."""
         if MEASURE:
