@@ -181,6 +181,8 @@ class TaskMetrics:
     to its metrics.  ``esmm``: also the CVR on the clicked rows (``cvr``: pCTCVR / pCTR
     against the second label where the first is 1), the figure ESMM's paper reports."""
 
+    raw = None       # --dense-average: the trained weights' metrics (a TaskMetrics) or None
+
     def __init__(self, names, esmm: bool = False, n_buckets: int = DEFAULT_BUCKETS):
         self.names, self.esmm = tuple(names), bool(esmm)
         self.parts = [BinaryMetrics(n_buckets) for _ in range(len(self.names) + self.esmm)]
