@@ -26,6 +26,7 @@ SIZES = (3, 5, 2, 4, 3)           # examples of each step's batch
 class Model:
     """Records the weights of each forward/backward; dense gradient of step t: (t + 1) g."""
     row_dim, n_sparse, n_params, pooling = DIM, 2, P, "sum"
+    n_tasks, task_names, head = 1, (), None          # one label
     g = np.array([1.0, -2.0, 0.5, 3.0, -1.0, 0.25], np.float32)
 
     def __init__(self):

@@ -67,6 +67,7 @@ class Model:
     """Dense gradient of step t: (t + 1) g; per-occurrence embedding gradients: a fixed
     random draw per step (rows of the batch's (n x slots, dim) in example order)."""
     row_dim, n_sparse, n_params, pooling = DIM, SLOTS, P, "sum"
+    n_tasks, task_names, head = 1, (), None          # one label
     g = np.array([1.0, -2.0, 0.5, 3.0, -1.0, 0.25], np.float32)
 
     def __init__(self):

@@ -66,10 +66,9 @@ def make_net(model, schema, dim, hidden, text=None, **kw):
 def metrics_for(net):
     """Empty metrics for a network's predictions: BinaryMetrics for one task, TaskMetrics
     (per label; ESMM's CVR on clicked rows too) for several."""
-    T = getattr(net, "n_tasks", 1)         # (a model without the attribute has one logit)
-    names = getattr(net, "task_names", ()) or tuple(f"task{t}" for t in range(T))
-    head = getattr(net, "head", None)
-    return new_metrics(names if T > 1 else (), head is not None and head.kind == "esmm")
+    T = net.n_tasks
+    names = net.task_names or tuple(f"task{t}" for t in range(T))
+    return new_metrics(names if T > 1 else (), net.head is not None and net.head.kind == "esmm")
 
 
 def check_tasks(net, schema, model):
