@@ -382,6 +382,7 @@ class _GrpcConn(_Conn):
                 out = []
                 self.sock.settimeout(10)
                 chunk = self.sock.recv(1 << 16)
+                self.sock.setblocking(False)
                 if not chunk:
                     raise OSError("the server closed the connection")
                 self.answers(chunk)
@@ -455,9 +456,12 @@ class _GrpcConn(_Conn):
         return out
 
     def _sendall(self, data):
-        self.sock.setblocking(True)
+        """Send whole, blocking for at most 10 s, then put back the socket's own timeout
+        (non-blocking in the load loop; a caller reading with a timeout keeps it)."""
+        was = self.sock.gettimeout()
+        self.sock.settimeout(10)
         self.sock.sendall(data)
-        self.sock.setblocking(False)
+        self.sock.settimeout(was)
 
     def check(self):
         from mpips.serving.proto import kserve_v2_pb2 as pb

@@ -10,6 +10,8 @@ import http.client
 import json
 import os
 import random
+import re
+import signal
 import struct
 import urllib.request
 
@@ -359,7 +361,7 @@ def test_bench_raw_grpc_client_counts_like_grpcio(server, model):
     bs.ERRORS.clear()
     c = bs._GrpcConn(server.grpc)                  # one good call: its answer read back
     c.send(good)
-    c.sock.setblocking(True)
+    c.sock.settimeout(30)                          # an ack sent while reading keeps it
     got = []
     while not got:
         got = c.answers(c.sock.recv(1 << 16))
@@ -403,10 +405,8 @@ def test_metrics_are_summed_over_two_processes(model):
         for _ in range(n_grpc):
             c.infer("ctr", triton_inputs(tg, model["lines"][:3]))
         c.close()
-        answered = set()
-        for _ in range(40):
+        def scraped():                   # one scrape: every count is the sum; who answered
             text = scrape(srv.port)
-            answered.add(int(sample(text, "mpips_process_index")))
             assert sample(text, 'mpips_requests_total{code="200",endpoint="v1_predict"}') == \
                 n_http, text
             assert sample(text, 'mpips_requests_total{code="400",endpoint="v1_predict"}') == n_bad
@@ -416,9 +416,17 @@ def test_metrics_are_summed_over_two_processes(model):
                 n_http + n_bad
             seqs = [x for x in text.splitlines() if x.startswith("mpips_model_version_seq{")]
             assert len(seqs) == 2 and {'process="0"' in x for x in seqs} == {True, False}, seqs
-            if answered == {0, 1}:
-                break
-        assert answered == {0, 1}        # both processes answered a scrape, each the sum
+            pids = {int(re.search(r'process="(\d+)"', x)[1]): int(re.search(r'pid="(\d+)"', x)[1])
+                    for x in seqs}
+            return int(sample(text, "mpips_process_index")), pids
+
+        first, pids = scraped()
+        os.kill(pids[first], signal.SIGSTOP)     # the kernel can only hand the next to the other
+        try:
+            other, _ = scraped()
+        finally:
+            os.kill(pids[first], signal.SIGCONT)
+        assert {first, other} == {0, 1}          # both processes answered, each the sum
     finally:
         assert srv.stop() == 0
 
