@@ -10,7 +10,7 @@ import pytest
 from mpips import checkpoint as ck
 from mpips.tables.admission import AdmittedTable
 from mpips.tables.dense import DenseTable
-from mpips.tables.disk import RowStore
+from mpips.tables.disk import IdFilter, RowStore
 from mpips.tiering import check_dir
 from mpips.tables.optim import OptimizerConfig
 from mpips.tables.sparse import SparseTable
@@ -251,6 +251,47 @@ def test_store_rows_round_trip_and_scan(tmp_path):
     assert store.count == len(ref) and store.reopens >= 3   # the map was dropped, rows kept
     with pytest.raises(OSError, match="were not stored"):
         store.write(delete=gone[:2])
+    store.close()
+
+
+def test_id_filter_against_a_set(tmp_path):
+    """The filter of ids on disk against a Python set: never False for an id added (a
+    false no would lose a row), rarely True for another (~0.5% by design, < 2% here);
+    parts grow by doubling; past its limit it gives up (every id a maybe); and the store
+    looks up in LMDB only the filter's maybes."""
+    rng = np.random.default_rng(11)
+    f, added = IdFilter(first=1000), set()
+    for _ in range(30):
+        batch = np.unique(rng.integers(-2**63, 2**63 - 1, rng.integers(1, 2000), dtype=np.int64))
+        f.add(batch)
+        added.update(batch.tolist())
+        every = np.array(sorted(added), np.int64)
+        assert f.maybe(every).all()
+    others = rng.integers(-2**63, 2**63 - 1, 100_000, dtype=np.int64)
+    others = others[~np.isin(others, every)]
+    false = f.maybe(others).mean()
+    assert false < 0.02, false
+    assert len(f.parts) >= 4 and f.ids <= len(added)
+    assert [p.size for p in f.parts] == [f.parts[0].size * 2 ** i for i in range(len(f.parts))]
+    f.add(every)                                    # again: no room taken
+    assert f.ids <= len(added)
+    small = IdFilter(first=1000, limit=4000)
+    small.add(every[:900])
+    assert small.maybe(every[:900]).all() and not small.full
+    small.add(every[900:5000])
+    assert small.full and small.nbytes == 0 and small.maybe(others[:10]).all()
+
+    t = SparseTable(DIM, OPTS[0], seed=1)
+    store = RowStore(str(tmp_path), t.export_rows(np.empty(0, np.int64)), first_ids=500)
+    keys = np.unique(rng.integers(-2**63, 2**63 - 1, 300, dtype=np.int64))
+    t.pull(keys, np.empty((len(keys), DIM), np.float32), create=True)
+    store.write(put=t.export_rows())
+    ask = np.concatenate([keys[:10], others[:2000]])
+    found, got = store.get(ask)
+    np.testing.assert_array_equal(found, np.arange(len(ask)) < 10)
+    np.testing.assert_array_equal(got["keys"], keys[:10])
+    assert 10 <= store.looked_up <= 10 + 60, store.looked_up
+    np.testing.assert_array_equal(store.contains(ask), found)
     store.close()
 
 

@@ -27,6 +27,7 @@ MIX2 = np.uint64(0x94D049BB133111EB)
 SLOT_SALT = np.uint64(0x2545F4914F6CDD1D)   # table slot hash
 INIT_SALT = np.uint64(0x5851F42D4C957F2D)   # row init stream
 OWNER_SALT = np.uint64(0xD6E8FEB86659FD93)  # id -> server (embedding.owner_of)
+BLOOM_SALT = np.uint64(0x9FB21C651E98DF25)  # the disk tier's filter of ids on disk
 _S30 = np.uint64(30)
 _S27 = np.uint64(27)
 _S31 = np.uint64(31)
@@ -291,3 +292,50 @@ def age_rows(unseen, seen_flag, n_rows, threshold, keep_out):
         keep_out[r] = keep
         kept += keep
     return kept
+
+
+# A blocked Bloom filter (Putze, Sanders & Singler 2007): an id sets BLOOM_PROBES bits of
+# one 512-bit block (8 uint64 words, one cache line), so a query costs one cache miss.
+BLOOM_PROBES = 7
+_S9 = np.uint64(9)
+_M511 = np.uint64(511)
+_M63 = np.uint64(63)
+_S6 = np.uint64(6)
+_ONE = np.uint64(1)
+
+
+@njit(cache=True, nogil=True, inline='always')
+def _bloom_hash(key, n_blocks):
+    h = splitmix64(np.uint64(key) ^ BLOOM_SALT)
+    return np.int64(h % np.uint64(n_blocks)) * 8, splitmix64(h)
+
+
+@njit(cache=True, nogil=True)
+def bloom_add(bits, keys):
+    """Set the bits of ``keys`` (int64 (n,)) in the filter ``bits`` (uint64, 8 words a
+    block)."""
+    n_blocks = bits.shape[0] // 8
+    for i in range(keys.shape[0]):
+        base, h = _bloom_hash(keys[i], n_blocks)
+        for _ in range(BLOOM_PROBES):
+            b = h & _M511
+            bits[base + np.int64(b >> _S6)] |= _ONE << (b & _M63)
+            h = h >> _S9
+
+
+@njit(cache=True, nogil=True)
+def bloom_query(bits, keys, maybe):
+    """``maybe[i] |= keys[i]`` may have been added to ``bits`` (False: it was not)."""
+    n_blocks = bits.shape[0] // 8
+    for i in range(keys.shape[0]):
+        if maybe[i]:
+            continue
+        base, h = _bloom_hash(keys[i], n_blocks)
+        hit = True
+        for _ in range(BLOOM_PROBES):
+            b = h & _M511
+            if not bits[base + np.int64(b >> _S6)] & (_ONE << (b & _M63)):
+                hit = False
+                break
+            h = h >> _S9
+        maybe[i] = hit

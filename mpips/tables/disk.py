@@ -43,6 +43,7 @@ from operator import itemgetter
 
 import numpy as np
 
+from mpips.kernels.hashmap import bloom_add, bloom_query
 from mpips.tiering import check_dir
 
 MAP_SIZE = 1 << 40          # LMDB's address space reservation (a sparse file; not memory)
@@ -58,6 +59,8 @@ PREFIX = "mpips-tier-"      # the store folders' names: PREFIX + tag + "-" + ran
 LOCK = "owner.lock"         # held by the open store (flock), released when its process ends
 SIGN = np.uint64(1 << 63)
 KEY = np.dtype(">u8")
+FILTER_BITS = 12            # IdFilter's bits an id (blocked, 7 probes: ~0.5% false maybes)
+FILTER_FIRST = 1 << 16      # ids IdFilter's first part holds, by default
 
 
 def mapped_bytes():
@@ -147,6 +150,54 @@ def _locked_folder(parent, prefix):
     return path, lock
 
 
+class IdFilter:
+    """Which ids may have a row in the store: a blocked Bloom filter
+    (``mpips.kernels.hashmap.bloom_add``) that grows by parts, each holding twice the ids
+    of the one before (the first ``first`` ids), so it is never rebuilt from the store.
+    ``maybe`` is False only for an id never added: such an id is not looked up in LMDB.
+    Most of a step's misses are ids seen for the first time, which have no row on disk,
+    and LMDB's search for one faults the B+tree's pages into the map as a search that
+    finds its row does (docs/disk-tier.md, "The filter").  Deleted ids keep their bits (a
+    false maybe costs a lookup, nothing else).  A part that would take the filter past
+    ``limit`` bytes is not made: the filter is dropped and every id is a maybe (``full``)."""
+
+    def __init__(self, first=FILTER_FIRST, limit=1 << 62):
+        self.first, self.limit = max(int(first), 64), int(limit)
+        self.parts, self.room, self.ids, self.full = [], 0, 0, False
+
+    def maybe(self, keys):
+        if self.full:
+            return np.ones(len(keys), np.bool_)
+        out = np.zeros(len(keys), np.bool_)
+        for bits in self.parts:
+            bloom_query(bits, keys, out)
+        return out
+
+    def add(self, keys):
+        """Add ``keys`` (int64, distinct); those that are maybe already take no room."""
+        if self.full:
+            return
+        keys = np.ascontiguousarray(keys, np.int64)
+        new = keys[~self.maybe(keys)]
+        while len(new):
+            if not self.room:
+                room = 2 * self.parts[-1].size * 64 // FILTER_BITS if self.parts else self.first
+                words = -(-room * FILTER_BITS // 512) * 8
+                if self.nbytes + 8 * words > self.limit:
+                    self.parts, self.room, self.full = [], 0, True
+                    return
+                self.parts.append(np.zeros(words, np.uint64))
+                self.room = room
+            take, new = new[:self.room], new[self.room:]
+            bloom_add(self.parts[-1], take)
+            self.room -= len(take)
+            self.ids += len(take)
+
+    @property
+    def nbytes(self):
+        return sum(p.nbytes for p in self.parts)
+
+
 def decode_keys(raw):
     """Concatenated 8-byte keys -> int64 ids."""
     return (np.frombuffer(raw, KEY).astype(np.uint64) ^ SIGN).view(np.int64)
@@ -156,13 +207,15 @@ class RowStore:
     """Table rows on disk (LMDB) in a fresh folder under ``parent``; see the module doc.
 
     template: an ``export_rows`` dict of the table (its fields and their shapes);
-    tag: folder name prefix (e.g. the rank); map_budget: bytes of LMDB's map this process
-    may touch before the map is dropped (what the store adds to the RSS, about).
+    tag: folder name prefix (e.g. the rank); map_budget: bytes the store may hold in
+    memory (what it adds to the RSS, about): the pages of LMDB's map this process touched
+    (dropped when the budget is used up) and the filter of ids (``IdFilter``, at most half
+    of it); first_ids: the ids the filter's first part holds.
     """
 
     writemap = False        # LMDB writes by pwrite from its own pages (True: through its map)
 
-    def __init__(self, parent, template, tag="table", map_budget=None):
+    def __init__(self, parent, template, tag="table", map_budget=None, first_ids=FILTER_FIRST):
         self.fields = list(template)
         self.dtype = row_dtype(template)
         self._template = {f: a[:0].copy() for f, a in template.items()}
@@ -175,6 +228,8 @@ class RowStore:
         self._open()
         self._fd = os.open(os.path.join(self.path, "data.mdb"), os.O_RDWR)
         self.count = 0                      # rows stored
+        self.ids = IdFilter(first_ids, self.map_budget // 2)   # ids that may be stored
+        self.looked_up = 0                  # ids looked up in LMDB (the filter's maybes)
 
     def _open(self):
         import lmdb             # the disk extra: imported only when a tier is made
@@ -191,10 +246,10 @@ class RowStore:
         (``mapped_bytes``: file pages resident, less those after the last opening) where
         /proc is; else ``nbytes`` (an estimate of the pages touched) are counted."""
         if MEASURE:
-            over = mapped_bytes() - self._base > self.map_budget
+            over = mapped_bytes() - self._base + self.ids.nbytes > self.map_budget
         else:
             self._touched += nbytes
-            over = self._touched > self.map_budget
+            over = self._touched + self.ids.nbytes > self.map_budget
         if over:
             if not self._unmap():
                 self.env.close()
@@ -273,8 +328,11 @@ class RowStore:
         """(found bool (n,), rows of the found keys in ``keys``' order): multi-gets of at
         most ``txn_rows`` ids."""
         keys = np.ascontiguousarray(keys, np.int64)
-        if not len(keys) or not self.count:
+        maybe = self.ids.maybe(keys) if len(keys) and self.count else np.zeros(0, np.bool_)
+        if not maybe.any():
             return np.zeros(len(keys), np.bool_), self.empty()
+        whole, keys = keys, keys[maybe]
+        self.looked_up += len(keys)
         raw, got = encode_keys(keys), []
         for sl in self._pieces(len(keys)):
             with self._errors("reading"), self.env.begin(buffers=False) as txn:
@@ -283,8 +341,9 @@ class RowStore:
             self._touch(len(part) * READ_PAGES * PAGE)
         rows = self._decode(b"".join(map(itemgetter(0), got)),
                             b"".join(map(itemgetter(1), got)), len(got))
-        found = np.isin(keys, rows["keys"])
-        if not np.array_equal(keys[found], rows["keys"]):
+        found = np.zeros(len(whole), np.bool_)
+        found[maybe] = np.isin(keys, rows["keys"])
+        if not np.array_equal(whole[found], rows["keys"]):
             raise OSError(errno.EIO, f"{self.path}: the multi-get returned other rows than "
                           "those asked for")
         return found, rows
@@ -292,17 +351,19 @@ class RowStore:
     def contains(self, keys):
         """Which ``keys`` are stored (bool (n,)); the rows are not decoded."""
         keys = np.ascontiguousarray(keys, np.int64)
-        found = np.zeros(len(keys), np.bool_)
-        if not len(keys) or not self.count:
-            return found
-        raw = encode_keys(keys)
-        for sl in self._pieces(len(keys)):
+        maybe = self.ids.maybe(keys) if len(keys) and self.count else np.zeros(len(keys), np.bool_)
+        if not maybe.any():
+            return maybe
+        sub = keys[maybe]
+        raw, found = encode_keys(sub), np.zeros(len(sub), np.bool_)
+        for sl in self._pieces(len(sub)):
             with self._errors("reading"), self.env.begin(buffers=True) as txn:
                 part = txn.cursor().getmulti(raw[sl])
                 got = b"".join(map(itemgetter(0), part))
             self._touch(len(part) * READ_PAGES * PAGE)
-            found[sl] = np.isin(keys[sl], decode_keys(got))
-        return found
+            found[sl] = np.isin(sub[sl], decode_keys(got))
+        maybe[maybe] = found
+        return maybe
 
     def write(self, put=None, delete=None, discard=None):
         """Store rows ``put`` (new or replacing; a field may be a scalar for all rows),
@@ -326,6 +387,7 @@ class RowStore:
                 raise OSError(errno.EIO, f"{self.path}: {len(ids) - gone} rows to move "
                               "out were not stored (the tier lost rows)")
         if n_put:
+            self.ids.add(put["keys"])           # (before: an id stored is always maybe)
             k, v = self._encode(put)
             for sl in self._pieces(n_put):
                 with self._errors("writing"), self.env.begin(write=True) as txn:

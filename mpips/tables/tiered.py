@@ -82,7 +82,7 @@ class TieredTable:
         self.memory_bytes = int(memory_bytes)
         map_budget = max(int(self.memory_bytes * MAP_SHARE), MIN_MAP_BUDGET)
         self.cap_rows = max((self.memory_bytes - map_budget) // self.row_bytes, MIN_CAP_ROWS)
-        self.store = RowStore(table_dir, template, tag, map_budget)
+        self.store = RowStore(table_dir, template, tag, map_budget, first_ids=self.cap_rows)
         self._stamp = np.zeros(1024, np.int64)
         self._flags = np.zeros(1024, np.uint8)
         self._clock = 0
@@ -119,7 +119,8 @@ class TieredTable:
     @property
     def nbytes(self):
         """Bytes of the arrays in memory (the cache's and the stamps)."""
-        return self.cache.nbytes + self._stamp.nbytes + self._flags.nbytes
+        return (self.cache.nbytes + self._stamp.nbytes + self._flags.nbytes +
+                self.store.ids.nbytes)
 
     def row_fields(self):
         return self.cache.row_fields()
