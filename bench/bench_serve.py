@@ -35,6 +35,10 @@ protocol and server processes, while patches land, against the in-process limit.
    changed, 0.1% evicted; written beforehand) is committed to the folder every second;
    failures, p99 and the server's CPU of the two.
 
+A/B of two builds of the server: ``--roots A,B --rounds N`` serves from each source tree in
+turn (``PYTHONPATH``), N rounds alternated, and prints the median of each figure by tree
+(e.g. a tree of an older commit: ``git archive COMMIT mpips | tar -x -C /tmp/old``).
+
 The machine is shared and has 2 cores: the load generator and the server compete for them;
 report the load average with the figures (printed at the end).
 """
@@ -684,10 +688,11 @@ def start_floor():
 HTTP_PARSER = ["llhttp"]      # --http-parser
 
 
-def start(folder, processes, name, grpc=False):
-    """(proc, HTTP port, gRPC port or None) of a server following ``folder``."""
+def start(folder, processes, name, grpc=False, root=ROOT):
+    """(proc, HTTP port, gRPC port or None) of a server following ``folder``, its code
+    from the source tree ``root``."""
     env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
-               OPENBLAS_NUM_THREADS="1", PYTHONPATH=ROOT)
+               OPENBLAS_NUM_THREADS="1", PYTHONPATH=root)
     proc, port, line = _ready(subprocess.Popen(
         [sys.executable, "-m", "mpips.serve", "--follow", folder, "--port", "0", "--processes",
          str(processes), "--name", name, "--poll-seconds", "0.1", "--max-instances", "100000",
@@ -767,6 +772,20 @@ def patcher(folder, staging, staged, stop, every, count):
         count.value = len(entries) - 1
 
 
+def medians(runs):
+    """Print the median over rounds of each run's figures, by source tree."""
+    keys = ("p50_ms", "p99_ms", "qps", "instances_per_s", "server_cpu_us_per_request")
+    groups = collections.defaultdict(list)
+    for r in runs:
+        if "root" in r:
+            groups[(r["protocol"], r["batch"], r["mode"], r["client"], r["processes"],
+                    r["root"])].append(r)
+    for (proto, b, mode, client, procs, root), rs in sorted(groups.items()):
+        med = {k: round(float(np.median([r[k] for r in rs])), 3) for k in keys}
+        print(json.dumps(dict(median_of=len(rs), protocol=proto, batch=b, mode=mode,
+                              client=client, processes=procs, root=root, **med)), flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="criteo", choices=sorted(SHAPES))
@@ -795,6 +814,9 @@ def main(argv=None):
                     help="the server's HTTP parser (mpips.serve --http-parser)")
     ap.add_argument("--floor-server", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help="write the results as JSON")
+    ap.add_argument("--roots", default=ROOT, help="source trees of the server, comma list: "
+                    "each serves in turn (an A/B of two builds)")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds over --roots, alternated")
     a = ap.parse_args(argv)
     HTTP_PARSER[0] = a.http_parser
     if a.floor_server:
@@ -835,11 +857,15 @@ def main(argv=None):
             finally:
                 proc.terminate()
                 proc.wait(60)
-        for procs in [int(x) for x in a.processes.split(",") if x]:
-            proc, port, gport = start(folder, procs, "ctr", grpc=bool(GRPC & set(protos)))
+        roots = [os.path.abspath(r) for r in a.roots.split(",") if r]
+        for rnd, root, procs in [(k, r, int(p)) for k in range(a.rounds) for r in roots
+                                 for p in a.processes.split(",") if p]:
+            proc, port, gport = start(folder, procs, "ctr", grpc=bool(GRPC & set(protos)),
+                                      root=root)
             try:
                 res.setdefault("pss_mb", {})[procs] = pss_mb(proc.pid)
-                print(f"server processes {procs}: PSS {res['pss_mb'][procs]} MB", flush=True)
+                print(f"server processes {procs} round {rnd} {root}: PSS "
+                      f"{res['pss_mb'][procs]} MB", flush=True)
                 for proto in protos:
                     for b in batches:
                         reqs = bodies(lines, insts, b, proto, "ctr")
@@ -855,7 +881,8 @@ def main(argv=None):
                             cpu = cpu_seconds(proc.pid) - c0
                             r = summary(*out, b)
                             r.update(processes=procs, protocol=proto, batch=b, mode=mode,
-                                     rate=rate, client=client, server_cpu_us_per_request=round(
+                                     root=root, round=rnd, rate=rate, client=client,
+                                     server_cpu_us_per_request=round(
                                          cpu / max(1, len(out[0])) * 1e6))
                             res["runs"].append(r)
                             print(json.dumps(r), flush=True)
@@ -894,6 +921,8 @@ def main(argv=None):
             finally:
                 proc.terminate()
                 res.setdefault("exit_codes", {})["patches"] = proc.wait(60)
+        if a.rounds > 1 or len(roots) > 1:
+            medians(res["runs"])
     finally:
         res["loadavg"] = os.getloadavg()
         print(f"load average {res['loadavg']}", flush=True)

@@ -37,6 +37,7 @@ CONFIG = H2Configuration(client_side=False, header_encoding=None,
                          validate_outbound_headers=False, normalize_outbound_headers=False)
 WINDOW = 1 << 20            # receive window of a stream and of the connection, bytes
 STREAMS = 100               # concurrent calls on one connection (SETTINGS_MAX_CONCURRENT_STREAMS)
+FRAME_MAX = 9 + 16384       # bytes of a frame at most (our SETTINGS_MAX_FRAME_SIZE: the default)
 ANSWER = ((b":status", b"200"), (b"content-type", b"application/grpc"),
           (b"grpc-accept-encoding", b"identity"))
 CODES = {"OK": b"0", "INVALID_ARGUMENT": b"3", "NOT_FOUND": b"5", "RESOURCE_EXHAUSTED": b"8",
@@ -130,6 +131,8 @@ class GrpcConn(asyncio.Protocol):
                     self.closing = True
         except H2Error:                    # not HTTP/2, or HTTP/2 broken: close (h2's GOAWAY)
             self.closing = True
+        if len(self.h2.incoming_buffer._data) > FRAME_MAX:   # h2 checks a frame's length
+            self.closing = True            # only once it has all its bytes: not up to 16 MB
         out = self.h2.data_to_send()
         if out:
             self.transport.write(out)
