@@ -49,6 +49,7 @@ for _v in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
+import importlib.metadata  # noqa: E402
 import json  # noqa: E402
 import multiprocessing  # noqa: E402
 import queue  # noqa: E402
@@ -651,6 +652,45 @@ def floor_server(parser="llhttp"):
     asyncio.run(serve())
 
 
+def h2_cost(calls=5000, message=1500, answer=20):
+    """``--h2-cost``: CPU microseconds of python-hyper's ``h2`` (the pure-Python HTTP/2 state
+    machine) on one unary gRPC call, in process: the bytes of a recorded call (this bench's
+    prebuilt frames: HEADERS, then DATA of a ``message``-byte request) fed to a server
+    H2Connection, the answer sent back (HEADERS, DATA of ``answer`` bytes, trailers), no
+    socket and no scoring: the transport's own cost of a call, to set against grpcio's
+    runtime (docs/serving.md)."""
+    from h2.config import H2Configuration
+    from h2.connection import H2Connection
+    from h2.events import RequestReceived, StreamEnded
+    conn = H2Connection(H2Configuration(client_side=False, header_encoding=None))
+    conn.initiate_connection()
+    conn.receive_data(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _h2(4, 0, 0) + _h2(
+        8, 0, 0, (2 ** 31 - 1 - 65535).to_bytes(4, "big")))
+    body = len(b"m" * message).to_bytes(5, "big") + b"m" * message
+    frames = [_h2(1, 4, s, GRPC_HEADERS) + _h2(0, 1, s, body) for s in range(1, 2 * calls, 2)]
+    head = ((b":status", b"200"), (b"content-type", b"application/grpc"))
+    tail = ((b"grpc-status", b"0"), (b"model-version", b"1"))
+    out = len(b"a" * answer).to_bytes(5, "big") + b"a" * answer
+    conn.data_to_send()
+    t0 = time.process_time()
+    for f in frames:
+        for ev in conn.receive_data(f):
+            if type(ev) is RequestReceived:
+                dict(ev.headers)
+            elif type(ev) is StreamEnded:
+                conn.send_headers(ev.stream_id, head)
+                conn.send_data(ev.stream_id, out)
+                conn.send_headers(ev.stream_id, tail, end_stream=True)
+            elif hasattr(ev, "flow_controlled_length"):
+                conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+        conn.data_to_send()
+    us = (time.process_time() - t0) / calls * 1e6
+    print(f"h2 {importlib.metadata.version('h2')}: {us:.0f} us of CPU a unary call "
+          f"({message}-byte request, {answer}-byte answer; {calls} calls on one "
+          f"connection)", flush=True)
+    return us
+
+
 def _ready(proc, what, timeout=300, line=False):
     """(proc, port) once ``proc`` prints its ready line (``... http://127.0.0.1:PORT ...``),
     within ``timeout`` s, however quiet it is; else kill it and raise.  A thread reads all
@@ -813,6 +853,8 @@ def main(argv=None):
     ap.add_argument("--http-parser", default="llhttp", choices=("llhttp", "builtin"),
                     help="the server's HTTP parser (mpips.serve --http-parser)")
     ap.add_argument("--floor-server", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--h2-cost", action="store_true", help="only print h2's CPU a unary gRPC "
+                    "call, in process (h2_cost), and exit")
     ap.add_argument("--out", default="", help="write the results as JSON")
     ap.add_argument("--roots", default=ROOT, help="source trees of the server, comma list: "
                     "each serves in turn (an A/B of two builds)")
@@ -821,6 +863,8 @@ def main(argv=None):
     HTTP_PARSER[0] = a.http_parser
     if a.floor_server:
         return floor_server(a.http_parser)
+    if a.h2_cost:
+        return 0 if h2_cost() else 1
     clients = [c for c in a.clients.split(",") if c]
     if not clients or set(clients) - {"spin", "select"}:
         ap.error(f"--clients: spin and/or select; got {a.clients!r}")
