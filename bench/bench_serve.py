@@ -854,7 +854,7 @@ def main(argv=None):
                     help="the server's HTTP parser (mpips.serve --http-parser)")
     ap.add_argument("--floor-server", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--h2-cost", action="store_true", help="only print h2's CPU a unary gRPC "
-                    "call, in process (h2_cost), and exit")
+                    "call, in process (h2_cost; pip install h2), and exit")
     ap.add_argument("--out", default="", help="write the results as JSON")
     ap.add_argument("--roots", default=ROOT, help="source trees of the server, comma list: "
                     "each serves in turn (an A/B of two builds)")
