@@ -35,6 +35,10 @@ protocol and server processes, while patches land, against the in-process limit.
    changed, 0.1% evicted; written beforehand) is committed to the folder every second;
    failures, p99 and the server's CPU of the two.
 
+A/B of two builds of the server: ``--roots A,B --rounds N`` serves from each source tree in
+turn (``PYTHONPATH``), N rounds alternated, and prints the median of each figure by tree
+(e.g. a tree of an older commit: ``git archive COMMIT mpips | tar -x -C /tmp/old``).
+
 The machine is shared and has 2 cores: the load generator and the server compete for them;
 report the load average with the figures (printed at the end).
 """
@@ -45,6 +49,7 @@ for _v in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
+import importlib.metadata  # noqa: E402
 import json  # noqa: E402
 import multiprocessing  # noqa: E402
 import queue  # noqa: E402
@@ -647,6 +652,45 @@ def floor_server(parser="llhttp"):
     asyncio.run(serve())
 
 
+def h2_cost(calls=5000, message=1500, answer=20):
+    """``--h2-cost``: CPU microseconds of python-hyper's ``h2`` (the pure-Python HTTP/2 state
+    machine) on one unary gRPC call, in process: the bytes of a recorded call (this bench's
+    prebuilt frames: HEADERS, then DATA of a ``message``-byte request) fed to a server
+    H2Connection, the answer sent back (HEADERS, DATA of ``answer`` bytes, trailers), no
+    socket and no scoring: the transport's own cost of a call, to set against grpcio's
+    runtime (docs/serving.md)."""
+    from h2.config import H2Configuration
+    from h2.connection import H2Connection
+    from h2.events import RequestReceived, StreamEnded
+    conn = H2Connection(H2Configuration(client_side=False, header_encoding=None))
+    conn.initiate_connection()
+    conn.receive_data(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _h2(4, 0, 0) + _h2(
+        8, 0, 0, (2 ** 31 - 1 - 65535).to_bytes(4, "big")))
+    body = len(b"m" * message).to_bytes(5, "big") + b"m" * message
+    frames = [_h2(1, 4, s, GRPC_HEADERS) + _h2(0, 1, s, body) for s in range(1, 2 * calls, 2)]
+    head = ((b":status", b"200"), (b"content-type", b"application/grpc"))
+    tail = ((b"grpc-status", b"0"), (b"model-version", b"1"))
+    out = len(b"a" * answer).to_bytes(5, "big") + b"a" * answer
+    conn.data_to_send()
+    t0 = time.process_time()
+    for f in frames:
+        for ev in conn.receive_data(f):
+            if type(ev) is RequestReceived:
+                dict(ev.headers)
+            elif type(ev) is StreamEnded:
+                conn.send_headers(ev.stream_id, head)
+                conn.send_data(ev.stream_id, out)
+                conn.send_headers(ev.stream_id, tail, end_stream=True)
+            elif hasattr(ev, "flow_controlled_length"):
+                conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+        conn.data_to_send()
+    us = (time.process_time() - t0) / calls * 1e6
+    print(f"h2 {importlib.metadata.version('h2')}: {us:.0f} us of CPU a unary call "
+          f"({message}-byte request, {answer}-byte answer; {calls} calls on one "
+          f"connection)", flush=True)
+    return us
+
+
 def _ready(proc, what, timeout=300, line=False):
     """(proc, port) once ``proc`` prints its ready line (``... http://127.0.0.1:PORT ...``),
     within ``timeout`` s, however quiet it is; else kill it and raise.  A thread reads all
@@ -684,10 +728,11 @@ def start_floor():
 HTTP_PARSER = ["llhttp"]      # --http-parser
 
 
-def start(folder, processes, name, grpc=False):
-    """(proc, HTTP port, gRPC port or None) of a server following ``folder``."""
+def start(folder, processes, name, grpc=False, root=ROOT):
+    """(proc, HTTP port, gRPC port or None) of a server following ``folder``, its code
+    from the source tree ``root``."""
     env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
-               OPENBLAS_NUM_THREADS="1", PYTHONPATH=ROOT)
+               OPENBLAS_NUM_THREADS="1", PYTHONPATH=root)
     proc, port, line = _ready(subprocess.Popen(
         [sys.executable, "-m", "mpips.serve", "--follow", folder, "--port", "0", "--processes",
          str(processes), "--name", name, "--poll-seconds", "0.1", "--max-instances", "100000",
@@ -767,6 +812,20 @@ def patcher(folder, staging, staged, stop, every, count):
         count.value = len(entries) - 1
 
 
+def medians(runs):
+    """Print the median over rounds of each run's figures, by source tree."""
+    keys = ("p50_ms", "p99_ms", "qps", "instances_per_s", "server_cpu_us_per_request")
+    groups = collections.defaultdict(list)
+    for r in runs:
+        if "root" in r:
+            groups[(r["protocol"], r["batch"], r["mode"], r["client"], r["processes"],
+                    r["root"])].append(r)
+    for (proto, b, mode, client, procs, root), rs in sorted(groups.items()):
+        med = {k: round(float(np.median([r[k] for r in rs])), 3) for k in keys}
+        print(json.dumps(dict(median_of=len(rs), protocol=proto, batch=b, mode=mode,
+                              client=client, processes=procs, root=root, **med)), flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="criteo", choices=sorted(SHAPES))
@@ -794,11 +853,18 @@ def main(argv=None):
     ap.add_argument("--http-parser", default="llhttp", choices=("llhttp", "builtin"),
                     help="the server's HTTP parser (mpips.serve --http-parser)")
     ap.add_argument("--floor-server", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--h2-cost", action="store_true", help="only print h2's CPU a unary gRPC "
+                    "call, in process (h2_cost; pip install h2), and exit")
     ap.add_argument("--out", default="", help="write the results as JSON")
+    ap.add_argument("--roots", default=ROOT, help="source trees of the server, comma list: "
+                    "each serves in turn (an A/B of two builds)")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds over --roots, alternated")
     a = ap.parse_args(argv)
     HTTP_PARSER[0] = a.http_parser
     if a.floor_server:
         return floor_server(a.http_parser)
+    if a.h2_cost:
+        return 0 if h2_cost() else 1
     clients = [c for c in a.clients.split(",") if c]
     if not clients or set(clients) - {"spin", "select"}:
         ap.error(f"--clients: spin and/or select; got {a.clients!r}")
@@ -835,11 +901,15 @@ def main(argv=None):
             finally:
                 proc.terminate()
                 proc.wait(60)
-        for procs in [int(x) for x in a.processes.split(",") if x]:
-            proc, port, gport = start(folder, procs, "ctr", grpc=bool(GRPC & set(protos)))
+        roots = [os.path.abspath(r) for r in a.roots.split(",") if r]
+        for rnd, root, procs in [(k, r, int(p)) for k in range(a.rounds) for r in roots
+                                 for p in a.processes.split(",") if p]:
+            proc, port, gport = start(folder, procs, "ctr", grpc=bool(GRPC & set(protos)),
+                                      root=root)
             try:
                 res.setdefault("pss_mb", {})[procs] = pss_mb(proc.pid)
-                print(f"server processes {procs}: PSS {res['pss_mb'][procs]} MB", flush=True)
+                print(f"server processes {procs} round {rnd} {root}: PSS "
+                      f"{res['pss_mb'][procs]} MB", flush=True)
                 for proto in protos:
                     for b in batches:
                         reqs = bodies(lines, insts, b, proto, "ctr")
@@ -855,7 +925,8 @@ def main(argv=None):
                             cpu = cpu_seconds(proc.pid) - c0
                             r = summary(*out, b)
                             r.update(processes=procs, protocol=proto, batch=b, mode=mode,
-                                     rate=rate, client=client, server_cpu_us_per_request=round(
+                                     root=root, round=rnd, rate=rate, client=client,
+                                     server_cpu_us_per_request=round(
                                          cpu / max(1, len(out[0])) * 1e6))
                             res["runs"].append(r)
                             print(json.dumps(r), flush=True)
@@ -894,6 +965,8 @@ def main(argv=None):
             finally:
                 proc.terminate()
                 res.setdefault("exit_codes", {})["patches"] = proc.wait(60)
+        if a.rounds > 1 or len(roots) > 1:
+            medians(res["runs"])
     finally:
         res["loadavg"] = os.getloadavg()
         print(f"load average {res['loadavg']}", flush=True)
