@@ -247,6 +247,7 @@ def in_process(bundle, lines, schema, batch, seconds):
 # ---------------------------------------------------------------------- load generator
 ERRORS = collections.Counter()     # answers other than 200, by status and message
 GRPC = {"grpc", "grpcio"}          # the protocols served on --grpc-port
+LEAD = 0.0005                     # the hybrid client spins this long before each send
 
 
 class _Conn:
@@ -477,13 +478,15 @@ class _GrpcConn(_Conn):
 
 
 def load(port, reqs, mode, rate, concurrency, seconds, max_requests, spin=False,
-         conn=_Conn):
+         conn=_Conn, lead=0.0):
     """Send requests for ``seconds`` (open loop at ``rate``/s or closed loop), bounded by
     ``max_requests`` and a hard deadline (30 s more: what is scheduled by the end is still
     sent and waited for until then); return (latencies s, failures, requests, wall).
     ``spin``: poll the sockets without sleeping (the generator takes a core), so that the
     generator's own wake-up, which on a VM can cost more than the server's whole answer
-    (``--floor``), is not counted as the server's latency.
+    (``--floor``), is not counted as the server's latency.  ``lead`` (the ``hybrid``
+    client): sleep, but spin the last ``lead`` seconds before each scheduled send (the
+    send is on time; the answers are waited for asleep, the CPU left to the server).
     A failure: an answer other than 200, a connection closed, or no answer by the hard
     deadline (requests still scheduled or in flight then)."""
     conns = [conn(port) for _ in range(concurrency)]
@@ -534,6 +537,8 @@ def load(port, reqs, mode, rate, concurrency, seconds, max_requests, spin=False,
             break
         wait = max(0.0, min(next_t - now, 0.05)) if mode == "open" and now < end else 0.05
         wait = 0.0 if spin else wait
+        if lead and mode == "open" and now < end:
+            wait = 0.0 if next_t - now <= lead else min(next_t - now - lead, 0.05)
         for key, _ in sel.select(wait):
             c = key.data
             try:
@@ -562,7 +567,8 @@ def load(port, reqs, mode, rate, concurrency, seconds, max_requests, spin=False,
     return np.array(lat), fails, issued, wall
 
 
-def load_grpc(port, reqs, mode, rate, concurrency, seconds, max_requests, spin=False):
+def load_grpc(port, reqs, mode, rate, concurrency, seconds, max_requests, spin=False,
+              lead=0.0):
     """``load`` over gRPC (grpcio's client: its own threads take the answers): the same
     open and closed loops, bounds and failures (a status other than OK, or no answer by
     the hard deadline).  ``spin``: the scheduling loop polls instead of sleeping (giving
@@ -614,7 +620,8 @@ def load_grpc(port, reqs, mode, rate, concurrency, seconds, max_requests, spin=F
                 send(next_t)
                 next_t += 1.0 / rate
             else:                         # spin: poll, but let grpcio's threads run
-                time.sleep(0.0 if spin else min(next_t - now, 0.05))
+                time.sleep(0.0 if spin or next_t - now <= lead else
+                           min(next_t - now - lead, 0.05))
     while time.perf_counter() < hard:
         with lock:
             if state["inflight"] == 0:
@@ -847,7 +854,8 @@ def main(argv=None):
                     "patch run (default 1)")
     ap.add_argument("--clients", default="spin,select", help="open-loop generators, comma "
                     "list: spin (polls its sockets, takes a core: latency without its own "
-                    "wake-up) and select (sleeps between answers); the patch run uses the first")
+                    "wake-up), select (sleeps between answers) and hybrid (sleeps, but spins "
+                    "the last LEAD s before each send); the patch run uses the first")
     ap.add_argument("--floor", type=int, default=1, help="1: first the open loop against the "
                     "HTTP layer alone (a constant answer): the floor of the latency figures")
     ap.add_argument("--http-parser", default="llhttp", choices=("llhttp", "builtin"),
@@ -866,8 +874,8 @@ def main(argv=None):
     if a.h2_cost:
         return 0 if h2_cost() else 1
     clients = [c for c in a.clients.split(",") if c]
-    if not clients or set(clients) - {"spin", "select"}:
-        ap.error(f"--clients: spin and/or select; got {a.clients!r}")
+    if not clients or set(clients) - {"spin", "select", "hybrid"}:
+        ap.error(f"--clients: spin, select and/or hybrid; got {a.clients!r}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # stop the server on the way out
     tmp = tempfile.mkdtemp(prefix="bench_serve_")
     res = {"shape": a.shape, "rows": a.rows, "runs": [], "in_process": {}}
@@ -892,7 +900,7 @@ def main(argv=None):
                 reqs = bodies(lines, insts, 1, http_proto, "ctr")
                 for client in clients:
                     out = load(port, reqs, "open", a.rate, 32, a.seconds, a.max_requests,
-                               spin=client == "spin")
+                               spin=client == "spin", lead=LEAD * (client == "hybrid"))
                     r = summary(*out, 1)
                     r.update(processes=0, protocol="floor", batch=1, mode="open", rate=a.rate,
                              client=client)
@@ -921,6 +929,7 @@ def main(argv=None):
                             out = fn(gport if proto in GRPC else port, reqs, mode, rate or 0,
                                      a.concurrency if mode == "closed" else 32, a.seconds,
                                      a.max_requests, spin=client == "spin",
+                                     lead=LEAD * (client == "hybrid"),
                                      **({"conn": _GrpcConn} if proto == "grpc" else {}))
                             cpu = cpu_seconds(proc.pid) - c0
                             r = summary(*out, b)
@@ -951,7 +960,8 @@ def main(argv=None):
                         t.start()
                     c0 = cpu_seconds(proc.pid)
                     out = load(port, reqs, "open", a.rate, 32, a.patch_seconds, a.max_requests,
-                               spin=clients[0] == "spin")
+                               spin=clients[0] == "spin",
+                               lead=LEAD * (clients[0] == "hybrid"))
                     cpu = cpu_seconds(proc.pid) - c0
                     r = summary(*out, 1)
                     stop.set()

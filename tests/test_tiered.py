@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mpips import checkpoint as ck
+from mpips.kernels.hashmap import subsequence_mask
 from mpips.tables.admission import AdmittedTable
 from mpips.tables.dense import DenseTable
 from mpips.tables.disk import IdFilter, RowStore
@@ -293,6 +294,21 @@ def test_id_filter_against_a_set(tmp_path):
     assert 10 <= store.looked_up <= 10 + 60, store.looked_up
     np.testing.assert_array_equal(store.contains(ask), found)
     store.close()
+
+
+def test_subsequence_mask_against_isin():
+    """The multi-get's found mask (``subsequence_mask``) against numpy's isin; a list of
+    found keys that is not a subsequence (out of order, or an id not asked) is caught."""
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 7, 500):
+        keys = rng.permutation(np.arange(n, dtype=np.int64) * 7919 - 3000)
+        sub = keys[rng.random(n) < 0.4]
+        out = np.empty(n, np.bool_)
+        assert subsequence_mask(keys, sub, out) == len(sub)
+        np.testing.assert_array_equal(out, np.isin(keys, sub))
+        if len(sub) > 1:
+            assert subsequence_mask(keys, sub[::-1], out) < len(sub)
+        assert subsequence_mask(keys, np.array([10**12], np.int64), out) == 0
 
 
 def map_rss(path):

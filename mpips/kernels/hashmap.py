@@ -339,3 +339,16 @@ def bloom_query(bits, keys, maybe):
                 break
             h = h >> _S9
         maybe[i] = hit
+
+
+@njit(cache=True, nogil=True)
+def subsequence_mask(keys, sub, out):
+    """``out[i]``: ``keys[i]`` is matched by ``sub``, a subsequence of ``keys`` (what a
+    multi-get returns of the keys it found, in their order); returns how many of ``sub``
+    were matched (``len(sub)`` when it is such a subsequence)."""
+    j = 0
+    for i in range(keys.shape[0]):
+        hit = j < sub.shape[0] and keys[i] == sub[j]
+        out[i] = hit
+        j += hit
+    return j

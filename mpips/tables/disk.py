@@ -43,7 +43,7 @@ from operator import itemgetter
 
 import numpy as np
 
-from mpips.kernels.hashmap import bloom_add, bloom_query
+from mpips.kernels.hashmap import bloom_add, bloom_query, subsequence_mask
 from mpips.tiering import check_dir
 
 MAP_SIZE = 1 << 40          # LMDB's address space reservation (a sparse file; not memory)
@@ -349,11 +349,12 @@ class RowStore:
             self._touch(len(part) * READ_PAGES * PAGE)
         rows = self._decode(b"".join(map(itemgetter(0), got)),
                             b"".join(map(itemgetter(1), got)), len(got))
-        found = np.zeros(len(whole), np.bool_)
-        found[maybe] = np.isin(keys, rows["keys"])
-        if not np.array_equal(whole[found], rows["keys"]):
+        hit = np.empty(len(keys), np.bool_)
+        if subsequence_mask(keys, rows["keys"], hit) != len(rows["keys"]):
             raise OSError(errno.EIO, f"{self.path}: the multi-get returned other rows than "
                           "those asked for")
+        found = np.zeros(len(whole), np.bool_)
+        found[maybe] = hit
         return found, rows
 
     def contains(self, keys):
@@ -369,7 +370,9 @@ class RowStore:
                 part = txn.cursor().getmulti(raw[sl])
                 got = b"".join(map(itemgetter(0), part))
             self._touch(len(part) * READ_PAGES * PAGE)
-            found[sl] = np.isin(sub[sl], decode_keys(got))
+            if subsequence_mask(sub[sl], decode_keys(got), found[sl]) * 8 != len(got):
+                raise OSError(errno.EIO, f"{self.path}: the multi-get returned other ids "
+                              "than those asked for")
         maybe[maybe] = found
         return maybe
 

@@ -201,10 +201,16 @@ class TieredTable:
         if k <= 0:
             return None
         if k < len(cold):
-            rank = stamps[cold]
-            if self.policy == "lfu":
-                rank = (self.cache.field("seen_count")[cold].astype(np.int64) << 32) + rank
-            cold = np.sort(cold[np.argpartition(rank, k - 1)[:k]])
+            if self.policy == "lfu":            # (in place: a full cache's ranking is
+                rank = self.cache.field("seen_count")[cold].astype(np.int64)  # 6 MB an array)
+                rank <<= 32
+                rank += stamps[cold]
+            else:
+                rank = stamps[cold]
+            pick = np.argpartition(rank, k - 1)[:k]
+            del rank
+            cold = cold[pick]
+            cold.sort()
         back = cold[self._flags[cold] != COPY]
         out = self.cache.export_rows(back) if len(back) else None
         keep = np.ones(n, np.bool_)
