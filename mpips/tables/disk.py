@@ -54,6 +54,12 @@ PAGE = 4096                 # LMDB's page
 # the map reach 5x its budget; a write copies the leaf and its parents (copy on write) and
 # takes pages from the free list, a read walks branch pages to the leaf.
 READ_PAGES, WRITE_PAGES = 2, 6
+# Pages of the map a row of a transaction may bring in (the kernel's fault-around: about
+# 24 for one row alone, 11 a row in a batch of 1,000; docs/disk-tier.md, Sizing).  A
+# transaction holds at most a quarter of the budget's worth of rows, so the map passes
+# its budget by at most that before it is dropped: with 6 pages a row, a read of 427 rows
+# at a 42 MB budget touched ~40 MB more, and the map peaked at twice its budget.
+TXN_PAGES = 16
 RESERVE_MIN = 16 << 20      # the least the data file is allocated ahead of its use
 PREFIX = "mpips-tier-"      # the store folders' names: PREFIX + tag + "-" + random
 LOCK = "owner.lock"         # held by the open store (flock), released when its process ends
@@ -223,7 +229,7 @@ class RowStore:
         self.swept = sweep(parent)          # folders of killed runs (reported by the caller)
         self.path, self._lock = _locked_folder(parent, f"{PREFIX}{tag}-")
         self.map_budget = MAP_BUDGET if map_budget is None else int(map_budget)
-        self.txn_rows = max(self.map_budget // (4 * WRITE_PAGES * PAGE), 1)
+        self.txn_rows = max(self.map_budget // (4 * TXN_PAGES * PAGE), 1)
         self.env, self._touched, self._allocated, self.reopens = None, 0, 0, 0
         self._open()
         self._fd = os.open(os.path.join(self.path, "data.mdb"), os.O_RDWR)
