@@ -7,9 +7,11 @@ state, admission counters and last-seen.  Nothing is pickled; a record that is n
 ``row_dtype.itemsize`` bytes is an error.
 
 Every operation takes or returns a batch, as the table's fields in a dict of arrays
-(``export_rows``' layout): ``get`` (one multi-get), ``write`` (rows to put and ids to
-delete, one write transaction) and ``scan`` (every row, in id order, in chunks).  The rows are converted to and from bytes by numpy
-(``view`` / ``frombuffer``); py-lmdb iterates the lists in C, never a Python loop a row.
+(``export_rows``' layout): ``get`` (multi-gets of the ids the filter of stored ids,
+``IdFilter``, may hold), ``write`` (rows to put and ids to delete, in transactions of at
+most ``txn_rows``) and ``scan`` (every row, in id order, in chunks).  The rows are
+converted to and from bytes by numpy (``view`` / ``frombuffer``); py-lmdb iterates the
+lists in C, never a Python loop a row.
 
 The store is live state only.  Its folder is made fresh by ``tempfile.mkdtemp`` inside
 the directory given (never an existing one: a folder left by another run is never read;
@@ -247,10 +249,11 @@ class RowStore:
 
     def _touch(self, nbytes):
         """After a transaction: past ``map_budget`` bytes of the map resident in this
-        process, drop them (``_unmap``; closing and reopening the environment where that
-        cannot be done): they stay in the page cache, not in this process's RSS.  The map's resident bytes are measured
-        (``mapped_bytes``: file pages resident, less those after the last opening) where
-        /proc is; else ``nbytes`` (an estimate of the pages touched) are counted."""
+        process (and the filter's bytes), drop them (``_unmap``; closing and reopening the
+        environment where that cannot be done): they stay in the page cache, not in this
+        process's RSS.  The map's resident bytes are measured (``mapped_bytes``: file pages
+        resident, less those after the last opening) where /proc is; else ``nbytes`` (an
+        estimate of the pages touched) are counted."""
         if MEASURE:
             over = mapped_bytes() - self._base + self.ids.nbytes > self.map_budget
         else:
@@ -319,12 +322,14 @@ class RowStore:
             return np.argsort(keys)
         return np.arange(len(keys))
 
-    def _decode(self, raw_keys, raw_vals, n):
+    def _decode(self, keys, raw_vals):
+        """Rows (an ``export_rows`` dict) of the ids ``keys`` and their records joined."""
+        n = len(keys)
         if len(raw_vals) != n * self.dtype.itemsize:
             raise OSError(errno.EIO, f"{self.path}: a stored row is not "
                           f"{self.dtype.itemsize} bytes (the tier's folder was changed)")
         rec = np.frombuffer(raw_vals, self.dtype, count=n)
-        out = {"keys": decode_keys(raw_keys)}
+        out = {"keys": keys}
         for f in self.dtype.names:
             out[f] = rec[f].copy()
         return out
@@ -338,49 +343,42 @@ class RowStore:
         pages one transaction touches stay within the map's budget."""
         return [slice(lo, lo + self.txn_rows) for lo in range(0, n, self.txn_rows)]
 
+    def _lookup(self, keys, values):
+        """Look up in LMDB the ids of ``keys`` the filter may have stored, in multi-gets of
+        at most ``txn_rows``: (found bool (n,), the found ids (int64, in ``keys``' order),
+        their records joined, or b"" unless ``values``)."""
+        keys = np.ascontiguousarray(keys, np.int64)
+        found = self.ids.maybe(keys) if len(keys) and self.count else \
+            np.zeros(len(keys), np.bool_)
+        if not found.any():
+            return found, keys[:0], b""
+        sub = keys[found]
+        self.looked_up += len(sub)
+        raw, got_keys, got_vals = encode_keys(sub), [], []
+        for sl in self._pieces(len(sub)):
+            with self._errors("reading"), self.env.begin(buffers=not values) as txn:
+                part = txn.cursor().getmulti(raw[sl])     # (buffers, for the keys alone:
+                got_keys.append(b"".join(map(itemgetter(0), part)))    # they live in the
+                if values:                                             # transaction; bytes
+                    got_vals.append(b"".join(map(itemgetter(1), part)))  # join faster)
+            self._touch(len(part) * READ_PAGES * PAGE)
+        ids = decode_keys(b"".join(got_keys))
+        hit = np.empty(len(sub), np.bool_)
+        if subsequence_mask(sub, ids, hit) != len(ids):
+            raise OSError(errno.EIO, f"{self.path}: the multi-get returned other rows than "
+                          "those asked for")
+        found[found] = hit
+        return found, ids, b"".join(got_vals)
+
     def get(self, keys):
         """(found bool (n,), rows of the found keys in ``keys``' order): multi-gets of at
         most ``txn_rows`` ids."""
-        keys = np.ascontiguousarray(keys, np.int64)
-        maybe = self.ids.maybe(keys) if len(keys) and self.count else np.zeros(0, np.bool_)
-        if not maybe.any():
-            return np.zeros(len(keys), np.bool_), self.empty()
-        whole, keys = keys, keys[maybe]
-        self.looked_up += len(keys)
-        raw, got = encode_keys(keys), []
-        for sl in self._pieces(len(keys)):
-            with self._errors("reading"), self.env.begin(buffers=False) as txn:
-                part = txn.cursor().getmulti(raw[sl])
-            got += part
-            self._touch(len(part) * READ_PAGES * PAGE)
-        rows = self._decode(b"".join(map(itemgetter(0), got)),
-                            b"".join(map(itemgetter(1), got)), len(got))
-        hit = np.empty(len(keys), np.bool_)
-        if subsequence_mask(keys, rows["keys"], hit) != len(rows["keys"]):
-            raise OSError(errno.EIO, f"{self.path}: the multi-get returned other rows than "
-                          "those asked for")
-        found = np.zeros(len(whole), np.bool_)
-        found[maybe] = hit
-        return found, rows
+        found, ids, vals = self._lookup(keys, True)
+        return found, (self._decode(ids, vals) if len(ids) else self.empty())
 
     def contains(self, keys):
         """Which ``keys`` are stored (bool (n,)); the rows are not decoded."""
-        keys = np.ascontiguousarray(keys, np.int64)
-        maybe = self.ids.maybe(keys) if len(keys) and self.count else np.zeros(len(keys), np.bool_)
-        if not maybe.any():
-            return maybe
-        sub = keys[maybe]
-        raw, found = encode_keys(sub), np.zeros(len(sub), np.bool_)
-        for sl in self._pieces(len(sub)):
-            with self._errors("reading"), self.env.begin(buffers=True) as txn:
-                part = txn.cursor().getmulti(raw[sl])
-                got = b"".join(map(itemgetter(0), part))
-            self._touch(len(part) * READ_PAGES * PAGE)
-            if subsequence_mask(sub[sl], decode_keys(got), found[sl]) * 8 != len(got):
-                raise OSError(errno.EIO, f"{self.path}: the multi-get returned other ids "
-                              "than those asked for")
-        maybe[maybe] = found
-        return maybe
+        return self._lookup(keys, False)[0]
 
     def write(self, put=None, delete=None, discard=None):
         """Store rows ``put`` (new or replacing; a field may be a scalar for all rows),
@@ -442,8 +440,8 @@ class RowStore:
                 return
             start = got[-1][0]
             self._touch(len(got) * (self.dtype.itemsize + 16))
-            yield self._decode(b"".join(map(itemgetter(0), got)),
-                               b"".join(map(itemgetter(1), got)), len(got))
+            yield self._decode(decode_keys(b"".join(map(itemgetter(0), got))),
+                               b"".join(map(itemgetter(1), got)))
 
     @property
     def nbytes(self):

@@ -405,7 +405,8 @@ class TieredTable:
                 "hit_ratio": self.hits / looked if looked else 1.0,
                 "tier_read_s": self.read_s, "tier_write_s": self.write_s,
                 "moved_in": self.moved_in, "moved_out": self.moved_out,
-                "written_back": self.written_back}
+                "written_back": self.written_back, "looked_up": self.store.looked_up,
+                "filter_bytes": self.store.ids.nbytes}
 
     def close(self):
         """Remove the store's folder (the tier is live state only)."""
