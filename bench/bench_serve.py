@@ -250,6 +250,11 @@ GRPC = {"grpc", "grpcio"}          # the protocols served on --grpc-port
 LEAD = 0.0005                     # the hybrid client spins this long before each send
 
 
+def client_kw(client):
+    """``load``'s arguments for an open-loop generator: spin, select or hybrid."""
+    return {"spin": client == "spin", "lead": LEAD if client == "hybrid" else 0.0}
+
+
 class _Conn:
     """One HTTP/1.1 connection, one request at a time."""
 
@@ -900,7 +905,7 @@ def main(argv=None):
                 reqs = bodies(lines, insts, 1, http_proto, "ctr")
                 for client in clients:
                     out = load(port, reqs, "open", a.rate, 32, a.seconds, a.max_requests,
-                               spin=client == "spin", lead=LEAD * (client == "hybrid"))
+                               **client_kw(client))
                     r = summary(*out, 1)
                     r.update(processes=0, protocol="floor", batch=1, mode="open", rate=a.rate,
                              client=client)
@@ -928,8 +933,7 @@ def main(argv=None):
                             fn = load_grpc if proto == "grpcio" else load
                             out = fn(gport if proto in GRPC else port, reqs, mode, rate or 0,
                                      a.concurrency if mode == "closed" else 32, a.seconds,
-                                     a.max_requests, spin=client == "spin",
-                                     lead=LEAD * (client == "hybrid"),
+                                     a.max_requests, **client_kw(client),
                                      **({"conn": _GrpcConn} if proto == "grpc" else {}))
                             cpu = cpu_seconds(proc.pid) - c0
                             r = summary(*out, b)
@@ -960,8 +964,7 @@ def main(argv=None):
                         t.start()
                     c0 = cpu_seconds(proc.pid)
                     out = load(port, reqs, "open", a.rate, 32, a.patch_seconds, a.max_requests,
-                               spin=clients[0] == "spin",
-                               lead=LEAD * (clients[0] == "hybrid"))
+                               **client_kw(clients[0]))
                     cpu = cpu_seconds(proc.pid) - c0
                     r = summary(*out, 1)
                     stop.set()
