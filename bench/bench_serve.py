@@ -61,6 +61,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
+import types  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -664,43 +665,78 @@ def floor_server(parser="llhttp"):
     asyncio.run(serve())
 
 
-def h2_cost(calls=5000, message=1500, answer=20):
-    """``--h2-cost``: CPU microseconds of python-hyper's ``h2`` (the pure-Python HTTP/2 state
-    machine) on one unary gRPC call, in process: the bytes of a recorded call (this bench's
-    prebuilt frames: HEADERS, then DATA of a ``message``-byte request) fed to a server
-    H2Connection, the answer sent back (HEADERS, DATA of ``answer`` bytes, trailers), no
-    socket and no scoring: the transport's own cost of a call, to set against grpcio's
-    runtime (docs/serving.md)."""
-    from h2.config import H2Configuration
-    from h2.connection import H2Connection
-    from h2.events import RequestReceived, StreamEnded
-    conn = H2Connection(H2Configuration(client_side=False, header_encoding=None))
-    conn.initiate_connection()
-    conn.receive_data(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _h2(4, 0, 0) + _h2(
-        8, 0, 0, (2 ** 31 - 1 - 65535).to_bytes(4, "big")))
+def wire_cost(calls=5000, message=1500, answer=20):
+    """``--wire-cost``: CPU microseconds of the HTTP/2 transport alone on one unary gRPC
+    call, in process: the bytes of recorded calls (this bench's prebuilt frames: HEADERS,
+    then DATA of a ``message``-byte request, on one connection) fed to the server side, the
+    answer sent back (HEADERS, DATA of ``answer`` bytes, trailers), no socket and no
+    scoring.  Two transports on the same bytes: mpips' ``grpc_wire.GrpcConn`` (its servicer
+    a double answering a constant) and python-hyper's ``h2`` state machine (if installed;
+    the one tried before it, docs/serving.md).  {name: us} printed and returned."""
+    from mpips.serving import grpc_wire as gw
     body = len(b"m" * message).to_bytes(5, "big") + b"m" * message
     frames = [_h2(1, 4, s, GRPC_HEADERS) + _h2(0, 1, s, body) for s in range(1, 2 * calls, 2)]
-    head = ((b":status", b"200"), (b"content-type", b"application/grpc"))
-    tail = ((b"grpc-status", b"0"), (b"model-version", b"1"))
-    out = len(b"a" * answer).to_bytes(5, "big") + b"a" * answer
-    conn.data_to_send()
+    start = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _h2(4, 0, 0) + _h2(
+        8, 0, 0, (2 ** 31 - 1 - 65535).to_bytes(4, "big"))
+    out, costs = b"a" * answer, {}
+
+    class Servicer:
+        methods = {"/inference.GRPCInferenceService/ModelInfer"}
+
+        def call(self, path, msg):
+            return out, "OK", "", "1"
+
+    class Transport:
+        def write(self, b):
+            pass
+
+        def get_extra_info(self, key):
+            return None
+
+        def is_closing(self):
+            return False
+
+    server = types.SimpleNamespace(handler=Servicer(), max_body=1 << 24, max_head=16 << 10,
+                                   conns=set(), stopping=False, wake=lambda: None)
+    conn = gw.GrpcConn(server)
+    conn.connection_made(Transport())
+    conn.data_received(start)
     t0 = time.process_time()
     for f in frames:
-        for ev in conn.receive_data(f):
-            if type(ev) is RequestReceived:
-                dict(ev.headers)
-            elif type(ev) is StreamEnded:
-                conn.send_headers(ev.stream_id, head)
-                conn.send_data(ev.stream_id, out)
-                conn.send_headers(ev.stream_id, tail, end_stream=True)
-            elif hasattr(ev, "flow_controlled_length"):
-                conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+        conn.data_received(f)
+    costs["grpc_wire"] = (time.process_time() - t0) / calls * 1e6
+    assert not conn.closing and not conn.calls
+    try:
+        from h2.config import H2Configuration
+        from h2.connection import H2Connection
+        from h2.events import RequestReceived, StreamEnded
+    except ImportError:
+        H2Connection = None
+    if H2Connection is not None:
+        conn = H2Connection(H2Configuration(client_side=False, header_encoding=None))
+        conn.initiate_connection()
+        conn.receive_data(start)
+        head = ((b":status", b"200"), (b"content-type", b"application/grpc"))
+        tail = ((b"grpc-status", b"0"), (b"model-version", b"1"))
+        out = len(out).to_bytes(5, "big") + out
         conn.data_to_send()
-    us = (time.process_time() - t0) / calls * 1e6
-    print(f"h2 {importlib.metadata.version('h2')}: {us:.0f} us of CPU a unary call "
-          f"({message}-byte request, {answer}-byte answer; {calls} calls on one "
-          f"connection)", flush=True)
-    return us
+        t0 = time.process_time()
+        for f in frames:
+            for ev in conn.receive_data(f):
+                if type(ev) is RequestReceived:
+                    dict(ev.headers)
+                elif type(ev) is StreamEnded:
+                    conn.send_headers(ev.stream_id, head)
+                    conn.send_data(ev.stream_id, out)
+                    conn.send_headers(ev.stream_id, tail, end_stream=True)
+                elif hasattr(ev, "flow_controlled_length"):
+                    conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+            conn.data_to_send()
+        costs[f"h2 {importlib.metadata.version('h2')}"] = (time.process_time() - t0) / calls * 1e6
+    print("HTTP/2 transport alone, CPU a unary call (%d-byte request, %d-byte answer; %d calls "
+          "on one connection): %s" % (message, answer, calls, ", ".join(
+              f"{k} {v:.0f} us" for k, v in costs.items())), flush=True)
+    return costs
 
 
 def _ready(proc, what, timeout=300, line=False):
@@ -866,8 +902,9 @@ def main(argv=None):
     ap.add_argument("--http-parser", default="llhttp", choices=("llhttp", "builtin"),
                     help="the server's HTTP parser (mpips.serve --http-parser)")
     ap.add_argument("--floor-server", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--h2-cost", action="store_true", help="only print h2's CPU a unary gRPC "
-                    "call, in process (h2_cost; pip install h2), and exit")
+    ap.add_argument("--wire-cost", action="store_true", help="only print the HTTP/2 "
+                    "transport's CPU a unary gRPC call, in process (wire_cost: grpc_wire, and h2 "
+                    "if installed), and exit")
     ap.add_argument("--out", default="", help="write the results as JSON")
     ap.add_argument("--roots", default=ROOT, help="source trees of the server, comma list: "
                     "each serves in turn (an A/B of two builds)")
@@ -876,8 +913,8 @@ def main(argv=None):
     HTTP_PARSER[0] = a.http_parser
     if a.floor_server:
         return floor_server(a.http_parser)
-    if a.h2_cost:
-        return 0 if h2_cost() else 1
+    if a.wire_cost:
+        return 0 if wire_cost() else 1
     clients = [c for c in a.clients.split(",") if c]
     if not clients or set(clients) - {"spin", "select", "hybrid"}:
         ap.error(f"--clients: spin, select and/or hybrid; got {a.clients!r}")

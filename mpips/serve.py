@@ -11,10 +11,9 @@ SIGTERM/SIGINT after finishing the requests in flight.  ``--processes N`` serves
 from N processes forked after the model is loaded, holding the table once, in shared
 memory (``mpips.serving.shared``); ``/metrics`` then sums over them.  ``--grpc-port P``
 also serves KServe V2 over gRPC.  Needs the ``serve`` extra (prometheus-client, httptools,
-grpcio, protobuf).
+hpack, protobuf).
 """
 import argparse
-import importlib.util
 import os
 import shutil
 import sys
@@ -35,7 +34,7 @@ def build_parser():
                    "127.0.0.1)")
     p.add_argument("--port", type=int, default=8500, help="port (0 = a free one; default 8500)")
     p.add_argument("--grpc-port", type=int, default=None, help="also serve KServe V2 over "
-                   "gRPC on this port (0 = a free one, named in the ready line; needs grpcio)")
+                   "gRPC on this port (0 = a free one, named in the ready line)")
     p.add_argument("--name", default="ctr", help="the model's name in the URLs (default ctr)")
     p.add_argument("--processes", type=int, default=1, help="server processes on the port, "
                    "sharing one table (default 1)")
@@ -105,10 +104,8 @@ def main(argv=None):
 def _run(args):
     try:
         from mpips.serving import server
-        if args.grpc_port is not None:   # (grpc itself is imported after any fork)
-            from mpips.serving.proto import kserve_v2_pb2  # noqa: F401
-            if importlib.util.find_spec("grpc") is None:
-                raise ImportError("--grpc-port needs grpcio")
+        if args.grpc_port is not None:
+            from mpips.serving import grpc_v2  # noqa: F401 - protobuf and hpack, before a fork
     except ImportError as e:
         print(f"mpips.serve: error: {e}; install the serve extra: pip install 'mpips[serve]'",
               file=sys.stderr)

@@ -1,6 +1,7 @@
 """KServe V2 over gRPC (``--grpc-port``): the Open Inference Protocol's other transport.
 
-Served by ``grpc.aio`` in the same event loop as the HTTP server, over the same scoring
+Served from the same event loop as the HTTP server (``mpips.serving.grpc_wire``: HTTP/2
+framing for unary calls; this module is the transport-free servicer), over the same scoring
 core (``mpips.serving.v2.score``), the same model reference (``Live.current``, read once
 per call: hot reload swaps it between two calls) and the same metrics.  Methods of
 ``inference.GRPCInferenceService``: ServerLive, ServerReady, ModelReady, ServerMetadata,
@@ -14,24 +15,27 @@ INVALID_ARGUMENT (NOT_FOUND for another model or version, RESOURCE_EXHAUSTED ove
 ``--max-instances``) whose details name the field, as the HTTP 4xx does.
 
 The messages are generated from ``proto/kserve_v2.proto`` (the command is in that file);
-the service is registered by hand (``grpc.method_handlers_generic_handler``).
+``GrpcV2.call(path, message)`` answers one unary call: the serialized answer, the gRPC
+status name and message, and the version.
 """
 import time
 
-import grpc
 import numpy as np
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
-from grpc import aio
 
 from mpips.serving import v2
+from mpips.serving.grpc_wire import GrpcConn
+from mpips.serving.http import HttpServer
 from mpips.serving.instances import BadInput
 from mpips.serving.predictor import LineError
 from mpips.serving.proto import kserve_v2_pb2 as pb
 
 SERVICE = "inference.GRPCInferenceService"
-STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
-          413: grpc.StatusCode.RESOURCE_EXHAUSTED}
+# gRPC status codes (grpc/doc/statuscodes.md) of the answers mpips gives
+CODES = {"OK": 0, "INVALID_ARGUMENT": 3, "NOT_FOUND": 5, "RESOURCE_EXHAUSTED": 8,
+         "UNIMPLEMENTED": 12, "INTERNAL": 13, "UNAVAILABLE": 14}
+STATUS = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED"}
 CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
             "INT32": "int_contents", "INT64": "int64_contents", "UINT8": "uint_contents",
             "UINT16": "uint_contents", "UINT32": "uint_contents", "UINT64": "uint64_contents",
@@ -71,34 +75,45 @@ def request_inputs(req):
 
 
 class GrpcV2:
-    """The servicer: ``server(host, port)`` builds the ``grpc.aio`` server."""
+    """The servicer: ``call(path, message)``; ``start``/``stop`` serve it on a port."""
 
     def __init__(self, api):
         self.api = api                      # the HTTP Api: live, name, metrics, limits
+        self.server = None
+        m = f"/{SERVICE}/"                  # path -> (metrics endpoint, method, request)
+        self.methods = {
+            m + "ServerLive": ("live", self.live, pb.ServerLiveRequest),
+            m + "ServerReady": ("ready", self.ready, pb.ServerReadyRequest),
+            m + "ModelReady": ("ready", self.model_ready, pb.ModelReadyRequest),
+            m + "ServerMetadata": ("metadata", self.server_metadata, pb.ServerMetadataRequest),
+            m + "ModelMetadata": ("metadata", self.model_metadata, pb.ModelMetadataRequest),
+            m + "ModelConfig": ("metadata", self.model_config, pb.ModelConfigRequest),
+            m + "ModelInfer": ("infer", self.infer, pb.ModelInferRequest)}
 
-    def _answer(self, endpoint, context, fn, req):
+    def call(self, path, message):
+        """(answer bytes or None, status name, status message, model version) of the unary
+        call ``path`` (``/inference.GRPCInferenceService/ModelInfer``) of the serialized
+        request ``message``; None for a method this server does not have."""
+        method = self.methods.get(path)
+        if method is None:
+            return None
+        endpoint, fn, req_cls = method
         t0 = time.perf_counter()
         serving = self.api.live.current
-        code = "OK"
+        code, text, out = "OK", "", None
         try:
-            if req is None:
-                raise BadInput(f"the request is not a valid {endpoint} message of the protocol")
-            return fn(req, serving)
+            try:
+                req = req_cls.FromString(message)
+            except DecodeError:
+                raise BadInput(f"the request is not a valid {endpoint} message of the "
+                               "protocol") from None
+            out = fn(req, serving).SerializeToString()
         except (BadInput, LineError) as e:
-            code = STATUS.get(getattr(e, "status", 400), grpc.StatusCode.INVALID_ARGUMENT)
-            context.set_code(code)
-            context.set_details(str(e))
-            code = code.name
-            return None
+            code, text = STATUS.get(getattr(e, "status", 400), "INVALID_ARGUMENT"), str(e)
         except Exception as e:  # noqa: BLE001 - a bug answers INTERNAL, the server keeps serving
-            context.set_code(grpc.StatusCode.INTERNAL)
-            context.set_details(f"internal error: {type(e).__name__}: {e}")
-            code = "INTERNAL"
-            return None
-        finally:
-            context.set_trailing_metadata((("model-version", serving.version),))
-            self.api.metrics.count("grpc_" + endpoint, code, time.perf_counter() - t0,
-                                   code != "OK")
+            code, text = "INTERNAL", f"internal error: {type(e).__name__}: {e}"
+        self.api.metrics.count("grpc_" + endpoint, code, time.perf_counter() - t0, code != "OK")
+        return out, code, text, serving.version
 
     def _check_model(self, name, version, serving):
         if name != self.api.name:
@@ -154,46 +169,19 @@ class GrpcV2:
                                                           for _, c in cols])
 
     # ------------------------------------------------------------ server
-    def handler(self):
-        def unary(endpoint, fn, req_cls, resp_cls):
-            async def call(req, context):
-                return self._answer(endpoint, context, fn, req)
-            def parse(data):              # None: answered INVALID_ARGUMENT, not INTERNAL
-                try:
-                    return req_cls.FromString(data)
-                except DecodeError:
-                    return None
-            return grpc.unary_unary_rpc_method_handler(
-                call, request_deserializer=parse,
-                response_serializer=resp_cls.SerializeToString)
-        return grpc.method_handlers_generic_handler(SERVICE, {
-            "ServerLive": unary("live", self.live, pb.ServerLiveRequest, pb.ServerLiveResponse),
-            "ServerReady": unary("ready", self.ready, pb.ServerReadyRequest,
-                                 pb.ServerReadyResponse),
-            "ModelReady": unary("ready", self.model_ready, pb.ModelReadyRequest,
-                                pb.ModelReadyResponse),
-            "ServerMetadata": unary("metadata", self.server_metadata, pb.ServerMetadataRequest,
-                                    pb.ServerMetadataResponse),
-            "ModelMetadata": unary("metadata", self.model_metadata, pb.ModelMetadataRequest,
-                                   pb.ModelMetadataResponse),
-            "ModelConfig": unary("metadata", self.model_config, pb.ModelConfigRequest,
-                                 pb.ModelConfigResponse),
-            "ModelInfer": unary("infer", self.infer, pb.ModelInferRequest,
-                                pb.ModelInferResponse)})
-
-    async def start(self, host, port, max_message, shared_port=False):
-        """Start serving on host:port (0: a free one); the port bound.  ``shared_port``:
-        other processes listen on it too (SO_REUSEPORT; the master holds it)."""
-        opts = [("grpc.so_reuseport", 1 if shared_port else 0),
-                ("grpc.max_receive_message_length", max_message),
-                ("grpc.max_send_message_length", max_message)]
-        self.server = aio.server(options=opts)
-        self.server.add_generic_rpc_handlers((self.handler(),))
-        bound = self.server.add_insecure_port(f"{host}:{port}")
-        if not bound:
-            raise OSError(f"--grpc-port {port}: cannot listen on {host}:{port}")
-        await self.server.start()
-        return bound
+    async def start(self, host, port, max_message, shared_port=False, idle_timeout=30.0):
+        """Serve on host:port (0: a free one) from the running event loop; the port bound.
+        ``shared_port``: other processes listen on it too (SO_REUSEPORT; the master holds
+        it).  ``max_message``: the largest request message (RESOURCE_EXHAUSTED over)."""
+        self.server = HttpServer(self, host, port, max_body=max_message,
+                                 idle_timeout=idle_timeout, conn_class=GrpcConn,
+                                 reuse_port=shared_port)
+        try:
+            await self.server.start()
+        except OSError as e:
+            raise OSError(f"--grpc-port {port}: cannot listen on {host}:{port} ({e})") from None
+        return self.server.port
 
     async def stop(self, grace=10.0):
+        """Stop accepting; finish the calls begun (GOAWAY, then close)."""
         await self.server.stop(grace)

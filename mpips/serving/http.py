@@ -291,16 +291,20 @@ class _LlConn(_Conn):
 class HttpServer:
     """``await start()``, then ``await stop()``; ``port`` is the bound port.  ``sock``: a
     listening socket to accept from instead of binding ``host:port`` (inherited from the
-    process that forked this one; closing it here leaves the others' copies open)."""
+    process that forked this one; closing it here leaves the others' copies open);
+    ``reuse_port``: bind ``host:port`` with SO_REUSEPORT (other processes listen on it too).
+    ``conn_class``: the protocol of a connection (default: HTTP/1.1 by ``parser``; the gRPC
+    port gives ``mpips.serving.grpc_wire.GrpcConn``, whose ``handler`` is the servicer)."""
 
     def __init__(self, handler, host="127.0.0.1", port=8500, *, max_body=16 << 20,
                  max_head=16 << 10, idle_timeout=30.0, on_refused=None, sock=None,
-                 parser="llhttp"):
+                 parser="llhttp", conn_class=None, reuse_port=False):
         if parser not in PARSERS:
             raise ValueError(f"parser must be one of {', '.join(PARSERS)}; got {parser!r}")
         if PARSERS[parser] is None:
             raise ValueError("the llhttp parser needs httptools: pip install httptools")
-        self.conn_class = PARSERS[parser]
+        self.conn_class = conn_class or PARSERS[parser]
+        self.reuse_port = reuse_port
         self.handler, self.host, self.port, self.sock = handler, host, port, sock
         self.max_body, self.max_head, self.idle_timeout = max_body, max_head, idle_timeout
         self.on_refused = on_refused
@@ -328,7 +332,7 @@ class HttpServer:
                                                  backlog=1024)
         else:
             self._srv = await loop.create_server(lambda: self.conn_class(self), self.host, self.port,
-                                                 backlog=1024)
+                                                 backlog=1024, reuse_port=self.reuse_port or None)
         self.port = self._srv.sockets[0].getsockname()[1]
         self._sweeper = loop.create_task(self._sweep())
 
