@@ -236,7 +236,7 @@ _FAST_DENSE = {"FP32": (4, "<f4"), "FP64": (8, "<f8")}
 
 
 def _fast_columns(serving, inputs, max_instances):
-    """({name: (k, tensor, array or bytes)}, rows) when the array path applies (module
+    """({name: (k, tensor, numpy dtype or bytes)}, rows) when the array path applies (module
     doc), else None: then the lines path reads the request and names what is wrong."""
     enc = serving.encoder
     if enc.kind != "tsv":
@@ -258,7 +258,7 @@ def _fast_columns(serving, inputs, max_instances):
             fmt = _FAST_DENSE.get(dtype)
             if fmt is None or dense[name] != 1 or len(raw) != b * fmt[0]:
                 return None
-            cols[name] = (k, t, np.frombuffer(raw, fmt[1]))
+            cols[name] = (k, t, fmt[1])
         elif name in sparse and dtype == "BYTES":
             cols[name] = (k, t, raw)
         else:
@@ -277,13 +277,13 @@ def _fast_score(serving, cols, n):
         norm = serving._v2_norm = criteo.make_norm(model.data.get("cont_min"),
                                                    model.data.get("cont_diff"))
     got = [cols.get(name) for name in enc.dense]
-    if all(c is not None and c[2].dtype == np.float32 for c in got):    # the usual request
+    if all(c is not None and c[2] == "<f4" for c in got):    # the usual request
         x = np.frombuffer(b"".join([c[1]["raw"] for c in got]), "<f4").reshape(len(got), n)
     else:
         x = np.full((len(got), n), np.nan)          # (D, B), NaN: not given
         for j, c in enumerate(got):
             if c is not None:
-                x[j] = c[2]
+                x[j] = np.frombuffer(c[1]["raw"], c[2])
     dense = np.empty((n, len(got)), np.float32)
     filled = np.empty(n, np.uint8)
     j, e = K.dense_columns(x, norm, dense, filled)
