@@ -24,28 +24,6 @@ def pytest_configure(config):
     import compileall
     for d in ("mpips", "data_prep", "tests"):
         compileall.compile_dir(str(ROOT / d), quiet=2)
-    if config.getoption("numprocesses", None):  # xdist: several test processes at once
-        warm_kernels()
-
-
-WARM = ["-m", "mpips.job.warmup", "--synth-rows", "2000", "--synth-test-rows", "500", "--fc", "8"]
-
-
-def warm_kernels():
-    """Compile the kernels of a default run into numba's cache, once, in the controller.
-
-    With the cache empty (a clean clone), the two xdist workers' first tests and the ranks of
-    the processes they start all compiled the same kernels on the same two cores at once
-    (~60 s each). mpips.job.warmup compiles them here first; they then load them (~3 CPU-s
-    when the cache is already warm). A failure here is not the suite's: the tests report it."""
-    import tempfile
-    with tempfile.TemporaryDirectory() as tmp:
-        r = subprocess.run([sys.executable, *WARM, "--cache-dir", tmp], capture_output=True,
-                           text=True, env=dict(os.environ, **MPI_ENV), cwd=str(ROOT),
-                           stdin=subprocess.DEVNULL, timeout=900)
-    if r.returncode != 0:
-        print(f"conftest: the numba warm-up failed (exit {r.returncode}); the tests compile "
-              f"their kernels themselves: {r.stderr.strip()[-300:]}", file=sys.stderr)
 
 
 def mpiexec_path():
