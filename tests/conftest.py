@@ -71,7 +71,10 @@ def tiny_data(tmp_path_factory):
 # processes), `-m mpi` (starts mpiexec).  A file's part is read from its text, so a new test
 # file is placed without a list to keep: a file that starts mpiexec anywhere is `mpi`, one
 # that starts other processes `e2e`, the rest `unit`.
-_SPAWNS_MPI = ("mpiexec", "mpirun", "n=2", "n=3", "n=4", "n=5", "n=6", "n=8", "srun", "sbatch")
+# ("n=n": a helper given its rank count, as tests/test_resume.py calls test_modes.train; read as
+# in-process, that 60 s file ran last and left the other worker idle)
+_SPAWNS_MPI = ("mpiexec", "mpirun", "n=2", "n=3", "n=4", "n=5", "n=6", "n=8", "n=n", "srun",
+               "sbatch")
 _SPAWNS = ("run_cmd(", "subprocess", "Popen", "os.fork", "multiprocessing")
 _PART = {}
 

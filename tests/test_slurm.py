@@ -228,15 +228,21 @@ STREAM_FLAGS = ["--fc", "32,16", "--mode", "sync", "--batch-size", "64", "--entr
                 "--shrink-every", "pass", "--shrink-threshold", "2"]
 
 
-def start_stream(slurm_env, layout, tmp_path, hours=24, **env_extra):
-    """Submit stream.sbatch running mpips on a small synthetic stream; return (job id, log,
-    env, data, ckpt, pass names) once the job has trained a pass."""
+def make_stream(data, hours):
+    """A small synthetic stream of `hours` passes of 1000 rows in `data`; its pass names."""
+    return [p["name"] for p in generate_stream(str(data), days=1, hours=hours, rows_per_pass=1000,
+                                               parts=2, seed=1)["passes"]]
+
+
+def start_stream(slurm_env, layout, tmp_path, stream=None, **env_extra):
+    """Submit stream.sbatch running mpips on a small synthetic stream (`stream`: (data, pass
+    names) to read, else 24 passes made here); return (job id, log, env, data, ckpt, pass
+    names) once the job has trained a pass."""
     env = job_env(slurm_env, **env_extra)
     if "--stream" not in module_help("mpips.train"):
         _unavailable("mpips.train has no --stream (streaming feature, issue 6)")
-    data, ckpt = tmp_path / "stream", tmp_path / "ckpt"
-    names = [p["name"] for p in generate_stream(str(data), days=1, hours=hours, rows_per_pass=1000,
-                                                parts=2, seed=1)["passes"]]
+    ckpt = tmp_path / "ckpt"
+    data, names = stream or (tmp_path / "stream", make_stream(tmp_path / "stream", 24))
     job = submit("stream.sbatch", [str(data), str(ckpt), "--stream-timeout", "0", *STREAM_FLAGS,
                                    *layout[1]], env, tmp_path, layout[0])
     log = tmp_path / f"mpips-stream-{job}.out"
@@ -265,9 +271,28 @@ def assert_every_pass_once(text, names):
         assert sum(map(int, got)) == 1000, (name, got, text)
 
 
+@pytest.fixture(scope="module")
+def stream_ref(slurm_env, tmp_path_factory):
+    """The stream requeue tests' data and yardstick, made once for both ways of stopping:
+    (data, pass names, final checkpoint state of the uninterrupted run, 2x2 outside Slurm).
+
+    8 passes (a worker-0 pass is 8 steps of >= 0.1 s, plus its save and evaluation): the stop,
+    sent once the first pass is done, lands with 7 passes (>= 10 s) still to train."""
+    from tests.test_stream import final_state
+    tmp = tmp_path_factory.mktemp("stream_ref")
+    data, ref = tmp / "stream", tmp / "ref"
+    names = make_stream(data, 8)
+    p = run([str(Path(sys.executable).parent / "mpiexec"), "-n", "4", sys.executable, "-m",
+             "mpips.train", "--stream", str(data), "--save-dir", str(ref), "--stream-timeout",
+             "0", "--servers", "2", *STREAM_FLAGS],
+            dict(os.environ, **MPI_ENV), timeout=300, cwd=str(ROOT))
+    assert p.returncode == 0, p.stderr[-2000:]
+    return data, names, final_state(ref)
+
+
 @pytest.mark.parametrize("how", ["time-limit", "scontrol-requeue"])
 def test_stream_job_stopped_mid_pass_and_requeued_trains_every_example_once(
-        slurm_env, layout, tmp_path, how):
+        slurm_env, layout, tmp_path, stream_ref, how):
     """mpips itself (not a stand-in), sync: stopped inside a pass by what Slurm does before
     the time limit (SIGUSR1 to the script, which stops the step and requeues the job) or by
     `scontrol requeue` (SIGTERM, Slurm requeues): a checkpoint of the position in the pass,
@@ -275,8 +300,9 @@ def test_stream_job_stopped_mid_pass_and_requeued_trains_every_example_once(
     the final checkpoint equals the uninterrupted run's (2 servers x 2 workers), every array."""
     from tests.test_stream import final_state
     # worker 0 sleeps 0.1 s a step (8 steps a pass), so that the stop surely comes mid-pass
-    job, log, env, data, ckpt, names = start_stream(slurm_env, layout, tmp_path,
-                                                    MPIPS_DEBUG_SLOW_WORKER="0:0.1")
+    data, names, (name_r, want) = stream_ref
+    job, log, env, _, ckpt, _ = start_stream(slurm_env, layout, tmp_path, (data, names),
+                                             MPIPS_DEBUG_SLOW_WORKER="0:0.1")
     if how == "time-limit":
         cmd = ["scancel", "--batch", "--signal=USR1", job]
     else:
@@ -297,13 +323,6 @@ def test_stream_job_stopped_mid_pass_and_requeued_trains_every_example_once(
     assert re.search(r"^RESUME --> \S+ \(pass \S+, \d+ batches done: stopped inside it",
                      second, re.M), text
     assert_every_pass_once(text, names)
-    ref = tmp_path / "ref"                     # the uninterrupted run, 2x2 outside Slurm
-    p = run([str(Path(sys.executable).parent / "mpiexec"), "-n", "4", sys.executable, "-m",
-             "mpips.train", "--stream", str(data), "--save-dir", str(ref), "--stream-timeout",
-             "0", "--servers", "2", *STREAM_FLAGS],
-            dict(os.environ, **MPI_ENV), timeout=300, cwd=str(ROOT))
-    assert p.returncode == 0, p.stderr[-2000:]
-    name_r, want = final_state(ref)
     name, got = final_state(ckpt)
     assert name == name_r == names[-1] and sorted(got) == sorted(want)
     for k, v in want.items():
