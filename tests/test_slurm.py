@@ -244,7 +244,7 @@ def start_stream(slurm_env, layout, tmp_path, stream=None, **env_extra):
     ckpt = tmp_path / "ckpt"
     data, names = stream or (tmp_path / "stream", make_stream(tmp_path / "stream", 24))
     job = submit("stream.sbatch", [str(data), str(ckpt), "--stream-timeout", "0", *STREAM_FLAGS,
-                                   *layout[1]], env, tmp_path, layout[0])
+                                   "--print-every", "1", *layout[1]], env, tmp_path, layout[0])
     log = tmp_path / f"mpips-stream-{job}.out"
     wait_until(job, env, lambda i: i["JobState"] in FINAL or
                (log.exists() and "PASS " in log.read_text()), "training a pass", log)
@@ -299,10 +299,18 @@ def test_stream_job_stopped_mid_pass_and_requeued_trains_every_example_once(
     exit 75; the next run finishes that pass and the rest.  Every example trained once, and
     the final checkpoint equals the uninterrupted run's (2 servers x 2 workers), every array."""
     from tests.test_stream import final_state
-    # worker 0 sleeps 0.1 s a step (8 steps a pass), so that the stop surely comes mid-pass
+    # worker 0 sleeps 0.3 s a step (8 steps a pass) and the stop is sent once the log shows
+    # a batch of the second pass (a TRAIN line a batch): >= 2.1 s of that pass are left for
+    # the signal's way through Slurm, so it lands inside a pass, not between two (sent at
+    # the first PASS line, with 0.1 s a step, it met the next pass before its first batch
+    # in 2 of 4 runs under load)
     data, names, (name_r, want) = stream_ref
     job, log, env, _, ckpt, _ = start_stream(slurm_env, layout, tmp_path, (data, names),
-                                             MPIPS_DEBUG_SLOW_WORKER="0:0.1")
+                                             MPIPS_DEBUG_SLOW_WORKER="0:0.3")
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not re.search(r"^PASS .*?^TRAIN --> ", log.read_text(), re.M | re.S):
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)                  # polling the log, bounded by the deadline
     if how == "time-limit":
         cmd = ["scancel", "--batch", "--signal=USR1", job]
     else:
