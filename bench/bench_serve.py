@@ -785,7 +785,9 @@ def start(folder, processes, name, grpc=False, root=ROOT):
         [sys.executable, "-m", "mpips.serve", "--follow", folder, "--port", "0", "--processes",
          str(processes), "--name", name, "--poll-seconds", "0.1", "--max-instances", "100000",
          "--http-parser", HTTP_PARSER[0]] + (["--grpc-port", "0"] if grpc else []),
-        stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT), "server", line=True)
+        stdout=subprocess.PIPE, text=True, env=env, cwd=root), "server", line=True)
+    # (cwd=root: ``python -m`` puts its working directory ahead of PYTHONPATH; with cwd=ROOT
+    # every --roots tree served ROOT's code)
     return proc, port, (int(line.split(" grpc 127.0.0.1:")[1].split()[0]) if grpc else None)
 
 

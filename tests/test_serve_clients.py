@@ -462,3 +462,55 @@ def test_builtin_parser_still_serves(model):
         assert np.array_equal(np.array(body.decode().split(), np.float32), model["ref"][:BATCH])
     finally:
         assert srv.stop() == 0
+
+
+def test_grpc_layout_seen_before_scores_and_checks_as_the_first(model):
+    """In process (``GrpcV2.call``): ModelInfer requests of one layout (the same names,
+    types, shapes and outputs: after the first, a layout already checked, ``Layout``) score
+    equal ``Predictor`` batch by batch and echo their ids; one of that layout whose dense
+    tensor has a byte too few, or whose BYTES run past the end, is refused with the same
+    status and message as when it comes first (before its layout is known); at most
+    ``LAYOUTS`` layouts are kept."""
+    from mpips.serving.api import Api, Metrics
+    from mpips.serving.grpc_v2 import LAYOUTS, GrpcV2
+    from mpips.serving.live import Live
+    from mpips.serving.proto import kserve_v2_pb2 as pb
+    path = "/inference.GRPCInferenceService/ModelInfer"
+
+    def servicer():
+        live = Live(model["bundle"], None, None, lambda s: None)
+        return GrpcV2(Api(live, "ctr", Metrics(live), 500))
+
+    def request(part, rid, cut=None, bad_bytes=False):
+        inputs = []
+        for name, col in columns(part):
+            if col.dtype == np.float32:
+                raw = col.astype("<f4").tobytes()
+                inputs.append((name, "FP32", [len(col)], raw[:cut] if name == "I3" else raw))
+            else:
+                raw = blob(list(col))
+                inputs.append((name, "BYTES", [len(col)], raw + b"\x09\x00\x00\x00xy"
+                               if bad_bytes and name == "C2" else raw))
+        msg = pb.ModelInferRequest.FromString(raw_request(inputs))
+        msg.id = rid
+        return msg.SerializeToString()
+
+    rpc = servicer()
+    parts = batches(model)
+    got = []
+    for j, part in enumerate(parts + parts):          # every batch twice: hits after the first
+        out, code, text, version = rpc.call(path, request(part, f"r{j}"))
+        resp = pb.ModelInferResponse.FromString(out)
+        assert code == "OK" and resp.id == f"r{j}" and version == VERSION
+        got.append(np.frombuffer(resp.raw_output_contents[0], "<f4"))
+    assert np.array_equal(np.concatenate(got), np.concatenate([model["ref"]] * 2))
+    layouts = rpc.api.live.current._grpc_layouts
+    assert len(layouts) == 1                           # the batches share one layout
+    for kw in ({"cut": -1}, {"bad_bytes": True}):       # as a first request, then as a hit
+        first = servicer().call(path, request(parts[0], "x", **kw))
+        later = rpc.call(path, request(parts[0], "x", **kw))
+        assert first[0] is None and first[1] == "INVALID_ARGUMENT" and first[1:] == later[1:]
+        assert ("(I3)" if "cut" in kw else "(C2)") in first[2], first
+    for rows in range(1, LAYOUTS + 10):                # a new layout each (rows): bounded
+        assert rpc.call(path, request(model["lines"][:rows], "n"))[1] == "OK"
+    assert len(layouts) == LAYOUTS

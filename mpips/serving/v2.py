@@ -235,7 +235,7 @@ def _as_json(t, k, max_instances):
 _FAST_DENSE = {"FP32": (4, "<f4"), "FP64": (8, "<f8")}
 
 
-def _fast_columns(serving, inputs, max_instances):
+def fast_columns(serving, inputs, max_instances):
     """({name: (k, tensor, numpy dtype or bytes)}, rows) when the array path applies (module
     doc), else None: then the lines path reads the request and names what is wrong."""
     enc = serving.encoder
@@ -268,7 +268,7 @@ def _fast_columns(serving, inputs, max_instances):
     return cols, n
 
 
-def _fast_score(serving, cols, n):
+def fast_score(serving, cols, n):
     enc, model = serving.encoder, serving.model
     if not n:
         return np.empty(0, np.float32)
@@ -318,9 +318,9 @@ def _fast_score(serving, cols, n):
 def score(serving, inputs, max_instances):
     """Scores (n,) float32 — (n, T) with T tasks — of V2 input tensors (dicts: module doc)
     by ``serving``."""
-    fast = _fast_columns(serving, inputs, max_instances)
+    fast = fast_columns(serving, inputs, max_instances)
     if fast is not None:
-        return _fast_score(serving, *fast)
+        return fast_score(serving, *fast)
     tensors = []
     for k, t in enumerate(inputs):
         if isinstance(t, dict) and "raw" in t:
