@@ -73,6 +73,7 @@ from mpips.data.criteo import make_norm  # noqa: E402
 from mpips.schema import load_schema, Schema  # noqa: E402
 from mpips.serving import Predictor  # noqa: E402
 from mpips.data import parsers  # noqa: E402
+from mpips.serving.grpc_wire import PREFACE, frame as _h2  # noqa: E402
 from mpips.serving.predictor import line_parser, parse_lines  # noqa: E402
 from tests import serve_models as sm  # noqa: E402
 
@@ -286,11 +287,6 @@ class _Conn:
             self.buf = self.buf[i + 4 + n:]
 
 
-def _h2(kind, flags, stream, payload=b""):
-    return (len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big")
-            + payload)
-
-
 def _hs(b):                                     # an HPACK string: raw, under 127 bytes
     return bytes((len(b),)) + b
 
@@ -377,7 +373,7 @@ class _GrpcConn(_Conn):
         super().__init__(port)
         self.sid, self.win, self.swin, self.init_win, self.max_frame = -1, 65535, 0, 65535, 16384
         self.got, self.last, self.hpack = None, b"", _Hpack()
-        self._sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" +   # receive window: 2^31-1
+        self._sendall(PREFACE +   # receive window: 2^31-1
                           _h2(4, 0, 0, (4).to_bytes(2, "big") + (2 ** 31 - 1).to_bytes(4, "big")) +
                           _h2(8, 0, 0, (2 ** 31 - 1 - 65535).to_bytes(4, "big")))
 
@@ -676,7 +672,7 @@ def wire_cost(calls=5000, message=1500, answer=20):
     from mpips.serving import grpc_wire as gw
     body = len(b"m" * message).to_bytes(5, "big") + b"m" * message
     frames = [_h2(1, 4, s, GRPC_HEADERS) + _h2(0, 1, s, body) for s in range(1, 2 * calls, 2)]
-    start = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _h2(4, 0, 0) + _h2(
+    start = PREFACE + _h2(4, 0, 0) + _h2(
         8, 0, 0, (2 ** 31 - 1 - 65535).to_bytes(4, "big"))
     out, costs = b"a" * answer, {}
 

@@ -276,8 +276,9 @@ def stream_ref(slurm_env, tmp_path_factory):
     """The stream requeue tests' data and yardstick, made once for both ways of stopping:
     (data, pass names, final checkpoint state of the uninterrupted run, 2x2 outside Slurm).
 
-    8 passes (a worker-0 pass is 8 steps of >= 0.1 s, plus its save and evaluation): the stop,
-    sent once the first pass is done, lands with 7 passes (>= 10 s) still to train."""
+    8 passes (in the tests, a worker-0 pass is 8 steps of >= 0.3 s, plus its save and
+    evaluation): the stop, sent once a batch of the second pass shows, lands with that
+    pass's last 7 steps and 6 more passes (>= 16 s) still to train."""
     from tests.test_stream import final_state
     tmp = tmp_path_factory.mktemp("stream_ref")
     data, ref = tmp / "stream", tmp / "ref"

@@ -32,9 +32,7 @@ from mpips.serving.predictor import LineError
 from mpips.serving.proto import kserve_v2_pb2 as pb
 
 SERVICE = "inference.GRPCInferenceService"
-# gRPC status codes (grpc/doc/statuscodes.md) of the answers mpips gives
-CODES = {"OK": 0, "INVALID_ARGUMENT": 3, "NOT_FOUND": 5, "RESOURCE_EXHAUSTED": 8,
-         "UNIMPLEMENTED": 12, "INTERNAL": 13, "UNAVAILABLE": 14}
+# an HTTP-style error's status -> the gRPC status's name (grpc_wire.CODES: its number)
 STATUS = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED"}
 CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
             "INT32": "int_contents", "INT64": "int64_contents", "UINT8": "uint_contents",

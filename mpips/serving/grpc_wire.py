@@ -24,12 +24,12 @@ Our header blocks are written without the dynamic table or Huffman coding (const
 three literals); PRIORITY and unknown frame types are ignored, as RFC 9113 allows.
 ``grpc-timeout`` is not enforced: a call is answered as soon as it is whole, in one pass.
 """
-import asyncio
-import socket
 import time
 from urllib.parse import quote
 
 from hpack import Decoder, HPACKError
+
+from mpips.serving.http import ServerConn
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 (DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE,
@@ -107,14 +107,14 @@ class _Broken(Exception):
         self.code = code
 
 
-class GrpcConn(asyncio.Protocol):
+class GrpcConn(ServerConn):
     """One HTTP/2 connection of unary gRPC calls; ``server`` is the ``HttpServer`` that
     accepted it (``handler``: the servicer, with ``methods`` and ``call(path, message)``;
     ``max_body``: the largest message; ``max_head``: the largest header block)."""
 
     def __init__(self, server):
-        self.server, self.transport = server, None
-        self.buf, self.out = bytearray(), []    # bytes not yet read; frames not yet written
+        super().__init__(server)                # (buf: the bytes not yet read)
+        self.out = []                           # frames not yet written
         self.started = False                    # the client's preface read
         self.hpack = Decoder()
         self.hpack.max_header_list_size = server.max_head
@@ -123,31 +123,20 @@ class GrpcConn(asyncio.Protocol):
         self.last_sid = 0                        # the highest stream the client opened
         self.window, self.unacked = 65535, 0     # connection: what we may send; read unacked
         self.initial, self.frame_max = 65535, 16384   # the client's SETTINGS
-        self.closing = False
-        self.last = time.monotonic()
 
     @property
     def busy(self):
         return bool(self.calls)
 
     def connection_made(self, transport):
-        self.transport = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
-        self.server.conns.add(self)
+        super().connection_made(transport)
         transport.write(frame(SETTINGS, 0, 0, (3).to_bytes(2, "big") + STREAMS.to_bytes(4, "big")
                               + (4).to_bytes(2, "big") + WINDOW.to_bytes(4, "big"))
                         + frame(WINDOW_UPDATE, 0, 0, (WINDOW - 65535).to_bytes(4, "big")))
 
     def connection_lost(self, exc):
-        self.server.conns.discard(self)
-        self.closing = True
         self.calls.clear()
-        self.server.wake()
+        super().connection_lost(exc)
 
     # ------------------------------------------------------------ bytes in
     def data_received(self, data):

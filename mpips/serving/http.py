@@ -69,10 +69,13 @@ def encode(resp, close):
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + resp.body
 
 
-class _Conn(asyncio.Protocol):
+class ServerConn(asyncio.Protocol):
+    """What ``HttpServer`` needs of a connection, whatever its protocol: registered in
+    ``server.conns`` while open (the idle sweep and the graceful stop read ``busy``,
+    ``last`` and call ``_fail``/``_close``), TCP_NODELAY, the stop woken when it ends."""
+
     def __init__(self, server):
         self.server, self.buf, self.transport = server, bytearray(), None
-        self.head = None          # (method, target, headers, length, keep) of a request begun
         self.closing = False
         self.last = time.monotonic()
 
@@ -90,6 +93,12 @@ class _Conn(asyncio.Protocol):
         self.server.conns.discard(self)
         self.closing = True
         self.server.wake()
+
+
+class _Conn(ServerConn):
+    def __init__(self, server):
+        super().__init__(server)
+        self.head = None          # (method, target, headers, length, keep) of a request begun
 
     @property
     def busy(self):

@@ -41,7 +41,7 @@ async def _serve(args, live, child, log):
                      sock=child.sock if child else None, parser=args.http_parser)
     await srv.start()
     rpc = None
-    if args.grpc_port is not None:        # (imported here: h2 only with --grpc-port)
+    if args.grpc_port is not None:        # (imported here: hpack only with --grpc-port)
         from mpips.serving.grpc_v2 import GrpcV2
         rpc = GrpcV2(api)
         args.grpc_port = await rpc.start(args.host, args.grpc_port, args.max_body_bytes,
